@@ -1,0 +1,1 @@
+"""Contracts only: config models, SequenceSample, engine ABCs and registries. Imports nothing of realcore."""

@@ -1,0 +1,179 @@
+"""Typed experiment configuration (pydantic v2). Unknown keys are rejected everywhere.
+
+Hydra composes YAML from `experiments/` in `realcore/launch`; everything else receives these objects.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TinyModelConfig(_Strict):
+    """Shape of the random tiny model built in code (tests only)."""
+
+    family: Literal["qwen2", "llama"] = "qwen2"
+    hidden_size: int = Field(64, gt=0)
+    intermediate_size: int = Field(128, gt=0)
+    num_hidden_layers: int = Field(2, gt=0)
+    num_attention_heads: int = Field(4, gt=0)
+    num_key_value_heads: int = Field(2, gt=0)
+    vocab_size: int = Field(512, ge=64, description="target vocab of the tokenizer trained in code")
+
+
+class ModelConfig(_Strict):
+    """Which weights every model role starts from."""
+
+    name: str = Field("tiny", description="'tiny', 'smollm2-135m', or a label for `path`")
+    path: str | None = Field(None, description="any HF model directory; overrides `name`")
+    tiny: TinyModelConfig = TinyModelConfig()
+    use_chat_template: bool = Field(False, description="wrap prompts with the tokenizer's chat template")
+    cache_dir: str = Field("~/.cache/realcore", description="where converted models are cached")
+
+
+class OptimizerConfig(_Strict):
+    """AdamW with linear warm-up then cosine (or constant) decay."""
+
+    lr: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    lr_scheduler: Literal["cosine", "constant"] = "cosine"
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    max_grad_norm: float = Field(1.0, gt=0)
+
+
+class RoleConfig(_Strict):
+    """A model role (actor, ref): its backend and, if trainable, its optimizer."""
+
+    backend: Literal["torch", "megatron"] = "torch"
+    trainable: bool = False
+    optimizer: OptimizerConfig = OptimizerConfig()
+    max_tokens_per_mb: int = Field(4096, gt=0, description="token budget of one micro-batch")
+    gradient_checkpointing: bool = False
+
+
+class DatasetConfig(_Strict):
+    """Prompts and reference answers. `type` names a registered dataset."""
+
+    type: str = Field("tiny-arith", description="tiny-arith | jsonl | reasoning-gym | a registered name")
+    path: str | None = Field(None, description="jsonl file with `question` and `answer` (type=jsonl)")
+    task: str = Field("basic_arithmetic", description="reasoning-gym task name (type=reasoning-gym)")
+    task_kwargs: dict[str, Any] = Field(default_factory=dict, description="reasoning-gym task options")
+    size: int = Field(256, gt=0, description="number of generated problems (generated datasets)")
+    seed: int = 1
+    format: Literal["rl", "sft"] = Field("rl", description="rl: prompt_ids + answer; sft: input_ids + loss_mask")
+    prompt_template: str = Field("Question: {question}\nAnswer:", description="`{question}` is replaced")
+    max_prompt_len: int = Field(256, gt=0, description="longer prompts are skipped and counted")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="passed to a user-registered dataset")
+
+
+class GenerationConfig(_Strict):
+    """Sampling for the `generate` MFC."""
+
+    n_samples: int = Field(4, gt=0, description="sequences per prompt (the GRPO group)")
+    max_new_tokens: int = Field(32, gt=0)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0, description="0 disables top-k")
+    greedy: bool = False
+    stop_token_ids: list[int] = Field(default_factory=list, description="in addition to the EOS token")
+    max_batch_size: int = Field(64, gt=0, description="prompts decoded together")
+
+
+class PPOConfig(_Strict):
+    """Clipped PPO / GRPO hyperparameters (names follow the papers)."""
+
+    eps_clip: float = Field(0.2, gt=0)
+    c_clip: float | None = Field(None, gt=1, description="dual-clip constant (Ye et al. 2020); None disables")
+    kl_coef: float = Field(0.0, ge=0, description="weight of KL(actor || ref) in the loss")
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    adv_norm: Literal["group", "batch", "none"] = "group"
+    adv_eps: float = Field(1e-6, gt=0)
+    ppo_n_minibatches: int = Field(1, gt=0)
+    ppo_epochs: int = Field(1, gt=0)
+
+
+class RewardConfig(_Strict):
+    """The `reward` MFC's scoring function."""
+
+    type: str = Field("math", description="a registered reward: fn(response_text, answer_text) -> float")
+
+
+class TrainerConfig(_Strict):
+    total_steps: int = Field(10, gt=0)
+    batch_size: int = Field(8, gt=0, description="prompts per step")
+    save_freq_steps: int | None = Field(None, gt=0, description="None: save at the last step only")
+
+
+class MFCConfig(_Strict):
+    """One node of the dataflow graph."""
+
+    name: str
+    type: str = Field(description="a registered MFC implementation")
+    model: str | None = Field(None, description="model role; None for model-free MFCs (reward)")
+    inputs: list[str] = Field(default_factory=list)
+    outputs: list[str] = Field(default_factory=list)
+    input_remap: dict[str, str] = Field(default_factory=dict, description="buffer key -> name the MFC reads")
+    output_remap: dict[str, str] = Field(default_factory=dict, description="name the MFC writes -> buffer key")
+    n_seqs: int | None = Field(None, gt=0, description="samples per call; default trainer.batch_size")
+    max_tokens_per_mb: int | None = Field(None, gt=0)
+
+
+class NameResolveConfig(_Strict):
+    type: Literal["fs"] = "fs"
+    root: str = "/tmp/realcore/name_resolve"
+
+
+class SystemConfig(_Strict):
+    """Process, wire and deadline settings."""
+
+    threads_per_process: int = Field(1, gt=0, description="torch/OMP threads per process on CPU")
+    host: str = Field("127.0.0.1", description="address workers bind and publish")
+    heartbeat_interval_s: float = Field(1.0, gt=0)
+    heartbeat_timeout_s: float = Field(30.0, gt=0, description="a worker silent this long is lost")
+    startup_timeout_s: float = Field(300.0, gt=0, description="deadline for workers to register and configure")
+    request_timeout_s: float = Field(1800.0, gt=0, description="deadline for one MFC call")
+    shutdown_timeout_s: float = Field(10.0, gt=0, description="grace before SIGKILL at exit")
+    name_resolve: NameResolveConfig = NameResolveConfig()
+
+
+class ExperimentConfig(_Strict):
+    experiment_name: str
+    trial_name: str = "trial0"
+    output_dir: str
+    seed: int = 1
+    mode: Literal["sync"] = "sync"
+    scheduler: Literal["local"] = "local"
+    allocation_mode: str = Field("d2p1t1", description="AReaL form, e.g. d2p1t1")
+    imports: list[str] = Field(default_factory=list, description="user modules loaded before the graph is built")
+    model: ModelConfig = ModelConfig()
+    dataset: DatasetConfig = DatasetConfig()
+    actor: RoleConfig = RoleConfig(trainable=True)
+    ref: RoleConfig | None = None
+    generation: GenerationConfig = GenerationConfig()
+    ppo: PPOConfig = PPOConfig()
+    reward: RewardConfig = RewardConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    mfcs: list[MFCConfig] = Field(default_factory=list)
+    system: SystemConfig = SystemConfig()
+
+    @model_validator(mode="after")
+    def _check(self) -> "ExperimentConfig":
+        if not self.mfcs:
+            raise ValueError("mfcs: an experiment declares at least one MFC")
+        return self
+
+    def roles(self) -> dict[str, RoleConfig]:
+        """Model roles declared by this experiment."""
+        out = {"actor": self.actor}
+        if self.ref is not None:
+            out["ref"] = self.ref
+        return out

@@ -1,0 +1,66 @@
+"""SequenceSample: the unit of data that MFCs read and write.
+
+A *sample* is one buffer entry (one prompt). Each key of a sample holds a list of 1-D tensors, one
+per sequence (a generated group has `n_samples` sequences; a prompt has one). Per-token keys have
+the length of their sequence; per-sequence scalars are 1-element tensors; text is a uint8 tensor of
+UTF-8 bytes (see `text_to_tensor`).
+
+Token alignment convention (all per-token keys): for a sequence x of length L,
+`logprobs[t] = log p(x[t] | x[:t])` for t >= 1 and `logprobs[0] = 0`; `loss_mask[t] = 1` on the
+generated (response) tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+Sample = dict[str, list[torch.Tensor]]
+
+
+@dataclass
+class SequenceSample:
+    ids: list[int]
+    samples: list[Sample] = field(default_factory=list)
+
+    def __post_init__(self):
+        if len(self.ids) != len(self.samples):
+            raise ValueError(f"SequenceSample: {len(self.ids)} ids but {len(self.samples)} samples")
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def keys(self) -> set[str]:
+        return set().union(*(s.keys() for s in self.samples)) if self.samples else set()
+
+    def flat(self, key: str) -> list[torch.Tensor]:
+        """All sequences of `key`, sample after sample."""
+        return [t for s in self.samples for t in s[key]]
+
+    def group_sizes(self, key: str) -> list[int]:
+        return [len(s[key]) for s in self.samples]
+
+    def seqlens(self, key: str) -> list[list[int]]:
+        return [[int(t.numel()) for t in s[key]] for s in self.samples]
+
+    @staticmethod
+    def from_flat(ids: list[int], group_sizes: list[int], data: dict[str, list[torch.Tensor]]) -> "SequenceSample":
+        """Inverse of `flat`: cut flat per-sequence lists back into samples of `group_sizes`."""
+        samples: list[Sample] = [{} for _ in ids]
+        for key, seqs in data.items():
+            if len(seqs) != sum(group_sizes):
+                raise ValueError(f"key {key!r}: {len(seqs)} sequences for groups {group_sizes}")
+            pos = 0
+            for s, g in zip(samples, group_sizes):
+                s[key] = list(seqs[pos : pos + g])
+                pos += g
+        return SequenceSample(list(ids), samples)
+
+
+def text_to_tensor(text: str) -> torch.Tensor:
+    return torch.tensor(list(text.encode("utf-8")), dtype=torch.uint8)
+
+
+def tensor_to_text(t: torch.Tensor) -> str:
+    return bytes(t.to(torch.uint8).tolist()).decode("utf-8", errors="replace")

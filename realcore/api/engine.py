@@ -1,0 +1,61 @@
+"""The contract between MFCs and model backends (torch now, Megatron-core later).
+
+The engine knows nothing of PPO: losses are passed in (AReaL-lite's `train_batch`).
+Sequences are lists of 1-D tensors; per-token keys follow the alignment in `realcore.api.data`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+# loss_fn(logprobs, entropy, data) -> (loss, stats)
+#   logprobs, entropy: (n_tokens,) for the packed micro-batch, aligned with data["input_ids"]
+#   data: every per-token key of the micro-batch, packed (concatenated) into (n_tokens,) tensors
+#   loss: scalar, the mean over this micro-batch's loss tokens; stats: name -> scalar tensor (means)
+LossFn = Callable[[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+# loss_weight_fn(data) -> number of loss tokens in the micro-batch (the weight of its mean)
+LossWeightFn = Callable[[dict[str, torch.Tensor]], float]
+
+
+@dataclass
+class GenerationResult:
+    output_ids: list[int]
+    output_logprobs: list[float]  # log p of each generated token (temperature-scaled logits)
+    finish_reason: str  # "stop" | "length" | "abort"
+
+
+class Engine(ABC):
+    """A model role held by one model worker (one data-parallel rank of its mesh)."""
+
+    tokenizer: Any
+    version: int = 0  # completed optimizer updates
+
+    @abstractmethod
+    def logprobs(self, input_ids: list[torch.Tensor], temperature: float = 1.0) -> list[torch.Tensor]:
+        """Per-token log-probs of each sequence (float32, same length; position 0 is 0)."""
+
+    @abstractmethod
+    def train_batch(
+        self,
+        data: dict[str, list[torch.Tensor]],
+        loss_fn: LossFn,
+        loss_weight_fn: LossWeightFn,
+        *,
+        n_minibatches: int = 1,
+        temperature: float = 1.0,
+    ) -> dict[str, float]:
+        """One optimizer step per minibatch over `data` (must hold `input_ids`; all keys per-token).
+        Losses are token-weighted across micro-batches and data-parallel ranks. Returns averaged
+        stats plus `grad_norm` and `lr`."""
+
+    @abstractmethod
+    def generate(self, prompts: list[list[int]], gconfig: Any) -> list[GenerationResult]:
+        """Sample one continuation per prompt (the caller repeats prompts for groups)."""
+
+    @abstractmethod
+    def save_hf(self, path: str) -> None:
+        """Save weights and tokenizer in HF format (safetensors), loadable by transformers as is."""

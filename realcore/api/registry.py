@@ -1,0 +1,73 @@
+"""Registries at the user extension points: MFCs, rewards, datasets, agents, environments.
+
+A user module listed in the experiment's `imports:` registers its own entries with these decorators;
+the graph is built after those imports, so YAML can name them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+_REGISTRIES: dict[str, dict[str, Any]] = {"mfc": {}, "reward": {}, "dataset": {}, "agent": {}, "env": {}}
+
+
+def _register(kind: str, name: str, obj: Any) -> Any:
+    reg = _REGISTRIES[kind]
+    if name in reg and reg[name] is not obj:
+        raise ValueError(f"{kind} {name!r} is registered twice ({reg[name]!r} and {obj!r})")
+    reg[name] = obj
+    return obj
+
+
+def lookup(kind: str, name: str) -> Any:
+    reg = _REGISTRIES[kind]
+    if name not in reg:
+        raise KeyError(f"unknown {kind} {name!r}; registered: {sorted(reg)}")
+    return reg[name]
+
+
+def registered(kind: str) -> list[str]:
+    return sorted(_REGISTRIES[kind])
+
+
+def register_mfc(name: str) -> Callable:
+    """Class decorator. The class has `__init__(self, cfg: ExperimentConfig, mfc: MFCConfig)` and
+    `run(self, model, batch: SequenceSample) -> SequenceSample | dict[str, float] | (SequenceSample, dict)`.
+    `model` is the role's Engine; for a model-free MFC it only has `.tokenizer` (the actor's).
+    `batch` holds the MFC's inputs under the names it reads (after `input_remap`); it returns its
+    declared outputs under the names it writes. Class attributes: `needs_model` (bool), `trains`
+    (bool: a call updates the policy); optional classmethod `check_config(cfg, mfc)` raising
+    ValueError, called when the graph is built."""
+    return lambda cls: _register("mfc", name, cls)
+
+
+def register_reward(name: str) -> Callable:
+    """Function decorator: `fn(response_text: str, answer_text: str) -> float`."""
+    return lambda fn: _register("reward", name, fn)
+
+
+def register_dataset(name: str, keys: tuple[str, ...] | Callable[[Any], tuple[str, ...]]) -> Callable:
+    """Function decorator: `fn(cfg: DatasetConfig, tokenizer, *, rank, world, use_chat_template) -> LoadedDataset`
+    (see realcore.data.datasets).
+    `keys` declares the buffer keys its samples carry (or a function of the DatasetConfig), so the
+    graph can check every MFC input has a producer."""
+
+    def deco(fn: Callable) -> Callable:
+        fn.dataset_keys = keys
+        return _register("dataset", name, fn)
+
+    return deco
+
+
+def dataset_keys(cfg: Any) -> tuple[str, ...]:
+    fn = lookup("dataset", cfg.type)
+    keys = fn.dataset_keys
+    return tuple(keys(cfg) if callable(keys) else keys)
+
+
+def register_agent(name: str) -> Callable:
+    return lambda obj: _register("agent", name, obj)
+
+
+def register_env(name: str) -> Callable:
+    return lambda obj: _register("env", name, obj)

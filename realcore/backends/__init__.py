@@ -1,0 +1,1 @@
+"""Model backends: where weights come from, the built-in generation engine, training engines."""

@@ -1,0 +1,196 @@
+"""Built-in datasets: `jsonl` (GSM8K format), `reasoning-gym` and `tiny-arith`.
+
+Every dataset is a function `fn(cfg, tokenizer, *, rank, world, use_chat_template) -> LoadedDataset`
+that turns rows `{"question", "answer"}` into samples (see realcore/api/data.py: every key holds a
+list of 1-D tensors, one per sequence; a prompt is one sequence).
+
+Sharding: a data-parallel rank keeps the rows whose index satisfies `index % world == rank`, and
+the index is taken *before* any row is skipped, so which rows a rank owns never depends on which
+rows happen to be skipped (bad JSON, missing fields, long prompts). For jsonl the index counts
+non-blank lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from realcore.api.config import DatasetConfig
+from realcore.api.data import Sample, text_to_tensor
+from realcore.api.registry import register_dataset
+
+
+@dataclass
+class LoadedDataset:
+    """One rank's shard. `n_rows` counts the shard's rows before skipping; `skipped` maps reason -> count."""
+
+    samples: list[Sample]
+    n_rows: int
+    n_skipped: int
+    skipped: dict[str, int] = field(default_factory=dict)
+
+
+SKIP_BAD_JSON = "bad json"
+SKIP_MISSING = "missing field"
+SKIP_TOO_LONG = "prompt too long"
+
+
+def dataset_keys(cfg: DatasetConfig) -> tuple[str, ...]:
+    """Buffer keys a built-in dataset's samples carry, by format."""
+    return ("prompt_ids", "answer") if cfg.format == "rl" else ("input_ids", "loss_mask")
+
+
+# ----------------------------------------------------------------------------------------------
+# Row -> sample
+
+
+def prompt_token_ids(tokenizer, prompt: str, use_chat_template: bool) -> list[int]:
+    """Token ids of a prompt, through the chat template (with the generation prompt) if asked."""
+    if not use_chat_template:
+        # add_special_tokens: a BOS where the model family expects one (Llama), nothing for Qwen.
+        return list(tokenizer.encode(prompt, add_special_tokens=True))
+    out = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+    )
+    if isinstance(out, Mapping) or hasattr(out, "input_ids"):  # transformers 5 returns a BatchEncoding
+        out = out["input_ids"]
+    if hasattr(out, "tolist"):
+        out = out.tolist()
+    if out and isinstance(out[0], list):  # batched form [[...]]
+        assert len(out) == 1, f"one conversation in, {len(out)} out"
+        out = out[0]
+    return [int(t) for t in out]
+
+
+def _field(row: Mapping, key: str) -> str | None:
+    """A non-empty text field; numbers (a jsonl `"answer": 72`) become text."""
+    v = row.get(key)
+    if v is None or isinstance(v, (dict, list)):
+        return None
+    v = str(v)
+    return v if v.strip() else None
+
+
+def _row_to_sample(row: Mapping, cfg: DatasetConfig, tokenizer, use_chat_template: bool) -> Sample | str:
+    """The sample of one row, or the reason it is skipped."""
+    question, answer = _field(row, "question"), _field(row, "answer")
+    if question is None or answer is None:
+        return SKIP_MISSING
+    prompt = prompt_token_ids(tokenizer, cfg.prompt_template.format(question=question), use_chat_template)
+    if len(prompt) > cfg.max_prompt_len:
+        return SKIP_TOO_LONG
+    if cfg.format == "rl":
+        return {"prompt_ids": [torch.tensor(prompt, dtype=torch.int64)], "answer": [text_to_tensor(answer)]}
+    # sft: the loss covers the answer and EOS. A plain prompt ends in "Answer:", so a space separates
+    # the answer; after a chat template's generation prompt the answer starts directly.
+    if tokenizer.eos_token_id is None:
+        raise ValueError("dataset.format=sft: the tokenizer has no EOS token to end the answer with")
+    text = answer if use_chat_template else " " + answer
+    response = list(tokenizer.encode(text, add_special_tokens=False)) + [tokenizer.eos_token_id]
+    mask = [0] * len(prompt) + [1] * len(response)
+    return {
+        "input_ids": [torch.tensor(prompt + response, dtype=torch.int64)],
+        "loss_mask": [torch.tensor(mask, dtype=torch.int64)],
+    }
+
+
+def build_shard(
+    rows: Iterator[Mapping | str],
+    cfg: DatasetConfig,
+    tokenizer,
+    *,
+    use_chat_template: bool,
+) -> LoadedDataset:
+    """Samples from this rank's rows (a row, or the reason it is already known to be skipped)."""
+    samples, skipped, n_rows = [], Counter(), 0
+    for row in rows:
+        n_rows += 1
+        out = row if isinstance(row, str) else _row_to_sample(row, cfg, tokenizer, use_chat_template)
+        if isinstance(out, str):
+            skipped[out] += 1
+        else:
+            samples.append(out)
+    return LoadedDataset(samples, n_rows, sum(skipped.values()), dict(skipped))
+
+
+def _check_shard(rank: int, world: int) -> None:
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"dataset shard: rank {rank} is not in [0, world={world})")
+
+
+# ----------------------------------------------------------------------------------------------
+# The built-in datasets
+
+
+def _jsonl_rows(path: str, rank: int, world: int) -> Iterator[Mapping | str]:
+    """This rank's rows of a jsonl file; only the owned lines are parsed."""
+    with open(path, "rb") as f:  # bytes: a line with invalid UTF-8 is one bad row, not a crash
+        lines = (line for line in f if line.strip())
+        for i, line in enumerate(lines):
+            if i % world != rank:
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:  # JSONDecodeError, UnicodeDecodeError
+                yield SKIP_BAD_JSON
+                continue
+            yield row if isinstance(row, dict) else SKIP_BAD_JSON
+
+
+@register_dataset("jsonl", keys=dataset_keys)
+def load_jsonl(cfg: DatasetConfig, tokenizer, *, rank: int, world: int, use_chat_template: bool) -> LoadedDataset:
+    """A jsonl file of `{"question": ..., "answer": ...}` rows (GSM8K's format)."""
+    _check_shard(rank, world)
+    if cfg.path is None:
+        raise ValueError("dataset.path: required for dataset.type=jsonl")
+    path = os.path.expanduser(cfg.path)
+    if not os.path.isfile(path):
+        raise ValueError(f"dataset.path: no such file {cfg.path!r}")
+    return build_shard(_jsonl_rows(path, rank, world), cfg, tokenizer, use_chat_template=use_chat_template)
+
+
+@register_dataset("reasoning-gym", keys=dataset_keys)
+def load_reasoning_gym(
+    cfg: DatasetConfig, tokenizer, *, rank: int, world: int, use_chat_template: bool
+) -> LoadedDataset:
+    """`cfg.size` problems of a reasoning-gym task; item i depends only on (task, seed, i)."""
+    _check_shard(rank, world)
+    import reasoning_gym  # heavy import, only for this dataset
+
+    try:
+        ds = reasoning_gym.create_dataset(cfg.task, size=cfg.size, seed=cfg.seed, **cfg.task_kwargs)
+    except Exception as e:
+        raise ValueError(f"dataset.task={cfg.task!r}: reasoning_gym cannot create it: {e}") from None
+    # Items are generated on access, so a rank only generates its own shard.
+    rows = (ds[i] for i in range(rank, cfg.size, world))
+    return build_shard(rows, cfg, tokenizer, use_chat_template=use_chat_template)
+
+
+def tiny_arith_rows(seed: int, size: int) -> list[dict[str, str]]:
+    """`size` problems "What is a + b?" / "What is a - b?" with operands in [0, 20] and a >= b for
+    subtraction (answers are never negative: easy enough for a tiny model to learn on CPU)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(size):
+        a, b = rng.randint(0, 20), rng.randint(0, 20)
+        if rng.random() < 0.5:
+            rows.append({"question": f"What is {a} + {b}?", "answer": str(a + b)})
+        else:
+            a, b = max(a, b), min(a, b)
+            rows.append({"question": f"What is {a} - {b}?", "answer": str(a - b)})
+    return rows
+
+
+@register_dataset("tiny-arith", keys=dataset_keys)
+def load_tiny_arith(cfg: DatasetConfig, tokenizer, *, rank: int, world: int, use_chat_template: bool) -> LoadedDataset:
+    """Built-in addition/subtraction problems seeded by `cfg.seed` (tests and tiny runs)."""
+    _check_shard(rank, world)
+    rows = tiny_arith_rows(cfg.seed, cfg.size)
+    shard = (r for i, r in enumerate(rows) if i % world == rank)
+    return build_shard(shard, cfg, tokenizer, use_chat_template=use_chat_template)

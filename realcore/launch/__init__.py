@@ -1,0 +1,1 @@
+"""Command-line entry: hydra composition, schedulers, the launcher's watch loop."""

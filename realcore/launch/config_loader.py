@@ -1,0 +1,112 @@
+"""Compose the experiment config with hydra and validate it with pydantic.
+
+Hydra stays here; everything else receives a typed `ExperimentConfig`. Any problem becomes one
+`ConfigError` line that names the full key path and the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pydantic
+
+from realcore.api.config import ExperimentConfig
+from realcore.system.plugins import load_plugins
+
+
+class ConfigError(ValueError):
+    """A user error in the experiment config; the launcher prints it on one line and exits 2."""
+
+
+def experiments_dir() -> Path:
+    env = os.environ.get("REALCORE_EXPERIMENTS")
+    path = Path(env) if env else Path(__file__).resolve().parents[2] / "experiments"
+    if not (path / "config.yaml").exists():
+        raise ConfigError(f"experiment configs not found at {path} (set REALCORE_EXPERIMENTS)")
+    return path
+
+
+def _loc(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def format_validation_error(err: pydantic.ValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        where = _loc(e["loc"]) or "config"
+        if e["type"] == "extra_forbidden":
+            parts.append(f"{where}: unknown key")
+        elif e["type"] == "missing":
+            parts.append(f"{where}: required key is missing")
+        else:
+            got = e.get("input")
+            shown = f" (got {got!r})" if got is not None and not isinstance(got, (dict, list)) else ""
+            parts.append(f"{where}: {e['msg']}{shown}")
+    return "; ".join(parts)
+
+
+def _hydra_error_line(err: Exception) -> str:
+    text = " ".join(str(err).split())
+    if text.startswith("Could not override '"):  # a key that the config does not have
+        key = text.split("'", 2)[1]
+        return f"{key}: unknown key"
+    m = re.search(r"Could not find '([^/']+)/([^']+)' Available options in '[^']+': (.*?)(?: Config search path.*)?$", text)
+    if m:
+        group, choice, options = m.groups()
+        return f"{group}={choice}: no such {group} config (available: {', '.join(options.split())})"
+    return text
+
+
+def _defaults() -> dict:
+    """Every key with a default, from the pydantic models: the base of the hydra tree, so that any
+    existing key can be overridden on the command line and a misspelt one is refused."""
+    out = {}
+    for name, field in ExperimentConfig.model_fields.items():
+        if field.is_required():
+            continue
+        value = field.get_default(call_default_factory=True)
+        out[name] = value.model_dump() if isinstance(value, pydantic.BaseModel) else value
+    return out
+
+
+def compose(overrides: list[str]) -> dict:
+    """Hydra composition of `experiments/` with command-line overrides, resolved to a plain dict."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.config_store import ConfigStore
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    GlobalHydra.instance().clear()
+    ConfigStore.instance().store(name="realcore_defaults", node=OmegaConf.create(_defaults()))
+    try:
+        with initialize_config_dir(config_dir=str(experiments_dir()), version_base="1.3"):
+            cfg = hydra_compose(config_name="config", overrides=overrides)
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except ConfigError:
+        raise
+    except Exception as e:  # hydra / omegaconf raise many types; the user needs one line
+        raise ConfigError(_hydra_error_line(e)) from None
+
+
+def load_config(overrides: list[str]) -> ExperimentConfig:
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"argument {bad[0]!r}: expected key=value")
+    raw = compose(overrides)
+    try:
+        return ExperimentConfig.model_validate(raw)
+    except pydantic.ValidationError as e:
+        raise ConfigError(format_validation_error(e)) from None
+
+
+def import_user_modules(cfg: ExperimentConfig) -> None:
+    try:
+        load_plugins(cfg.imports)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None

@@ -1,0 +1,137 @@
+"""`python -m realcore.launch key=value ...`: validate, prepare, start the workers, watch them.
+
+Exit codes: 0 done; 1 a worker failed; 2 bad config (one line, no traceback); 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+from realcore.api.alloc import parse_allocation_mode
+from realcore.api.config import ExperimentConfig
+from realcore.api.registry import dataset_keys
+from realcore.dfg.graph import DataFlowGraph, GraphError, build_graph
+from realcore.launch.config_loader import ConfigError, import_user_modules, load_config
+from realcore.launch.local import Proc, describe_exit, spawn, stop_all, tail
+
+
+def validate(cfg: ExperimentConfig) -> tuple[DataFlowGraph, int]:
+    """Everything that can be checked before a process starts. Returns the graph and #model workers."""
+    import_user_modules(cfg)
+    try:
+        alloc = parse_allocation_mode(cfg.allocation_mode)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if alloc.gen is not None:
+        raise ConfigError(f"allocation_mode: {cfg.allocation_mode!r} has generation servers; mode=sync colocates generation (use e.g. d2p1t1)")
+    mesh = alloc.train
+    for role, r in cfg.roles().items():
+        if r.backend == "torch" and (mesh.pp, mesh.tp, mesh.cp, mesh.ep) != (1, 1, 1, 1):
+            raise ConfigError(f"allocation_mode: {role}.backend=torch supports data parallel only (got {cfg.allocation_mode}); use pN/tN with the megatron backend")
+    try:
+        keys = dataset_keys(cfg.dataset)
+    except KeyError as e:
+        raise ConfigError(f"dataset.type: {e.args[0]}") from None
+    dfg = build_graph(cfg, keys)
+    for node in dfg.nodes.values():
+        if node.n_seqs < mesh.dp:
+            raise ConfigError(f"mfcs ({node.name}).n_seqs: {node.n_seqs} samples < data-parallel size {mesh.dp}")
+        if cfg.trainer.batch_size % node.n_seqs:
+            raise ConfigError(f"mfcs ({node.name}).n_seqs: {node.n_seqs} does not divide trainer.batch_size {cfg.trainer.batch_size}")
+    return dfg, mesh.world_size
+
+
+def prepare_output(cfg: ExperimentConfig, dfg: DataFlowGraph) -> tuple[str, str]:
+    """Output folders, the resolved config for workers, a fresh per-run secret, dfg.png."""
+    from realcore.dfg.draw import draw
+    from realcore.system.wire import write_secret
+
+    out = os.path.abspath(cfg.output_dir)
+    os.makedirs(os.path.join(out, "logs"), exist_ok=True)
+    secret_path = os.path.join(out, ".secret")
+    if os.path.exists(secret_path):
+        os.remove(secret_path)
+    write_secret(secret_path)
+    config_path = os.path.join(out, "config.json")
+    with open(config_path, "w") as f:
+        f.write(cfg.model_dump_json(indent=2))
+    draw(dfg, os.path.join(out, "dfg.png"))
+    return config_path, secret_path
+
+
+def child_env(cfg: ExperimentConfig) -> dict:
+    env = dict(os.environ)
+    n = str(cfg.system.threads_per_process)
+    env.update(OMP_NUM_THREADS=n, MKL_NUM_THREADS=n, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    # The user's `imports:` modules usually live in the directory the run started from.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def watch(procs: list[Proc], grace_s: float) -> int:
+    interrupted: list[int] = []
+
+    def on_signal(signum, frame):
+        interrupted.append(signum)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while True:
+            if interrupted:
+                print(f"realcore: {signal.Signals(interrupted[0]).name}: stopping all workers", file=sys.stderr)
+                return 130
+            for p in procs:
+                rc = p.popen.poll()
+                if rc is None:
+                    continue
+                if p.name == "master" and rc == 0:
+                    return 0
+                if rc != 0:
+                    print(f"realcore: {p.name} died ({describe_exit(rc)}); stopping all workers", file=sys.stderr)
+                    if p.log_path:
+                        print(f"realcore: last lines of {p.log_path}:\n{tail(p.log_path)}", file=sys.stderr)
+                    return 1
+            time.sleep(0.2)
+    finally:
+        stop_all(procs, grace_s)
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def main(argv: list[str]) -> int:
+    try:
+        cfg = load_config(argv)
+        dfg, n_workers = validate(cfg)
+        from realcore.backends.models import prepare_model
+
+        try:
+            cfg.model.path = prepare_model(cfg.model, cfg.seed)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    except (ConfigError, GraphError) as e:
+        print(f"realcore: config error: {e}", file=sys.stderr)
+        return 2
+    cfg.output_dir = os.path.abspath(cfg.output_dir)
+    config_path, secret_path = prepare_output(cfg, dfg)
+    from realcore.system.name_resolve import make_name_resolver, scoped_key
+
+    make_name_resolver(cfg.system.name_resolve).clear(scoped_key(cfg.experiment_name, cfg.trial_name))
+    print(f"realcore: {cfg.experiment_name}/{cfg.trial_name}: master + {n_workers} model workers; output in {cfg.output_dir}", flush=True)
+    print(dfg.describe(), flush=True)
+
+    env = child_env(cfg)
+    logs = os.path.join(cfg.output_dir, "logs")
+    common = ["--world", str(n_workers), "--config", config_path, "--secret-file", secret_path]
+    procs = [spawn(f"model_worker/{i}", ["--type", "model_worker", "--index", str(i), *common], env=env,
+                   log_path=os.path.join(logs, f"model_worker-{i}.log")) for i in range(n_workers)]
+    procs.insert(0, spawn("master", ["--type", "master", *common], env=env, log_path=None))
+    with open(os.path.join(cfg.output_dir, "pids.json"), "w") as f:
+        json.dump({p.name: p.popen.pid for p in procs}, f)
+    rc = watch(procs, cfg.system.shutdown_timeout_s)
+    if rc == 0:
+        print(f"realcore: done; metrics in {os.path.join(cfg.output_dir, 'metrics.jsonl')}", flush=True)
+    return rc

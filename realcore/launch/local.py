@@ -1,0 +1,72 @@
+"""Local scheduler: every worker is a subprocess of the launcher on this machine.
+
+Children get their own session (a terminal's Ctrl-C reaches only the launcher, which then stops
+them in order) and SIGKILL when the launcher dies, so no process is ever left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from realcore.system.process import die_with_parent
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log_path: str | None
+
+
+def spawn(name: str, args: list[str], *, env: dict, log_path: str | None) -> Proc:
+    """Start `python -m realcore.system.run_worker ARGS`; output to log_path (None: inherit)."""
+    out = open(log_path, "ab") if log_path else None
+    popen = subprocess.Popen(
+        [sys.executable, "-m", "realcore.system.run_worker", *args],
+        env=env, stdout=out, stderr=subprocess.STDOUT if out else None, stdin=subprocess.DEVNULL,
+        start_new_session=True, preexec_fn=die_with_parent,
+    )
+    if out:
+        out.close()
+    return Proc(name, popen, log_path)
+
+
+def describe_exit(rc: int) -> str:
+    if rc < 0:
+        try:
+            return f"killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"killed by signal {-rc}"
+    return f"exit code {rc}"
+
+
+def tail(path: str | None, n: int = 15) -> str:
+    if not path or not os.path.exists(path):
+        return ""
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        f.seek(max(0, f.tell() - 8192))
+        lines = f.read().decode(errors="replace").splitlines()[-n:]
+    return "\n".join("    " + line for line in lines)
+
+
+def stop_all(procs: list[Proc], grace_s: float) -> None:
+    """SIGTERM every live process, wait up to grace_s, then SIGKILL; reap all."""
+    for p in procs:
+        if p.popen.poll() is None:
+            try:
+                p.popen.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.popen.kill()
+            p.popen.wait()

@@ -1,0 +1,21 @@
+"""`inference`: per-token log-probs of `input_ids` under the role's model (e.g. the reference)."""
+
+from __future__ import annotations
+
+from realcore.api.data import SequenceSample
+from realcore.api.registry import register_mfc
+
+
+@register_mfc("inference")
+class Inference:
+    """input_ids -> logprobs (temperature-scaled like generation, so ratios compare like with like)."""
+
+    needs_model = True
+    trains = False
+
+    def __init__(self, cfg, mfc):
+        self.temperature = cfg.generation.temperature
+
+    def run(self, model, batch: SequenceSample):
+        lps = model.logprobs(batch.flat("input_ids"), temperature=self.temperature)
+        return SequenceSample.from_flat(batch.ids, batch.group_sizes("input_ids"), {"logprobs": lps})

@@ -1,0 +1,90 @@
+"""`ppo_update` (clipped PPO with GRPO group advantages, optional KL) and `sft_update`."""
+
+from __future__ import annotations
+
+import torch
+
+from realcore.api.data import SequenceSample
+from realcore.api.registry import register_mfc
+from realcore.mfc.ppo_functional import group_advantages, kl_loss, ppo_actor_loss, sft_loss
+
+
+def _n_tokens(data: dict[str, torch.Tensor]) -> float:
+    return float(data["loss_mask"].sum())
+
+
+@register_mfc("ppo_update")
+class PPOUpdate:
+    """input_ids, loss_mask, behav_logprobs, rewards [, ref_logprobs] -> stats. One call = one step."""
+
+    needs_model = True
+    trains = True
+
+    @classmethod
+    def check_config(cls, cfg, mfc) -> None:
+        reads = {mfc.input_remap.get(k, k) for k in mfc.inputs}
+        need = {"input_ids", "loss_mask", "behav_logprobs", "rewards"}
+        if cfg.ppo.kl_coef > 0:
+            need.add("ref_logprobs")
+        missing = sorted(need - reads)
+        if missing:
+            why = " (ppo.kl_coef > 0)" if missing == ["ref_logprobs"] else ""
+            raise ValueError(f"inputs: ppo_update reads {missing}{why}")
+
+    def __init__(self, cfg, mfc):
+        self.ppo = cfg.ppo
+        self.temperature = cfg.generation.temperature
+
+    def loss_fn(self, logprobs, entropy, data):
+        mask = data["loss_mask"].float()
+        loss, stats = ppo_actor_loss(
+            logprobs, data["behav_logprobs"], data["advantages"], mask,
+            eps_clip=self.ppo.eps_clip, c_clip=self.ppo.c_clip,
+        )
+        stats = {f"ppo/{k}": v for k, v in stats.items()}
+        stats["ppo/entropy"] = (entropy.detach() * mask).sum() / mask.sum().clamp(min=1)
+        if self.ppo.kl_coef > 0:
+            kl = kl_loss(logprobs, data["ref_logprobs"], mask, self.ppo.kl_estimator)
+            loss = loss + self.ppo.kl_coef * kl
+            stats["ppo/kl"] = kl.detach()
+        stats["loss"] = loss.detach()
+        return loss, stats
+
+    def run(self, model, batch: SequenceSample):
+        group_sizes = batch.group_sizes("input_ids")
+        rewards = torch.cat(batch.flat("rewards")).float()
+        adv = group_advantages(rewards, group_sizes, norm=self.ppo.adv_norm, eps=self.ppo.adv_eps)
+        data = {k: batch.flat(k) for k in ("input_ids", "loss_mask", "behav_logprobs")}
+        # The sequence's advantage on every token; loss_mask keeps only the response.
+        data["advantages"] = [torch.full((len(x),), float(a)) for x, a in zip(data["input_ids"], adv)]
+        if self.ppo.kl_coef > 0:
+            data["ref_logprobs"] = batch.flat("ref_logprobs")
+        stats = {}
+        for _ in range(self.ppo.ppo_epochs):
+            stats = model.train_batch(
+                data, self.loss_fn, _n_tokens, n_minibatches=self.ppo.ppo_n_minibatches, temperature=self.temperature
+            )
+        stats["ppo/adv_abs_mean"] = float(adv.abs().mean()) if len(adv) else 0.0
+        return stats
+
+
+@register_mfc("sft_update")
+class SFTUpdate:
+    """input_ids, loss_mask -> stats: token-level negative log-likelihood on loss_mask tokens."""
+
+    needs_model = True
+    trains = True
+
+    def __init__(self, cfg, mfc):
+        pass
+
+    @staticmethod
+    def loss_fn(logprobs, entropy, data):
+        loss, stats = sft_loss(logprobs, data["loss_mask"].float())
+        stats = {f"sft/{k}": v for k, v in stats.items()}
+        stats["loss"] = loss.detach()
+        return loss, stats
+
+    def run(self, model, batch: SequenceSample):
+        data = {k: batch.flat(k) for k in ("input_ids", "loss_mask")}
+        return model.train_batch(data, self.loss_fn, _n_tokens)

@@ -1,0 +1,77 @@
+"""The master's sample buffer: metadata only (ids, keys, sequence lengths, owners), never tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from realcore.dfg.graph import MFCNode
+
+
+@dataclass
+class SampleMeta:
+    id: int
+    keys: dict[str, tuple[int, list[int]]] = field(default_factory=dict)  # key -> (owner worker, seqlens)
+    done: set[str] = field(default_factory=set)  # MFC nodes that ran on this sample
+    running: set[str] = field(default_factory=set)
+
+
+class SampleBuffer:
+    def __init__(self, nodes: list[MFCNode]):
+        self.nodes = nodes
+        self.samples: dict[int, SampleMeta] = {}
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def add(self, owner: int, ids: list[int], seqlens: dict[str, list[list[int]]]) -> None:
+        for i, sid in enumerate(ids):
+            meta = self.samples.setdefault(sid, SampleMeta(sid))
+            for key, lens in seqlens.items():
+                meta.keys[key] = (owner, list(lens[i]))
+
+    def ready(self, node: MFCNode) -> list[int] | None:
+        """`node.n_seqs` samples that hold all of its inputs and have not run it, or None."""
+        ids = [
+            m.id for m in self.samples.values()
+            if node.name not in m.done and node.name not in m.running and all(k in m.keys for k in node.inputs)
+        ]
+        return ids[: node.n_seqs] if len(ids) >= node.n_seqs else None
+
+    def start(self, node: MFCNode, ids: list[int]) -> None:
+        for sid in ids:
+            self.samples[sid].running.add(node.name)
+
+    def finish(self, node: MFCNode, ids: list[int]) -> None:
+        for sid in ids:
+            self.samples[sid].running.discard(node.name)
+            self.samples[sid].done.add(node.name)
+
+    def owners(self, ids: list[int], keys: tuple[str, ...]) -> dict[str, list[int]]:
+        return {k: [self.samples[sid].keys[k][0] for sid in ids] for k in keys}
+
+    def tokens(self, sid: int, keys: tuple[str, ...]) -> int:
+        """Cost estimate of a sample for an MFC: the longest of its inputs, summed over sequences."""
+        meta = self.samples[sid]
+        return max((sum(meta.keys[k][1]) for k in keys if k in meta.keys), default=1)
+
+    def completed(self) -> list[int]:
+        """Samples every MFC has run on: ready to be released."""
+        names = {n.name for n in self.nodes}
+        return [m.id for m in self.samples.values() if names <= m.done]
+
+    def release(self, ids: list[int]) -> None:
+        for sid in ids:
+            del self.samples[sid]
+
+
+def split_balanced(ids: list[int], costs: list[int], n_parts: int) -> list[list[int]]:
+    """Split ids into n_parts whose counts differ by at most one, balancing total cost (greedy LPT)."""
+    cap = -(-len(ids) // n_parts)
+    parts: list[list[int]] = [[] for _ in range(n_parts)]
+    loads = [0] * n_parts
+    for i in sorted(range(len(ids)), key=lambda i: -costs[i]):
+        open_parts = [p for p in range(n_parts) if len(parts[p]) < cap]
+        p = min(open_parts, key=lambda p: (loads[p], len(parts[p])))
+        parts[p].append(ids[i])
+        loads[p] += costs[i]
+    return parts

@@ -1,0 +1,236 @@
+"""Control plane over ZeroMQ: a worker's ControlServer and the master's WorkerPool.
+
+Socket I/O lives on one thread per side; the main thread talks to it through queues (and a
+futures map on the master side). Pings are answered on the I/O thread, so a worker busy in a long
+MFC still proves it is alive. Every message is authenticated; a bad one is dropped and counted.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from typing import Callable
+
+import zmq
+
+from realcore.system import wire
+from realcore.system.protocol import Cmd, RemoteError, WorkerLost, reply, request
+
+log = logging.getLogger("realcore.control")
+
+
+class _Waker:
+    """An inproc PAIR so another thread can wake the I/O thread's poller."""
+
+    _ids = itertools.count()
+
+    def __init__(self, ctx: zmq.Context):
+        addr = f"inproc://waker-{id(self)}-{next(self._ids)}"
+        self.recv_sock = ctx.socket(zmq.PAIR)
+        self.recv_sock.bind(addr)
+        self.send_sock = ctx.socket(zmq.PAIR)
+        self.send_sock.connect(addr)
+        self._lock = threading.Lock()
+
+    def wake(self) -> None:
+        with self._lock:
+            self.send_sock.send(b"", zmq.NOBLOCK)
+
+    def drain(self) -> None:
+        while self.recv_sock.poll(0):
+            self.recv_sock.recv()
+
+    def close(self) -> None:
+        self.send_sock.close(0)
+        self.recv_sock.close(0)
+
+
+class ControlServer:
+    """Worker side: a ROUTER socket; requests go to `self.requests` as (identity, header)."""
+
+    def __init__(self, host: str, secret: bytes, status: Callable[[], dict]):
+        self.ctx = zmq.Context.instance()
+        self.secret = secret
+        self.status = status
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        port = self.sock.bind_to_random_port(f"tcp://{host}")
+        self.address = f"tcp://{host}:{port}"
+        self.requests: queue.Queue = queue.Queue()
+        self._out: queue.Queue = queue.Queue()
+        self._waker = _Waker(self.ctx)
+        self.dropped = 0  # unauthenticated or malformed messages
+        self.last_seen = time.monotonic()  # last authenticated message from the master
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="control-io", daemon=True)
+        self._thread.start()
+
+    def send_reply(self, identity: bytes, rid: int, body: dict | None = None, error: str | None = None) -> None:
+        self._out.put((identity, reply(rid, body, error)))
+        self._waker.wake()
+
+    def _handle(self, frames) -> None:
+        if len(frames) < 2:
+            self.dropped += 1
+            return
+        identity = frames[0].bytes
+        try:
+            header, _ = wire.decode(frames[1:], self.secret)
+            cmd = Cmd(header["cmd"])
+            rid = int(header["rid"])
+            body = header.get("body") or {}
+        except (wire.BadMessage, KeyError, ValueError, TypeError) as e:
+            self.dropped += 1
+            log.warning("dropped a bad control message (%s); %d so far", e, self.dropped)
+            return
+        self.last_seen = time.monotonic()
+        if cmd == Cmd.PING:
+            wire.send(self.sock, reply(rid, {**self.status(), "dropped": self.dropped}), secret=self.secret, identity=identity)
+        else:
+            self.requests.put((identity, cmd, rid, body))
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self._waker.recv_sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            events = dict(poller.poll(200))
+            if self._waker.recv_sock in events:
+                self._waker.drain()
+            while not self._out.empty():
+                identity, header = self._out.get()
+                wire.send(self.sock, header, secret=self.secret, identity=identity)
+            if self.sock in events:
+                while self.sock.poll(0):
+                    self._handle(self.sock.recv_multipart(copy=False))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self.sock.close()
+        self._waker.close()
+
+
+class WorkerPool:
+    """Master side: one DEALER per worker, futures for replies, heartbeats with a deadline."""
+
+    def __init__(self, addresses: dict[str, str], secret: bytes, *, heartbeat_interval_s: float, heartbeat_timeout_s: float):
+        self.ctx = zmq.Context.instance()
+        self.secret = secret
+        self.names = list(addresses)
+        self.socks: dict[str, zmq.Socket] = {}
+        for name, addr in addresses.items():
+            s = self.ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(addr)
+            self.socks[name] = s
+        self.interval = heartbeat_interval_s
+        self.timeout = heartbeat_timeout_s
+        self.last_reply = {n: time.monotonic() for n in self.names}
+        self.status: dict[str, dict] = {n: {} for n in self.names}
+        self.lost: dict[str, str] = {}
+        self.dropped = 0
+        self._rids = itertools.count(1)
+        self._pending: dict[int, tuple[str, Future]] = {}
+        self._out: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._waker = _Waker(self.ctx)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="pool-io", daemon=True)
+        self._thread.start()
+
+    def request(self, worker: str, cmd: Cmd, body: dict | None = None) -> Future:
+        fut: Future = Future()
+        rid = next(self._rids)
+        with self._lock:
+            if worker in self.lost:
+                fut.set_exception(WorkerLost(f"{worker}: {self.lost[worker]}"))
+                return fut
+            self._pending[rid] = (worker, fut)
+        self._out.put((worker, request(cmd, rid, body or {})))
+        self._waker.wake()
+        return fut
+
+    def broadcast(self, cmd: Cmd, body: dict | None = None) -> dict[str, Future]:
+        return {n: self.request(n, cmd, body) for n in self.names}
+
+    def _on_reply(self, worker: str, frames) -> None:
+        try:
+            header, _ = wire.decode(frames, self.secret)
+            rid = int(header["rid"])
+        except (wire.BadMessage, KeyError, ValueError, TypeError):
+            self.dropped += 1
+            return
+        self.last_reply[worker] = time.monotonic()
+        with self._lock:
+            entry = self._pending.pop(rid, None)
+        if rid < 0:  # a heartbeat reply
+            self.status[worker] = header.get("body", {})
+        elif entry is not None:
+            _, fut = entry
+            if header.get("ok"):
+                fut.set_result(header.get("body", {}))
+            else:
+                fut.set_exception(RemoteError(f"{worker}: {header.get('error')}"))
+
+    def _mark_lost(self, worker: str, why: str) -> None:
+        with self._lock:
+            self.lost[worker] = why
+            mine = [rid for rid, (w, _) in self._pending.items() if w == worker]
+            futs = [self._pending.pop(rid)[1] for rid in mine]
+        for f in futs:
+            f.set_exception(WorkerLost(f"{worker}: {why}"))
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        for s in self.socks.values():
+            poller.register(s, zmq.POLLIN)
+        poller.register(self._waker.recv_sock, zmq.POLLIN)
+        by_sock = {s: n for n, s in self.socks.items()}
+        next_ping = time.monotonic()
+        ping_ids = itertools.count(-1, -1)
+        while not self._stop.is_set():
+            events = dict(poller.poll(100))
+            if self._waker.recv_sock in events:
+                self._waker.drain()
+            while not self._out.empty():
+                worker, header = self._out.get()
+                wire.send(self.socks[worker], header, secret=self.secret)
+            for s, name in by_sock.items():
+                while s in events and s.poll(0):
+                    self._on_reply(name, s.recv_multipart(copy=False))
+            now = time.monotonic()
+            if now >= next_ping:
+                next_ping = now + self.interval
+                for name, s in self.socks.items():
+                    if name in self.lost:
+                        continue
+                    if now - self.last_reply[name] > self.timeout:
+                        self._mark_lost(name, f"no heartbeat for {self.timeout:g} s")
+                        continue
+                    wire.send(s, request(Cmd.PING, next(ping_ids), {}), secret=self.secret)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        for s in self.socks.values():
+            s.close(0)
+        self._waker.close()
+
+
+def wait_all(futures: dict[str, Future], timeout_s: float, what: str) -> dict[str, dict]:
+    """Results of every future, or an error naming what timed out and on which workers."""
+    deadline = time.monotonic() + timeout_s
+    out = {}
+    for name, fut in futures.items():
+        left = max(0.0, deadline - time.monotonic())
+        try:
+            out[name] = fut.result(timeout=left)
+        except TimeoutError:
+            late = [n for n, f in futures.items() if not f.done()]
+            raise TimeoutError(f"{what}: no reply from {', '.join(late)} within {timeout_s:g} s") from None
+    return out

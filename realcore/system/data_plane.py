@@ -1,0 +1,143 @@
+"""Data plane: tensors move worker to worker, never through the master.
+
+Each model worker keeps its samples in `Storage` and serves them on a ROUTER socket (its own
+thread); a peer that needs keys it does not hold fetches them with `DataClient`. Every message is
+authenticated; tensors are zero-copy frames.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+import zmq
+
+from realcore.api.data import Sample
+from realcore.system import wire
+
+log = logging.getLogger("realcore.data_plane")
+
+
+class Storage:
+    """sample id -> {key: [tensor per sequence]}, shared by the main and data-server threads."""
+
+    def __init__(self):
+        self._data: dict[int, Sample] = {}
+        self._lock = threading.Lock()
+
+    def put(self, sid: int, key: str, seqs: list[torch.Tensor]) -> None:
+        with self._lock:
+            self._data.setdefault(sid, {})[key] = seqs
+
+    def get(self, sid: int, key: str) -> list[torch.Tensor]:
+        with self._lock:
+            try:
+                return self._data[sid][key]
+            except KeyError:
+                raise KeyError(f"sample {sid} key {key!r} is not stored here") from None
+
+    def drop(self, ids: list[int]) -> None:
+        with self._lock:
+            for sid in ids:
+                self._data.pop(sid, None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._data)
+
+
+def _pack(storage: Storage, ids: list[int], keys: list[str]) -> tuple[list[list[int]], list[torch.Tensor]]:
+    layout, tensors = [], []
+    for sid in ids:
+        row = []
+        for k in keys:
+            seqs = storage.get(sid, k)
+            row.append(len(seqs))
+            tensors.extend(seqs)
+        layout.append(row)
+    return layout, tensors
+
+
+class DataServer:
+    def __init__(self, host: str, secret: bytes, storage: Storage):
+        self.secret = secret
+        self.storage = storage
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        port = self.sock.bind_to_random_port(f"tcp://{host}")
+        self.address = f"tcp://{host}:{port}"
+        self.dropped = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="data-server", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        try:
+            identity, header, _ = wire.recv(self.sock, secret=self.secret, router=True)
+            ids, keys, rid = list(header["ids"]), list(header["keys"]), header["rid"]
+        except (wire.BadMessage, KeyError, TypeError) as e:
+            self.dropped += 1
+            log.warning("dropped a bad data request (%s)", e)
+            return
+        try:
+            layout, tensors = _pack(self.storage, ids, keys)
+            wire.send(self.sock, {"rid": rid, "layout": layout}, tensors, secret=self.secret, identity=identity)
+        except KeyError as e:
+            wire.send(self.sock, {"rid": rid, "error": str(e)}, secret=self.secret, identity=identity)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if self.sock.poll(200):
+                self._serve()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self.sock.close()
+
+
+class DataClient:
+    """Fetches samples from peers' DataServers (used by one thread only)."""
+
+    def __init__(self, secret: bytes, timeout_s: float):
+        self.secret = secret
+        self.timeout_s = timeout_s
+        self._socks: dict[str, zmq.Socket] = {}
+        self._rid = 0
+
+    def _sock(self, address: str) -> zmq.Socket:
+        if address not in self._socks:
+            s = zmq.Context.instance().socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(address)
+            self._socks[address] = s
+        return self._socks[address]
+
+    def fetch(self, requests: dict[str, tuple[list[int], list[str]]]) -> dict[int, Sample]:
+        """requests: peer address -> (ids, keys). All peers are asked at once, then read."""
+        sent = {}
+        for address, (ids, keys) in requests.items():
+            self._rid += 1
+            wire.send(self._sock(address), {"rid": self._rid, "ids": ids, "keys": keys}, secret=self.secret)
+            sent[address] = (self._rid, ids, keys)
+        out: dict[int, Sample] = {}
+        for address, (rid, ids, keys) in sent.items():
+            while True:
+                _, header, tensors = wire.recv(self._sock(address), secret=self.secret, timeout_s=self.timeout_s,
+                                               what=f"data fetch from {address}")
+                if header.get("rid") == rid:
+                    break  # an older reply (from a timed-out call) is skipped
+            if "error" in header:
+                raise KeyError(f"data fetch from {address}: {header['error']}")
+            pos = 0
+            for sid, row in zip(ids, header["layout"]):
+                sample = out.setdefault(sid, {})
+                for k, n in zip(keys, row):
+                    sample[k] = tensors[pos : pos + n]
+                    pos += n
+        return out
+
+    def close(self) -> None:
+        for s in self._socks.values():
+            s.close(0)

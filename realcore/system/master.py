@@ -1,0 +1,159 @@
+"""The master worker: schedules the dataflow graph's MFCs onto model workers, moves only metadata.
+
+One step: take `batch_size` new samples from the dataset shards, then run every MFC whose inputs
+are ready on `n_seqs` samples (independent MFCs concurrently; each worker executes requests in
+arrival order, so collectives line up), then release the samples, log, and checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+
+from realcore.api.config import ExperimentConfig
+from realcore.api.registry import dataset_keys
+from realcore.dfg.graph import DataFlowGraph, MFCNode, build_graph
+from realcore.system.buffer import SampleBuffer, split_balanced
+from realcore.system.control import WorkerPool, wait_all
+from realcore.system.metrics import MetricsWriter
+from realcore.system.name_resolve import make_name_resolver, scoped_key
+from realcore.system.protocol import Cmd
+
+log = logging.getLogger("realcore.master")
+
+
+def model_worker_key(cfg: ExperimentConfig, index: int) -> str:
+    return scoped_key(cfg.experiment_name, cfg.trial_name, "model_worker", str(index))
+
+
+def merge_stats(replies: list[dict], into: dict) -> None:
+    """Average each stat over workers, weighted by how many sequences each processed."""
+    total = sum(r.get("n", 0) for r in replies) or 1
+    keys = {k for r in replies for k in r.get("stats", {})}
+    for k in keys:
+        into[k] = sum(r["stats"].get(k, 0.0) * r.get("n", 0) for r in replies) / total
+
+
+class Master:
+    def __init__(self, cfg: ExperimentConfig, secret: bytes, n_workers: int):
+        self.cfg = cfg
+        self.n_workers = n_workers
+        self.dfg: DataFlowGraph = build_graph(cfg, dataset_keys(cfg.dataset))
+        self.nodes = [self.dfg.nodes[n] for n in self.dfg.order()]
+        self.buffer = SampleBuffer(self.nodes)
+        self.names = [f"model_worker/{i}" for i in range(n_workers)]
+        resolver = make_name_resolver(cfg.system.name_resolve)
+        timeout = cfg.system.startup_timeout_s
+        addrs = {n: json.loads(resolver.wait(model_worker_key(cfg, i), timeout_s=timeout)) for i, n in enumerate(self.names)}
+        self.pool = WorkerPool(
+            {n: a["control"] for n, a in addrs.items()}, secret,
+            heartbeat_interval_s=cfg.system.heartbeat_interval_s, heartbeat_timeout_s=cfg.system.heartbeat_timeout_s,
+        )
+        self.next_id = 0
+        self.version = 0
+
+    def configure(self) -> None:
+        replies = wait_all(self.pool.broadcast(Cmd.CONFIGURE), self.cfg.system.startup_timeout_s, "configure")
+        rows = sum(r["n_rows"] for r in replies.values())
+        skipped: dict[str, int] = {}
+        for r in replies.values():
+            for why, n in r["skipped"].items():
+                skipped[why] = skipped.get(why, 0) + n
+        log.info("dataset: %d rows, %d usable, skipped %s", rows, sum(r["n_samples"] for r in replies.values()), skipped or "none")
+
+    def fetch_batch(self) -> None:
+        """New samples from the dataset shards: batch_size split evenly over the workers."""
+        n, w = self.cfg.trainer.batch_size, self.n_workers
+        futs = {}
+        for i, name in enumerate(self.names):
+            k = n // w + (1 if i < n % w else 0)
+            if k:
+                futs[name] = self.pool.request(name, Cmd.FETCH, {"first_id": self.next_id, "n": k})
+                self.next_id += k
+        for name, r in wait_all(futs, self.cfg.system.request_timeout_s, "dataset fetch").items():
+            self.buffer.add(self.names.index(name), r["ids"], r["seqlens"])
+
+    def dispatch(self, node: MFCNode, ids: list[int]) -> dict[str, Future]:
+        costs = [self.buffer.tokens(sid, node.inputs) for sid in ids]
+        parts = split_balanced(ids, costs, self.n_workers)
+        self.buffer.start(node, ids)
+        return {
+            name: self.pool.request(name, Cmd.RUN_MFC, {"mfc": node.name, "ids": part, "owners": self.buffer.owners(part, node.inputs)})
+            for name, part in zip(self.names, parts)
+        }
+
+    def run_step(self, step: int, metrics: dict, writer: MetricsWriter) -> None:
+        running: dict[str, tuple[MFCNode, list[int], dict[str, Future], float]] = {}
+        while True:
+            for node in self.nodes:
+                if node.name in running:
+                    continue
+                ids = self.buffer.ready(node)
+                if ids is not None:
+                    running[node.name] = (node, ids, self.dispatch(node, ids), time.perf_counter())
+            if not running:
+                break
+            writer.live(step, "running " + ", ".join(running))
+            all_futs = [f for _, _, futs, _ in running.values() for f in futs.values()]
+            done, _ = wait(all_futs, timeout=self.cfg.system.request_timeout_s, return_when=FIRST_COMPLETED)
+            if not done:
+                raise TimeoutError(f"MFCs {', '.join(running)}: no reply within {self.cfg.system.request_timeout_s:g} s")
+            for f in done:
+                if f.exception() is not None:  # a worker failed or was lost: the run cannot go on
+                    raise f.exception()
+            for name in list(running):
+                node, ids, futs, t0 = running[name]
+                if not all(f.done() for f in futs.values()):
+                    continue
+                del running[name]
+                replies = wait_all(futs, 0, f"MFC {name}")
+                for wname, r in replies.items():
+                    self.buffer.add(self.names.index(wname), r["ids"], r["outputs"])
+                self.buffer.finish(node, ids)
+                merge_stats(list(replies.values()), metrics)
+                metrics[f"time/{name}_s"] = metrics.get(f"time/{name}_s", 0.0) + time.perf_counter() - t0
+                if node.trains:
+                    self.version += 1
+
+    def release(self) -> None:
+        ids = self.buffer.completed()
+        wait_all(self.pool.broadcast(Cmd.CLEAR, {"ids": ids}), self.cfg.system.request_timeout_s, "release")
+        self.buffer.release(ids)
+
+    def save(self, step: int) -> None:
+        path = os.path.join(self.cfg.output_dir, "checkpoints", f"step_{step}")
+        wait_all(self.pool.broadcast(Cmd.SAVE, {"path": path}), self.cfg.system.request_timeout_s, "checkpoint")
+        log.info("saved %s", path)
+
+    def run(self) -> None:
+        cfg = self.cfg
+        self.configure()
+        writer = MetricsWriter(cfg.output_dir, cfg.trainer.total_steps)
+        log.info("dataflow graph:\n%s", self.dfg.describe())
+        try:
+            for step in range(1, cfg.trainer.total_steps + 1):
+                t0 = time.perf_counter()
+                metrics: dict = {"step": step}
+                self.fetch_batch()
+                self.run_step(step, metrics, writer)
+                self.release()
+                metrics["version"] = self.version
+                metrics["time/step_s"] = time.perf_counter() - t0
+                writer.write(metrics)
+                freq = cfg.trainer.save_freq_steps
+                if step == cfg.trainer.total_steps or (freq and step % freq == 0):
+                    self.save(step)
+        finally:
+            writer.close()
+
+    def shutdown(self) -> None:
+        """Ask every live worker to exit (best effort, bounded), then close sockets."""
+        try:
+            futs = {n: self.pool.request(n, Cmd.EXIT) for n in self.names if n not in self.pool.lost}
+            wait_all(futs, self.cfg.system.shutdown_timeout_s, "exit")
+        except Exception as e:  # workers may already be gone; the launcher kills leftovers
+            log.warning("shutdown: %s", e)
+        self.pool.close()

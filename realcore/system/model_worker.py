@@ -1,0 +1,223 @@
+"""A model worker: holds its data-parallel rank of every model role, its dataset shard, and the
+samples it produced; runs MFCs the master asks for, fetching inputs it lacks from peers.
+
+Main loop: take a request, dispatch by command, reply. Socket I/O runs on the control and data
+threads; the master's silence for longer than the heartbeat deadline ends the worker.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import random
+import time
+import traceback
+from datetime import timedelta
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+from realcore.api.config import ExperimentConfig
+from realcore.api.data import SequenceSample
+from realcore.api.registry import dataset_keys, lookup
+from realcore.dfg.graph import build_graph
+from realcore.system.control import ControlServer
+from realcore.system.data_plane import DataClient, DataServer, Storage
+from realcore.system.master import model_worker_key
+from realcore.system.name_resolve import make_name_resolver, scoped_key
+from realcore.system.protocol import Cmd
+
+log = logging.getLogger("realcore.model_worker")
+
+
+class ModelWorker:
+    def __init__(self, cfg: ExperimentConfig, index: int, world: int, secret: bytes):
+        self.cfg, self.index, self.world = cfg, index, world
+        self.dfg = build_graph(cfg, dataset_keys(cfg.dataset))
+        self.state = "created"
+        self.storage = Storage()
+        self.resolver = make_name_resolver(cfg.system.name_resolve)
+        host = cfg.system.host
+        self.control = ControlServer(host, secret, self._status)
+        self.data = DataServer(host, secret, self.storage)
+        self.client = DataClient(secret, cfg.system.request_timeout_s)
+        self.peers: dict[int, str] = {}
+        self.engines: dict = {}
+        self.mfcs = {name: lookup("mfc", n.type)(cfg, next(m for m in cfg.mfcs if m.name == name))
+                     for name, n in self.dfg.nodes.items()}
+        self.dataset: list = []
+        self.order: list[int] = []
+        self.epoch = 0
+        info = {"control": self.control.address, "data": self.data.address, "pid": os.getpid()}
+        self.resolver.put(model_worker_key(cfg, index), json.dumps(info), replace=True)
+        self.state = "ready"
+
+    def _status(self) -> dict:
+        return {"state": self.state, "pid": os.getpid(), "stored": len(self.storage)}
+
+    # --- commands -------------------------------------------------------------------------
+
+    def configure(self, body: dict) -> dict:
+        cfg = self.cfg
+        self._init_process_group()
+        from realcore.backends.models import load_tokenizer
+        from realcore.backends.torch_engine import TorchEngine
+
+        for role, rcfg in cfg.roles().items():
+            if rcfg.backend != "torch":
+                raise ValueError(f"{role}.backend={rcfg.backend!r} is not available yet; use torch")
+            self.engines[role] = TorchEngine(cfg.model.path, rcfg, total_steps=cfg.trainer.total_steps, seed=cfg.seed)
+        tokenizer = self.engines["actor"].tokenizer or load_tokenizer(cfg.model.path)
+        self.no_model = SimpleNamespace(tokenizer=tokenizer)
+        loaded = lookup("dataset", cfg.dataset.type)(
+            cfg.dataset, tokenizer, rank=self.index, world=self.world, use_chat_template=cfg.model.use_chat_template
+        )
+        self.dataset = loaded.samples
+        if not self.dataset:
+            raise ValueError(f"dataset shard {self.index}/{self.world} is empty ({loaded.n_rows} rows, skipped {loaded.skipped})")
+        for i in range(self.world):
+            if i != self.index:
+                self.peers[i] = json.loads(self.resolver.get(model_worker_key(cfg, i)))["data"]
+        self.state = "running"
+        return {"n_rows": loaded.n_rows, "n_samples": len(self.dataset), "skipped": loaded.skipped}
+
+    def _init_process_group(self) -> None:
+        cfg = self.cfg
+        key = scoped_key(cfg.experiment_name, cfg.trial_name, "dist_init")
+        if self.index == 0:
+            import socket
+
+            with socket.socket() as s:
+                s.bind((cfg.system.host, 0))
+                port = s.getsockname()[1]
+            self.resolver.put(key, f"tcp://{cfg.system.host}:{port}", replace=True)
+        addr = self.resolver.wait(key, timeout_s=cfg.system.startup_timeout_s)
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, init_method=addr, rank=self.index, world_size=self.world,
+                                timeout=timedelta(seconds=cfg.system.request_timeout_s))
+
+    def fetch(self, body: dict) -> dict:
+        """Take the next samples of this shard (reshuffled every epoch) under the master's ids."""
+        ids = list(range(body["first_id"], body["first_id"] + body["n"]))
+        keys = sorted(dataset_keys(self.cfg.dataset))
+        seqlens: dict[str, list] = {k: [] for k in keys}
+        for sid in ids:
+            if not self.order:
+                self.order = list(range(len(self.dataset)))
+                random.Random(self.cfg.dataset.seed * 1000003 + self.epoch * 7919 + self.index).shuffle(self.order)
+                self.epoch += 1
+            sample = self.dataset[self.order.pop()]
+            for k in keys:
+                self.storage.put(sid, k, sample[k])
+                seqlens[k].append([int(t.numel()) for t in sample[k]])
+        return {"ids": ids, "seqlens": seqlens}
+
+    def run_mfc(self, body: dict) -> dict:
+        node = self.dfg.nodes[body["mfc"]]
+        ids: list[int] = body["ids"]
+        samples = self._gather(ids, node.inputs, body["owners"])
+        batch = SequenceSample(ids, [{node.input_remap.get(k, k): s[k] for k in node.inputs} for s in samples])
+        model = self.engines[node.model] if node.model else self.no_model
+        result = self.mfcs[node.name].run(model, batch)
+        out, stats = (result if isinstance(result, tuple) else (result, {}))
+        if isinstance(out, dict):
+            out, stats = None, out
+        outputs: dict[str, list] = {}
+        expected = set(node.mfc_outputs())
+        got = out.keys() if out is not None else set()
+        if set(got) != expected:
+            raise ValueError(f"MFC {node.name!r} returned keys {sorted(got)}, declared outputs {sorted(expected)}")
+        if out is not None:
+            for name in expected:
+                key = node.output_remap.get(name, name)
+                outputs[key] = []
+                for sid, s in zip(out.ids, out.samples):
+                    self.storage.put(sid, key, s[name])
+                    outputs[key].append([int(t.numel()) for t in s[name]])
+        n = sum(len(s[node.input_remap.get(k, k)]) for s in batch.samples for k in node.inputs[:1])
+        return {"ids": ids, "outputs": outputs, "stats": {k: float(v) for k, v in stats.items()}, "n": n}
+
+    def _gather(self, ids: list[int], keys: tuple[str, ...], owners: dict[str, list[int]]) -> list[dict]:
+        remote: dict[int, tuple[list[int], list[str]]] = {}
+        for k in keys:
+            for sid, owner in zip(ids, owners[k]):
+                if owner != self.index:
+                    rids, rkeys = remote.setdefault(owner, ([], []))
+                    if sid not in rids:
+                        rids.append(sid)
+                    if k not in rkeys:
+                        rkeys.append(k)
+        fetched = self.client.fetch({self.peers[o]: req for o, req in remote.items()}) if remote else {}
+        out = []
+        for sid in ids:
+            s = {}
+            for k, owner in ((k, owners[k][ids.index(sid)]) for k in keys):
+                s[k] = self.storage.get(sid, k) if owner == self.index else fetched[sid][k]
+            out.append(s)
+        return out
+
+    def save(self, body: dict) -> dict:
+        """Rank 0 writes each trainable role in HF format (the actor at the path itself)."""
+        if self.index == 0:
+            for role, engine in self.engines.items():
+                if self.cfg.roles()[role].trainable:
+                    engine.save_hf(body["path"] if role == "actor" else os.path.join(body["path"], role))
+        return {}
+
+    # --- loop -----------------------------------------------------------------------------
+
+    def handle(self, cmd: Cmd, body: dict) -> dict:
+        if cmd == Cmd.CONFIGURE:
+            return self.configure(body)
+        if cmd == Cmd.FETCH:
+            return self.fetch(body)
+        if cmd == Cmd.RUN_MFC:
+            return self.run_mfc(body)
+        if cmd == Cmd.CLEAR:
+            self.storage.drop(body["ids"])
+            return {}
+        if cmd == Cmd.SAVE:
+            return self.save(body)
+        raise ValueError(f"unexpected command {cmd.name}")
+
+    def run(self) -> None:
+        held: list = []  # requests that arrived while paused, replayed in order on START
+        deadline = self.cfg.system.startup_timeout_s  # until the master first speaks
+        while True:
+            if held and self.state != "paused":
+                identity, cmd, rid, body = held.pop(0)
+            else:
+                try:
+                    identity, cmd, rid, body = self.control.requests.get(timeout=0.5)
+                except queue.Empty:
+                    if time.monotonic() - self.control.last_seen > deadline:
+                        raise SystemExit(f"model_worker/{self.index}: master silent for {deadline:g} s; exiting")
+                    continue
+                deadline = self.cfg.system.heartbeat_timeout_s
+            if cmd == Cmd.EXIT:
+                self.control.send_reply(identity, rid, {})
+                return
+            if cmd in (Cmd.PAUSE, Cmd.START):
+                self.state = "paused" if cmd == Cmd.PAUSE else "running"
+                self.control.send_reply(identity, rid, {})
+            elif self.state == "paused":
+                held.append((identity, cmd, rid, body))
+            else:
+                self._execute(identity, cmd, rid, body)
+
+    def _execute(self, identity: bytes, cmd: Cmd, rid: int, body: dict) -> None:
+        try:
+            self.control.send_reply(identity, rid, self.handle(cmd, body))
+        except Exception as e:
+            log.error("%s failed:\n%s", cmd.name, traceback.format_exc())
+            self.control.send_reply(identity, rid, error=f"{cmd.name}: {type(e).__name__}: {e}")
+
+    def close(self) -> None:
+        self.control.close()
+        self.data.close()
+        self.client.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,57 @@
+"""Per-process set-up shared by every realcore worker: threads, parent-death signal, name, SIGTERM."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+_PR_SET_NAME = 15
+_PR_SET_PDEATHSIG = 1
+
+
+def _prctl(option: int, arg) -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(option, arg, 0, 0, 0)
+    except OSError:  # not Linux: nothing to do
+        pass
+
+
+def die_with_parent() -> None:
+    """The kernel sends SIGKILL to this process when its parent dies (Linux); safe in preexec_fn."""
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def set_title(name: str) -> None:
+    _prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]))
+
+
+def set_threads(n: int) -> None:
+    """Pin torch/OpenMP threads: two threads per process are pathologically slow on these CPUs."""
+    os.environ["OMP_NUM_THREADS"] = str(n)
+    import torch
+
+    torch.set_num_threads(n)
+    try:
+        torch.set_num_interop_threads(n)
+    except RuntimeError:  # already set once in this process
+        pass
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit so `finally` blocks and atexit handlers run."""
+
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def setup_worker_process(name: str, threads: int) -> None:
+    if os.getppid() == 1:  # parent already gone before we could ask to be told
+        sys.exit(1)
+    die_with_parent()
+    set_title(name)
+    set_threads(threads)
+    exit_on_sigterm()

@@ -1,0 +1,39 @@
+from setuptools import find_packages, setup
+
+# torch is pinned to the release whose CPU wheel CI installs; a bare `torch` would pull a multi-GB
+# CUDA build on a machine with no torch. GPU users install their CUDA build of the same release.
+install_requires = [
+    "torch==2.13.0",
+    "transformers==5.23.0",
+    "tokenizers>=0.22",
+    "safetensors>=0.4",
+    "accelerate>=1.0",
+    "gguf>=0.10",
+    "pyzmq==27.3.0",
+    "msgpack>=1.0",
+    "pydantic>=2.7,<3",
+    "hydra-core==1.3.8",
+    "networkx>=3.2",
+    "matplotlib>=3.8",
+    "sympy>=1.12",
+    "tensorboard>=2.15",
+    "reasoning-gym==0.1.25",
+    "numpy",
+]
+
+setup(
+    name="realcore",
+    version="0.1.0",
+    description="Reinforcement learning for LLMs: a master/worker system driven by a dataflow graph",
+    packages=find_packages(include=["realcore", "realcore.*"]),
+    python_requires=">=3.10",
+    install_requires=install_requires,
+    extras_require={
+        "dev": ["pytest>=8", "pytest-timeout>=2.3"],
+        # Filled by later issues: Megatron-core backend, SGLang / vLLM servers, Ray scheduler.
+        "megatron": [],
+        "sglang": [],
+        "vllm": [],
+        "ray": [],
+    },
+)

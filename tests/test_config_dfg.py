@@ -1,0 +1,128 @@
+"""Config composition and validation; dataflow graph build, validation, drawing."""
+
+import pytest
+
+from realcore.api.alloc import ParallelDims, parse_allocation_mode
+from realcore.api.registry import dataset_keys, register_mfc
+from realcore.dfg.draw import draw
+from realcore.dfg.graph import GraphError, build_graph
+from realcore.launch.config_loader import ConfigError, import_user_modules, load_config
+
+
+def cfg_with(*overrides):
+    cfg = load_config(["experiment=ppo-math", "output_dir=/tmp/unused", *overrides])
+    import_user_modules(cfg)
+    return cfg
+
+
+def test_compose_defaults_and_overrides():
+    cfg = cfg_with("trainer.total_steps=3", "model=tiny", "generation.n_samples=2")
+    assert cfg.trainer.total_steps == 3 and cfg.generation.n_samples == 2
+    assert [m.name for m in cfg.mfcs] == ["actor_gen", "reward", "ref_inf", "actor_train"]
+    assert cfg.ref is not None and not cfg.ref.trainable
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("trainer.totl_steps=5", "trainer.totl_steps: unknown key"),
+        ("+trainer.zz=1", "trainer.zz: unknown key"),
+        ("trainer.total_steps=abc", "trainer.total_steps: Input should be a valid integer"),
+        ("trainer.total_steps=-1", "trainer.total_steps: Input should be greater than 0"),
+        ("model=nope", "model=nope: no such model config (available: smollm2-135m, tiny)"),
+        ("mfcs.0.type=1", "mfcs[0].type: Input should be a valid string"),
+        ("notakeyvalue", "expected key=value"),
+    ],
+)
+def test_bad_config_is_one_clear_line(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(["experiment=ppo-math", override])
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_graph_from_ppo_math():
+    cfg = cfg_with()
+    dfg = build_graph(cfg, dataset_keys(cfg.dataset))
+    assert dfg.order() == ["actor_gen", "reward", "ref_inf", "actor_train"]
+    assert dfg.levels() == [["actor_gen"], ["ref_inf", "reward"], ["actor_train"]]
+    assert dfg.nodes["ref_inf"].outputs == ("ref_logprobs",)
+    assert sorted(dfg.graph.edges["actor_gen", "actor_train"]["keys"]) == ["behav_logprobs", "input_ids", "loss_mask"]
+
+
+def _mfcs(cfg):
+    return [m.model_dump() for m in cfg.mfcs]
+
+
+def _rebuild(cfg, mfcs):
+    bad = cfg.model_copy(update={"mfcs": [type(cfg.mfcs[0]).model_validate(m) for m in mfcs]})
+    return build_graph(bad, dataset_keys(bad.dataset))
+
+
+def test_missing_producer_names_node_and_key():
+    cfg = cfg_with()
+    mfcs = _mfcs(cfg)
+    mfcs[3]["inputs"][3] = "rewardz"
+    with pytest.raises(GraphError, match=r"mfcs\[3\] \(actor_train\).inputs: key 'rewardz' has no producer"):
+        _rebuild(cfg, mfcs)
+
+
+def test_cycle_is_rejected():
+    cfg = cfg_with()
+    mfcs = _mfcs(cfg)
+    mfcs[0]["inputs"] = ["prompt_ids", "rewards"]  # generate now depends on reward, which depends on it
+    with pytest.raises(GraphError, match=r"cycle .*actor_gen.*reward"):
+        _rebuild(cfg, mfcs)
+
+
+def test_duplicate_producer_unknown_type_unknown_model():
+    cfg = cfg_with()
+    mfcs = _mfcs(cfg)
+    mfcs[2]["output_remap"] = {"logprobs": "rewards"}
+    with pytest.raises(GraphError, match=r"mfcs\[2\] \(ref_inf\).outputs: key 'rewards' is already produced by 'reward'"):
+        _rebuild(cfg, mfcs)
+    mfcs = _mfcs(cfg)
+    mfcs[1]["type"] = "rewardd"
+    with pytest.raises(GraphError, match=r"mfcs\[1\] \(reward\).type: unknown MFC type 'rewardd'"):
+        _rebuild(cfg, mfcs)
+    mfcs = _mfcs(cfg)
+    mfcs[2]["model"] = "critic"
+    with pytest.raises(GraphError, match=r"mfcs\[2\] \(ref_inf\).model: unknown model 'critic'"):
+        _rebuild(cfg, mfcs)
+    mfcs = _mfcs(cfg)
+    mfcs[3]["inputs"].remove("ref_logprobs")
+    with pytest.raises(GraphError, match=r"ppo.kl_coef > 0"):
+        _rebuild(cfg, mfcs)
+
+
+def test_user_mfc_registered_from_yaml(tmp_path, monkeypatch):
+    (tmp_path / "my_mfcs.py").write_text(
+        "from realcore.api.registry import register_mfc\n"
+        "@register_mfc('length_bonus')\n"
+        "class LengthBonus:\n"
+        "    needs_model = False\n"
+        "    trains = False\n"
+        "    def __init__(self, cfg, mfc): pass\n"
+        "    def run(self, model, batch): return {}\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    cfg = cfg_with("imports=[my_mfcs]")
+    mfcs = _mfcs(cfg) + [{"name": "bonus", "type": "length_bonus", "inputs": ["input_ids"]}]
+    dfg = _rebuild(cfg, mfcs)
+    assert "bonus" in dfg.nodes and dfg.graph.has_edge("actor_gen", "bonus")
+
+
+def test_draw_png(tmp_path):
+    cfg = cfg_with()
+    path = tmp_path / "dfg.png"
+    draw(build_graph(cfg, dataset_keys(cfg.dataset)), str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_allocation_mode():
+    assert parse_allocation_mode("d2p1t1").train == ParallelDims(dp=2)
+    a = parse_allocation_mode("local.d1p1t1+d2p2t2c1e1")
+    assert a.backend == "local" and a.gen == ParallelDims() and a.train.world_size == 8
+    assert parse_allocation_mode("d4m2").train.tp == 2
+    with pytest.raises(ValueError, match="cannot parse"):
+        parse_allocation_mode("x2")

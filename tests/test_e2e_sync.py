@@ -1,0 +1,163 @@
+"""End-to-end: the launcher starts a master and 2 model workers (DP=2 over gloo) as processes.
+
+Real processes, real sockets, a real (tiny) model. Also: no process is left behind when a worker
+is killed or the launcher is interrupted, and a forged message is dropped while the run goes on.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import zmq
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["model=tiny", "trainer.batch_size=4", "generation.n_samples=2", "generation.max_new_tokens=8"]
+
+
+def launch_cmd(out, *overrides, cache):
+    return [sys.executable, "-m", "realcore.launch", "experiment=ppo-math", *TINY, f"output_dir={out}",
+            f"model.cache_dir={cache}", f"system.name_resolve.root={out}/nr", *overrides]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("model-cache"))
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purpose; its parent (the test) may not have reaped it yet.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def assert_all_gone(out, timeout=15):
+    pids = json.load(open(os.path.join(out, "pids.json")))
+    deadline = time.time() + timeout
+    while time.time() < deadline and any(alive(p) for p in pids.values()):
+        time.sleep(0.2)
+    assert not [n for n, p in pids.items() if alive(p)], f"left behind: {pids}"
+    return pids
+
+
+def wait_for_metrics(out, n, proc, timeout=240):
+    path = os.path.join(out, "metrics.jsonl")
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, f"launcher exited early with {proc.returncode}"
+        if os.path.exists(path) and len(open(path).read().splitlines()) >= n:
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"no {n} metrics lines within {timeout} s")
+
+
+def test_ppo_math_runs_to_completion(tmp_path, cache):
+    out = str(tmp_path / "run")
+    r = subprocess.run(launch_cmd(out, "trainer.total_steps=3", cache=cache), cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    lines = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
+    assert [m["step"] for m in lines] == [1, 2, 3]
+    for m in lines:
+        for key in ("reward/mean", "loss", "time/step_s", "time/actor_gen_s", "time/reward_s", "time/ref_inf_s", "time/actor_train_s"):
+            assert key in m, key
+        assert 0.0 <= m["reward/mean"] <= 1.0
+    assert lines[-1]["version"] == 3
+    assert open(os.path.join(out, "dfg.png"), "rb").read(4) == b"\x89PNG"
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(os.path.join(out, "tensorboard")))
+    assert "step 3/3" in r.stdout
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(out, "checkpoints", "step_3"))
+    assert model.num_parameters() > 0
+    assert oct(os.stat(os.path.join(out, ".secret")).st_mode & 0o777) == "0o600"
+    assert_all_gone(out)
+
+
+def _forge_and_ping(out):
+    """Send a message signed with a wrong key to model_worker/0, then a real ping: it must be
+    dropped, counted, and the worker must keep answering."""
+    from realcore.system import wire
+    from realcore.system.name_resolve import FileNameResolver, scoped_key
+    from realcore.system.protocol import Cmd, request
+
+    addr = json.loads(FileNameResolver(f"{out}/nr").get(scoped_key("ppo-math", "trial0", "model_worker", "0")))["control"]
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(addr)
+    wire.send(sock, request(Cmd.EXIT, 1, {}), secret=b"not-the-secret" * 3)
+    wire.send(sock, request(Cmd.PING, -99, {}), secret=wire.load_secret(os.path.join(out, ".secret")))
+    _, header, _ = wire.recv(sock, secret=wire.load_secret(os.path.join(out, ".secret")), timeout_s=10)
+    sock.close()
+    return header
+
+
+def test_killed_worker_stops_everything(tmp_path, cache):
+    out = str(tmp_path / "run")
+    proc = subprocess.Popen(launch_cmd(out, "trainer.total_steps=1000", cache=cache), cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_metrics(out, 1, proc)
+        header = _forge_and_ping(out)
+        assert header["ok"] and header["body"]["dropped"] == 1 and header["body"]["state"] == "running"
+        wait_for_metrics(out, 2, proc)  # the forged EXIT changed nothing
+        pids = json.load(open(os.path.join(out, "pids.json")))
+        os.kill(pids["model_worker/1"], signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1
+    assert "model_worker/1 died (killed by SIGKILL)" in err
+    assert_all_gone(out)
+
+
+def test_interrupt_stops_everything(tmp_path, cache):
+    out = str(tmp_path / "run")
+    proc = subprocess.Popen(launch_cmd(out, "trainer.total_steps=1000", cache=cache), cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_metrics(out, 1, proc)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    assert_all_gone(out)
+
+
+def test_killed_launcher_takes_workers_down(tmp_path, cache):
+    out = str(tmp_path / "run")
+    proc = subprocess.Popen(launch_cmd(out, "trainer.total_steps=1000", cache=cache), cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_metrics(out, 1, proc)
+        proc.kill()  # SIGKILL: no clean-up code runs; the kernel's parent-death signal must
+        proc.wait(timeout=10)
+    finally:
+        proc.kill()
+    assert_all_gone(out)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("trainer.totl_steps=5", "trainer.totl_steps: unknown key"),
+        ("trainer.total_steps=five", "trainer.total_steps: Input should be a valid integer"),
+        ("mfcs.3.inputs=[input_ids,loss_mask,behav_logprobs,rewardz,ref_logprobs]",
+         "mfcs[3] (actor_train).inputs: key 'rewardz' has no producer"),
+        ("mfcs.0.inputs=[prompt_ids,rewards]", "mfcs: cycle actor_gen -> reward -> actor_gen"),
+        ("allocation_mode=d2p2t1", "torch supports data parallel only"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(tmp_path, override, message):
+    r = subprocess.run([sys.executable, "-m", "realcore.launch", "experiment=ppo-math", f"output_dir={tmp_path}", override],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], r.stderr
