@@ -107,6 +107,9 @@ class ControlServer:
             if self.sock in events:
                 while self.sock.poll(0):
                     self._handle(self.sock.recv_multipart(copy=False))
+        while not self._out.empty():  # replies queued just before close (e.g. to EXIT) still go out
+            identity, header = self._out.get()
+            wire.send(self.sock, header, secret=self.secret, identity=identity)
 
     def close(self) -> None:
         self._stop.set()

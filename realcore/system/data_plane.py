@@ -47,15 +47,12 @@ class Storage:
             return len(self._data)
 
 
-def _pack(storage: Storage, ids: list[int], keys: list[str]) -> tuple[list[list[int]], list[torch.Tensor]]:
+def _pack(storage: Storage, items: list[tuple[int, str]]) -> tuple[list[int], list[torch.Tensor]]:
     layout, tensors = [], []
-    for sid in ids:
-        row = []
-        for k in keys:
-            seqs = storage.get(sid, k)
-            row.append(len(seqs))
-            tensors.extend(seqs)
-        layout.append(row)
+    for sid, key in items:
+        seqs = storage.get(sid, key)
+        layout.append(len(seqs))
+        tensors.extend(seqs)
     return layout, tensors
 
 
@@ -75,13 +72,13 @@ class DataServer:
     def _serve(self) -> None:
         try:
             identity, header, _ = wire.recv(self.sock, secret=self.secret, router=True)
-            ids, keys, rid = list(header["ids"]), list(header["keys"]), header["rid"]
-        except (wire.BadMessage, KeyError, TypeError) as e:
+            items, rid = [(int(sid), str(key)) for sid, key in header["items"]], header["rid"]
+        except (wire.BadMessage, KeyError, TypeError, ValueError) as e:
             self.dropped += 1
             log.warning("dropped a bad data request (%s)", e)
             return
         try:
-            layout, tensors = _pack(self.storage, ids, keys)
+            layout, tensors = _pack(self.storage, items)
             wire.send(self.sock, {"rid": rid, "layout": layout}, tensors, secret=self.secret, identity=identity)
         except KeyError as e:
             wire.send(self.sock, {"rid": rid, "error": str(e)}, secret=self.secret, identity=identity)
@@ -114,15 +111,15 @@ class DataClient:
             self._socks[address] = s
         return self._socks[address]
 
-    def fetch(self, requests: dict[str, tuple[list[int], list[str]]]) -> dict[int, Sample]:
-        """requests: peer address -> (ids, keys). All peers are asked at once, then read."""
+    def fetch(self, requests: dict[str, list[tuple[int, str]]]) -> dict[tuple[int, str], list[torch.Tensor]]:
+        """requests: peer address -> [(sample id, key)]. All peers are asked at once, then read."""
         sent = {}
-        for address, (ids, keys) in requests.items():
+        for address, items in requests.items():
             self._rid += 1
-            wire.send(self._sock(address), {"rid": self._rid, "ids": ids, "keys": keys}, secret=self.secret)
-            sent[address] = (self._rid, ids, keys)
-        out: dict[int, Sample] = {}
-        for address, (rid, ids, keys) in sent.items():
+            wire.send(self._sock(address), {"rid": self._rid, "items": [list(i) for i in items]}, secret=self.secret)
+            sent[address] = (self._rid, items)
+        out: dict[tuple[int, str], list[torch.Tensor]] = {}
+        for address, (rid, items) in sent.items():
             while True:
                 _, header, tensors = wire.recv(self._sock(address), secret=self.secret, timeout_s=self.timeout_s,
                                                what=f"data fetch from {address}")
@@ -131,11 +128,9 @@ class DataClient:
             if "error" in header:
                 raise KeyError(f"data fetch from {address}: {header['error']}")
             pos = 0
-            for sid, row in zip(ids, header["layout"]):
-                sample = out.setdefault(sid, {})
-                for k, n in zip(keys, row):
-                    sample[k] = tensors[pos : pos + n]
-                    pos += n
+            for item, n in zip(items, header["layout"]):
+                out[item] = tensors[pos : pos + n]
+                pos += n
         return out
 
     def close(self) -> None:

@@ -141,23 +141,17 @@ class ModelWorker:
         return {"ids": ids, "outputs": outputs, "stats": {k: float(v) for k, v in stats.items()}, "n": n}
 
     def _gather(self, ids: list[int], keys: tuple[str, ...], owners: dict[str, list[int]]) -> list[dict]:
-        remote: dict[int, tuple[list[int], list[str]]] = {}
+        """Inputs of the call: local ones from storage, the rest fetched from their owners."""
+        remote: dict[str, list[tuple[int, str]]] = {}
         for k in keys:
             for sid, owner in zip(ids, owners[k]):
                 if owner != self.index:
-                    rids, rkeys = remote.setdefault(owner, ([], []))
-                    if sid not in rids:
-                        rids.append(sid)
-                    if k not in rkeys:
-                        rkeys.append(k)
-        fetched = self.client.fetch({self.peers[o]: req for o, req in remote.items()}) if remote else {}
-        out = []
-        for sid in ids:
-            s = {}
-            for k, owner in ((k, owners[k][ids.index(sid)]) for k in keys):
-                s[k] = self.storage.get(sid, k) if owner == self.index else fetched[sid][k]
-            out.append(s)
-        return out
+                    remote.setdefault(self.peers[owner], []).append((sid, k))
+        fetched = self.client.fetch(remote) if remote else {}
+        return [
+            {k: fetched[(sid, k)] if owners[k][i] != self.index else self.storage.get(sid, k) for k in keys}
+            for i, sid in enumerate(ids)
+        ]
 
     def save(self, body: dict) -> dict:
         """Rank 0 writes each trainable role in HF format (the actor at the path itself)."""
