@@ -161,3 +161,23 @@ def test_bad_input_exits_2_with_one_line(tmp_path, override, message):
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], r.stderr
+
+
+def test_sft_math_lowers_the_loss(tmp_path, cache):
+    out = str(tmp_path / "run")
+    cmd = [sys.executable, "-m", "realcore.launch", "experiment=sft-math", "model=tiny", "trainer.total_steps=8",
+           f"output_dir={out}", f"model.cache_dir={cache}", f"system.name_resolve.root={out}/nr"]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    losses = [json.loads(x)["loss"] for x in open(os.path.join(out, "metrics.jsonl"))]
+    assert len(losses) == 8 and losses[-1] < losses[0]
+    assert os.path.exists(os.path.join(out, "checkpoints", "step_8", "model.safetensors"))
+
+
+def test_dfg_show_writes_png(tmp_path):
+    png = tmp_path / "g.png"
+    r = subprocess.run([sys.executable, "-m", "realcore.dfg", "show", "experiment=ppo-math", f"out={png}"],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "actor_train [ppo_update on actor]" in r.stdout
+    assert png.read_bytes()[:4] == b"\x89PNG"

@@ -35,6 +35,7 @@ def draw(dfg: DataFlowGraph, path: str) -> None:
     nx.draw_networkx_labels(g, pos, labels=labels, ax=ax, font_size=8)
     nx.draw_networkx_edges(g, pos, ax=ax, arrows=True, arrowsize=15, node_size=3800)
     nx.draw_networkx_edge_labels(g, pos, edge_labels=nx.get_edge_attributes(g, "label"), ax=ax, font_size=7)
+    ax.margins(x=0.08, y=0.2)  # keep node circles inside the canvas
     ax.set_axis_off()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -163,10 +163,14 @@ class WorkerPool:
 
     def _on_reply(self, worker: str, frames) -> None:
         try:
-            header, _ = wire.decode(frames, self.secret)
+            header, tensors = wire.decode(frames, self.secret)
             rid = int(header["rid"])
         except (wire.BadMessage, KeyError, ValueError, TypeError):
             self.dropped += 1
+            return
+        if tensors:  # the master moves metadata only; tensors go worker to worker
+            self.dropped += 1
+            log.error("dropped a reply from %s carrying %d tensors", worker, len(tensors))
             return
         self.last_reply[worker] = time.monotonic()
         with self._lock:

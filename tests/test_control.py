@@ -1,0 +1,134 @@
+"""Control plane: requests and replies, forged messages, heartbeats, deadlines, pause/start."""
+
+import threading
+import time
+
+import pytest
+import zmq
+
+from realcore.launch.config_loader import import_user_modules, load_config
+from realcore.system import wire
+from realcore.system.buffer import SampleBuffer, split_balanced
+from realcore.system.control import ControlServer, WorkerPool, wait_all
+from realcore.system.protocol import Cmd, RemoteError, WorkerLost, request
+
+SECRET = b"s" * 32
+
+
+def serve(server: ControlServer, stop: threading.Event):
+    """A minimal worker loop: echo the body back, fail on CLEAR."""
+    while not stop.is_set():
+        try:
+            identity, cmd, rid, body = server.requests.get(timeout=0.1)
+        except Exception:
+            continue
+        if cmd == Cmd.CLEAR:
+            server.send_reply(identity, rid, error="no such samples")
+        else:
+            server.send_reply(identity, rid, {"echo": body, "cmd": int(cmd)})
+
+
+@pytest.fixture
+def pair():
+    server = ControlServer("127.0.0.1", SECRET, status=lambda: {"state": "running"})
+    stop = threading.Event()
+    t = threading.Thread(target=serve, args=(server, stop), daemon=True)
+    t.start()
+    pool = WorkerPool({"w0": server.address}, SECRET, heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0)
+    yield server, pool
+    stop.set()
+    pool.close()
+    server.close()
+
+
+def test_request_reply_and_remote_error(pair):
+    server, pool = pair
+    assert pool.request("w0", Cmd.FETCH, {"n": 3}).result(5) == {"echo": {"n": 3}, "cmd": int(Cmd.FETCH)}
+    with pytest.raises(RemoteError, match="w0: no such samples"):
+        pool.request("w0", Cmd.CLEAR, {"ids": [1]}).result(5)
+
+
+def test_forged_message_dropped_and_counted(pair):
+    server, pool = pair
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(server.address)
+    wire.send(sock, request(Cmd.EXIT, 7, {}), secret=b"x" * 32)
+    sock.send_multipart([b"garbage"])
+    sock.close(linger=1000)
+    deadline = time.time() + 5
+    while server.dropped < 2 and time.time() < deadline:
+        time.sleep(0.02)
+    assert server.dropped == 2
+    assert server.requests.empty()  # the forged EXIT never reached the worker's loop
+    assert pool.request("w0", Cmd.START).result(5)["cmd"] == int(Cmd.START)
+    time.sleep(0.3)
+    assert pool.status["w0"]["dropped"] == 2 and pool.status["w0"]["state"] == "running"
+
+
+def test_lost_worker_fails_pending_requests(pair):
+    server, pool = pair
+    server.close()  # stops answering, including pings
+    fut = pool.request("w0", Cmd.FETCH, {})
+    with pytest.raises(WorkerLost, match="w0: no heartbeat for 1 s"):
+        fut.result(5)
+    with pytest.raises(WorkerLost):
+        pool.request("w0", Cmd.FETCH, {}).result(1)
+
+
+def test_wait_all_deadline_names_late_workers(pair):
+    from concurrent.futures import Future
+
+    with pytest.raises(TimeoutError, match="configure: no reply from w1 within 0.2 s"):
+        wait_all({"w1": Future()}, 0.2, "configure")
+
+
+def test_model_worker_pause_holds_requests(tmp_path):
+    from realcore.system.model_worker import ModelWorker
+
+    cfg = load_config(["experiment=ppo-math", f"output_dir={tmp_path}", f"system.name_resolve.root={tmp_path}/nr"])
+    import_user_modules(cfg)
+    worker = ModelWorker(cfg, 0, 1, SECRET)
+    t = threading.Thread(target=worker.run, daemon=True)
+    t.start()
+    pool = WorkerPool({"mw0": worker.control.address}, SECRET, heartbeat_interval_s=0.1, heartbeat_timeout_s=5)
+    try:
+        assert pool.request("mw0", Cmd.PAUSE).result(5) == {}
+        held = pool.request("mw0", Cmd.CLEAR, {"ids": [1]})
+        time.sleep(0.5)
+        assert not held.done()  # paused: queued, not executed
+        time.sleep(0.2)
+        assert pool.status["mw0"]["state"] == "paused"  # pings still answered
+        pool.request("mw0", Cmd.START).result(5)
+        assert held.result(5) == {}
+        assert pool.request("mw0", Cmd.EXIT).result(5) == {}
+        t.join(5)
+        assert not t.is_alive()
+    finally:
+        pool.close()
+        worker.close()
+
+
+def test_buffer_readiness_and_balanced_split():
+    cfg = load_config(["experiment=ppo-math", "output_dir=/tmp/unused"])
+    import_user_modules(cfg)
+    from realcore.api.registry import dataset_keys
+    from realcore.dfg.graph import build_graph
+
+    dfg = build_graph(cfg, dataset_keys(cfg.dataset))
+    nodes = [dfg.nodes[n] for n in dfg.order()]
+    buf = SampleBuffer(nodes)
+    n = cfg.trainer.batch_size
+    buf.add(0, list(range(n)), {"prompt_ids": [[5]] * n, "answer": [[2]] * n})
+    gen, reward = dfg.nodes["actor_gen"], dfg.nodes["reward"]
+    assert buf.ready(reward) is None and buf.ready(gen) == list(range(n))
+    buf.start(gen, list(range(n)))
+    assert buf.ready(gen) is None  # running: not handed out twice
+    buf.add(1, list(range(n)), {k: [[9, 9]] * n for k in ("input_ids", "loss_mask", "behav_logprobs")})
+    buf.finish(gen, list(range(n)))
+    assert buf.ready(reward) == list(range(n))
+    assert buf.owners([0], reward.inputs) == {"input_ids": [1], "loss_mask": [1], "answer": [0]}
+    assert buf.completed() == []
+
+    parts = split_balanced(list(range(6)), [10, 1, 1, 1, 1, 6], 2)
+    assert sorted(len(p) for p in parts) == [3, 3]
+    assert sorted(sum([10, 1, 1, 1, 1, 6][i] for i in p) for p in parts) == [8, 12]  # the best split with equal counts
