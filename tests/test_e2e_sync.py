@@ -181,3 +181,20 @@ def test_dfg_show_writes_png(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "actor_train [ppo_update on actor]" in r.stdout
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_second_launch_of_a_live_trial_is_refused(tmp_path, cache):
+    out = str(tmp_path / "run")
+    proc = subprocess.Popen(launch_cmd(out, "trainer.total_steps=1000", cache=cache), cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_metrics(out, 1, proc)
+        r = subprocess.run(launch_cmd(str(tmp_path / "run2"), f"system.name_resolve.root={out}/nr", cache=cache),
+                           cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "ppo-math/trial0 is already running here" in r.stderr
+        wait_for_metrics(out, 2, proc)  # the first run was not disturbed
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    assert_all_gone(out)

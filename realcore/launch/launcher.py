@@ -17,6 +17,7 @@ from realcore.api.registry import dataset_keys
 from realcore.dfg.graph import DataFlowGraph, GraphError, build_graph
 from realcore.launch.config_loader import ConfigError, import_user_modules, load_config
 from realcore.launch.local import Proc, describe_exit, spawn, stop_all, tail
+from realcore.system.name_resolve import make_name_resolver, scoped_key
 
 
 def validate(cfg: ExperimentConfig) -> tuple[DataFlowGraph, int]:
@@ -72,6 +73,19 @@ def child_env(cfg: ExperimentConfig) -> dict:
     return env
 
 
+def live_workers(entries: dict[str, str]) -> list[int]:
+    """Pids of this host's processes that an earlier run of the same experiment/trial published."""
+    pids = []
+    for value in entries.values():
+        try:
+            pid = int(json.loads(value)["pid"])
+            os.kill(pid, 0)
+        except (ValueError, KeyError, TypeError, ProcessLookupError, PermissionError):
+            continue
+        pids.append(pid)
+    return pids
+
+
 def watch(procs: list[Proc], grace_s: float) -> int:
     interrupted: list[int] = []
 
@@ -115,11 +129,16 @@ def main(argv: list[str]) -> int:
     except (ConfigError, GraphError) as e:
         print(f"realcore: config error: {e}", file=sys.stderr)
         return 2
+    resolver = make_name_resolver(cfg.system.name_resolve)
+    scope = scoped_key(cfg.experiment_name, cfg.trial_name)
+    live = live_workers(resolver.find(scope))
+    if live:
+        print(f"realcore: {cfg.experiment_name}/{cfg.trial_name} is already running here "
+              f"(pid {live[0]}); stop it or pick another trial_name", file=sys.stderr)
+        return 2
+    resolver.clear(scope)  # a stale address from an earlier run would send workers to a dead port
     cfg.output_dir = os.path.abspath(cfg.output_dir)
     config_path, secret_path = prepare_output(cfg, dfg)
-    from realcore.system.name_resolve import make_name_resolver, scoped_key
-
-    make_name_resolver(cfg.system.name_resolve).clear(scoped_key(cfg.experiment_name, cfg.trial_name))
     print(f"realcore: {cfg.experiment_name}/{cfg.trial_name}: master + {n_workers} model workers; output in {cfg.output_dir}", flush=True)
     print(dfg.describe(), flush=True)
 

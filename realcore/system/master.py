@@ -132,7 +132,6 @@ class Master:
         cfg = self.cfg
         self.configure()
         writer = MetricsWriter(cfg.output_dir, cfg.trainer.total_steps)
-        log.info("dataflow graph:\n%s", self.dfg.describe())
         try:
             for step in range(1, cfg.trainer.total_steps + 1):
                 t0 = time.perf_counter()

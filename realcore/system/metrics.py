@@ -11,7 +11,7 @@ class MetricsWriter:
     def __init__(self, output_dir: str, total_steps: int):
         self.total = total_steps
         self.path = os.path.join(output_dir, "metrics.jsonl")
-        self._file = open(self.path, "a", buffering=1)
+        self._file = open(self.path, "w", buffering=1)  # a new run starts a new record (no resume yet)
         from torch.utils.tensorboard import SummaryWriter
 
         self._tb = SummaryWriter(os.path.join(output_dir, "tensorboard"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import os
 import signal
 import sys
@@ -49,9 +50,12 @@ def exit_on_sigterm() -> None:
 
 
 def setup_worker_process(name: str, threads: int) -> None:
-    if os.getppid() == 1:  # parent already gone before we could ask to be told
-        sys.exit(1)
     die_with_parent()
+    if os.getppid() == 1:  # the parent died before we asked to be told
+        sys.exit(1)
+    # A crash prints every thread's stack; `kill -USR1 PID` prints them on demand (a stalled run).
+    faulthandler.enable()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     set_title(name)
     set_threads(threads)
     exit_on_sigterm()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from realcore.api.config import ExperimentConfig
@@ -27,6 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     name = "master" if args.type == "master" else f"model_worker/{args.index}"
     setup_worker_process(f"rc-{name.replace('model_worker/', 'mw')}", cfg.system.threads_per_process)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s", stream=sys.stderr)
+    if args.type == "master":  # the master's output goes to the console; keep a copy with the logs
+        handler = logging.FileHandler(os.path.join(cfg.output_dir, "logs", "master.log"))
+        handler.setFormatter(logging.getLogger().handlers[0].formatter)
+        logging.getLogger().addHandler(handler)
 
     from realcore.system.plugins import load_plugins
     from realcore.system.wire import load_secret
