@@ -19,6 +19,7 @@ install_requires = [
     "tensorboard>=2.15",
     "reasoning-gym==0.1.25",
     "numpy",
+    "aiohttp>=3.9",
 ]
 
 setup(

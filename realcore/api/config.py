@@ -85,6 +85,7 @@ class GenerationConfig(_Strict):
     top_k: int = Field(0, ge=0, description="0 disables top-k")
     greedy: bool = False
     stop_token_ids: list[int] = Field(default_factory=list, description="in addition to the EOS token")
+    ignore_eos: bool = Field(False, description="keep generating past EOS (benchmarks, tests)")
     max_batch_size: int = Field(64, gt=0, description="prompts decoded together")
 
 
@@ -98,6 +99,8 @@ class PPOConfig(_Strict):
     adv_norm: Literal["group", "batch", "none"] = "group"
     adv_eps: float = Field(1e-6, gt=0)
     ppo_n_minibatches: int = Field(1, gt=0)
+    use_decoupled_loss: bool = Field(False, description="decoupled PPO: ratio against prox_logprobs, behaviour weight")
+    behav_imp_weight_cap: float | None = Field(None, gt=1, description="mask tokens whose behaviour weight exceeds it")
     ppo_epochs: int = Field(1, gt=0)
 
 
@@ -105,6 +108,20 @@ class RewardConfig(_Strict):
     """The `reward` MFC's scoring function."""
 
     type: str = Field("math", description="a registered reward: fn(response_text, answer_text) -> float")
+
+
+class RolloutConfig(_Strict):
+    """Asynchronous mode: rollout workers, generation servers, staleness control (AReaL's names)."""
+
+    n_workers: int = Field(2, gt=0, description="rollout worker processes")
+    agent: str = Field("math-single-step", description="a registered agent")
+    max_head_offpolicyness: int = Field(0, ge=0, description="eta: admitted rollouts are at most this many versions stale")
+    max_concurrent_rollouts: int = Field(16, gt=0, description="rollouts in flight across all rollout workers")
+    routing: Literal["round_robin", "least_requests"] = "least_requests"
+    weight_update: Literal["disk", "memory"] = Field("disk", description="disk: HF safetensors; memory: tensors over the wire (built-in servers)")
+    filter_equal_reward_groups: bool = Field(False, description="dynamic filtering: drop groups whose rewards are all equal")
+    request_timeout_s: float = Field(600.0, gt=0, description="deadline for one generation request")
+    server_token: str | None = Field(None, description="bearer token; required when a server binds a non-loopback address")
 
 
 class TrainerConfig(_Strict):
@@ -150,7 +167,7 @@ class ExperimentConfig(_Strict):
     trial_name: str = "trial0"
     output_dir: str
     seed: int = 1
-    mode: Literal["sync"] = "sync"
+    mode: Literal["sync", "async"] = "sync"
     scheduler: Literal["local"] = "local"
     allocation_mode: str = Field("d2p1t1", description="AReaL form, e.g. d2p1t1")
     imports: list[str] = Field(default_factory=list, description="user modules loaded before the graph is built")
@@ -161,6 +178,7 @@ class ExperimentConfig(_Strict):
     generation: GenerationConfig = GenerationConfig()
     ppo: PPOConfig = PPOConfig()
     reward: RewardConfig = RewardConfig()
+    rollout: RolloutConfig = RolloutConfig()
     trainer: TrainerConfig = TrainerConfig()
     mfcs: list[MFCConfig] = Field(default_factory=list)
     system: SystemConfig = SystemConfig()
