@@ -7,7 +7,7 @@ import sys
 
 def main(argv: list[str]) -> int:
     from realcore.launch.config_loader import ConfigError, import_user_modules, load_config
-    from realcore.api.registry import dataset_keys
+    from realcore.system.master import source_keys
     from realcore.dfg.draw import draw
     from realcore.dfg.graph import GraphError, build_graph
 
@@ -24,7 +24,7 @@ def main(argv: list[str]) -> int:
     try:
         cfg = load_config(overrides)
         import_user_modules(cfg)
-        dfg = build_graph(cfg, dataset_keys(cfg.dataset))
+        dfg = build_graph(cfg, source_keys(cfg))
     except (ConfigError, GraphError, KeyError) as e:
         print(f"realcore: config error: {e}", file=sys.stderr)
         return 2

@@ -101,7 +101,7 @@ def build_graph(cfg: ExperimentConfig, source_keys: tuple[str, ...]) -> DataFlow
     for i, n in enumerate(nodes.values()):
         for k in n.outputs:
             if k in source_keys:
-                raise GraphError(f"mfcs[{i}] ({n.name}).outputs: key {k!r} is also provided by the dataset")
+                raise GraphError(f"mfcs[{i}] ({n.name}).outputs: key {k!r} is also provided by the data source")
             if k in producer:
                 raise GraphError(f"mfcs[{i}] ({n.name}).outputs: key {k!r} is already produced by {producer[k]!r}")
             producer[k] = n.name
@@ -115,7 +115,7 @@ def build_graph(cfg: ExperimentConfig, source_keys: tuple[str, ...]) -> DataFlow
             if k not in producer:
                 raise GraphError(
                     f"mfcs[{i}] ({n.name}).inputs: key {k!r} has no producer "
-                    f"(dataset provides: {', '.join(source_keys)}; MFCs produce: {', '.join(producer) or 'nothing'})"
+                    f"(data source provides: {', '.join(source_keys)}; MFCs produce: {', '.join(producer) or 'nothing'})"
                 )
             src = producer[k]
             if g.has_edge(src, n.name):

@@ -11,30 +11,40 @@ import signal
 import sys
 import time
 
-from realcore.api.alloc import parse_allocation_mode
+from realcore.api.alloc import AllocationMode, parse_allocation_mode
 from realcore.api.config import ExperimentConfig
-from realcore.api.registry import dataset_keys
+from realcore.api.registry import lookup
 from realcore.dfg.graph import DataFlowGraph, GraphError, build_graph
 from realcore.launch.config_loader import ConfigError, import_user_modules, load_config
 from realcore.launch.local import Proc, describe_exit, spawn, stop_all, tail
+from realcore.system.master import source_keys
 from realcore.system.name_resolve import make_name_resolver, scoped_key
 
 
-def validate(cfg: ExperimentConfig) -> tuple[DataFlowGraph, int]:
-    """Everything that can be checked before a process starts. Returns the graph and #model workers."""
+def validate(cfg: ExperimentConfig) -> tuple[DataFlowGraph, AllocationMode]:
+    """Everything that can be checked before a process starts."""
     import_user_modules(cfg)
     try:
         alloc = parse_allocation_mode(cfg.allocation_mode)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if alloc.gen is not None:
+    if cfg.mode == "sync" and alloc.gen is not None:
         raise ConfigError(f"allocation_mode: {cfg.allocation_mode!r} has generation servers; mode=sync colocates generation (use e.g. d2p1t1)")
+    if cfg.mode == "async":
+        if alloc.gen is None:
+            raise ConfigError(f"allocation_mode: mode=async needs generation servers, e.g. local.d2p1t1+{cfg.allocation_mode}")
+        if alloc.backend != "local" or alloc.gen.world_size != alloc.gen.dp:
+            raise ConfigError(f"allocation_mode: {cfg.allocation_mode!r}: the launcher starts built-in servers (local.dN) only so far")
+        try:
+            lookup("agent", cfg.rollout.agent)
+        except KeyError as e:
+            raise ConfigError(f"rollout.agent: {e.args[0]}") from None
     mesh = alloc.train
     for role, r in cfg.roles().items():
         if r.backend == "torch" and (mesh.pp, mesh.tp, mesh.cp, mesh.ep) != (1, 1, 1, 1):
             raise ConfigError(f"allocation_mode: {role}.backend=torch supports data parallel only (got {cfg.allocation_mode}); use pN/tN with the megatron backend")
     try:
-        keys = dataset_keys(cfg.dataset)
+        keys = source_keys(cfg)
     except KeyError as e:
         raise ConfigError(f"dataset.type: {e.args[0]}") from None
     dfg = build_graph(cfg, keys)
@@ -43,7 +53,7 @@ def validate(cfg: ExperimentConfig) -> tuple[DataFlowGraph, int]:
             raise ConfigError(f"mfcs ({node.name}).n_seqs: {node.n_seqs} samples < data-parallel size {mesh.dp}")
         if cfg.trainer.batch_size % node.n_seqs:
             raise ConfigError(f"mfcs ({node.name}).n_seqs: {node.n_seqs} does not divide trainer.batch_size {cfg.trainer.batch_size}")
-    return dfg, mesh.world_size
+    return dfg, alloc
 
 
 def prepare_output(cfg: ExperimentConfig, dfg: DataFlowGraph) -> tuple[str, str]:
@@ -116,10 +126,31 @@ def watch(procs: list[Proc], grace_s: float) -> int:
             signal.signal(s, h)
 
 
+def start_processes(cfg: ExperimentConfig, alloc: AllocationMode, config_path: str, secret_path: str) -> list[Proc]:
+    """Model workers (the training mesh), then in async mode generation servers, their manager and
+    rollout workers; the master last (it waits for the others' addresses anyway)."""
+    env = child_env(cfg)
+    logs = os.path.join(cfg.output_dir, "logs")
+    n_servers = alloc.gen.dp if alloc.gen is not None else 0
+    common = ["--world", str(alloc.train.world_size), "--config", config_path, "--secret-file", secret_path,
+              "--n-servers", str(n_servers)]
+    kinds = [("model_worker", alloc.train.world_size)]
+    if cfg.mode == "async":
+        kinds += [("gen_server", n_servers), ("gserver_manager", 1), ("rollout_worker", cfg.rollout.n_workers)]
+    procs = []
+    for kind, count in kinds:
+        for i in range(count):
+            name = kind if kind == "gserver_manager" else f"{kind}/{i}"
+            log = os.path.join(logs, name.replace("/", "-") + ".log")
+            procs.append(spawn(name, ["--type", kind, "--index", str(i), *common], env=env, log_path=log))
+    procs.insert(0, spawn("master", ["--type", "master", *common], env=env, log_path=None))
+    return procs
+
+
 def main(argv: list[str]) -> int:
     try:
         cfg = load_config(argv)
-        dfg, n_workers = validate(cfg)
+        dfg, alloc = validate(cfg)
         from realcore.backends.models import prepare_model
 
         try:
@@ -139,15 +170,9 @@ def main(argv: list[str]) -> int:
     resolver.clear(scope)  # a stale address from an earlier run would send workers to a dead port
     cfg.output_dir = os.path.abspath(cfg.output_dir)
     config_path, secret_path = prepare_output(cfg, dfg)
-    print(f"realcore: {cfg.experiment_name}/{cfg.trial_name}: master + {n_workers} model workers; output in {cfg.output_dir}", flush=True)
+    procs = start_processes(cfg, alloc, config_path, secret_path)
+    print(f"realcore: {cfg.experiment_name}/{cfg.trial_name}: {', '.join(p.name for p in procs)}; output in {cfg.output_dir}", flush=True)
     print(dfg.describe(), flush=True)
-
-    env = child_env(cfg)
-    logs = os.path.join(cfg.output_dir, "logs")
-    common = ["--world", str(n_workers), "--config", config_path, "--secret-file", secret_path]
-    procs = [spawn(f"model_worker/{i}", ["--type", "model_worker", "--index", str(i), *common], env=env,
-                   log_path=os.path.join(logs, f"model_worker-{i}.log")) for i in range(n_workers)]
-    procs.insert(0, spawn("master", ["--type", "master", *common], env=env, log_path=None))
     with open(os.path.join(cfg.output_dir, "pids.json"), "w") as f:
         json.dump({p.name: p.popen.pid for p in procs}, f)
     rc = watch(procs, cfg.system.shutdown_timeout_s)

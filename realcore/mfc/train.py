@@ -24,12 +24,14 @@ class PPOUpdate:
     def check_config(cls, cfg, mfc) -> None:
         reads = {mfc.input_remap.get(k, k) for k in mfc.inputs}
         need = {"input_ids", "loss_mask", "behav_logprobs", "rewards"}
+        why = {}
         if cfg.ppo.kl_coef > 0:
-            need.add("ref_logprobs")
-        missing = sorted(need - reads)
+            why["ref_logprobs"] = " (ppo.kl_coef > 0)"
+        if cfg.ppo.use_decoupled_loss:
+            why["prox_logprobs"] = " (ppo.use_decoupled_loss)"
+        missing = sorted(need - reads) or sorted(set(why) - reads)
         if missing:
-            why = " (ppo.kl_coef > 0)" if missing == ["ref_logprobs"] else ""
-            raise ValueError(f"inputs: ppo_update reads {missing}{why}")
+            raise ValueError(f"inputs: ppo_update reads {missing}{why.get(missing[0], '') if len(missing) == 1 else ''}")
 
     def __init__(self, cfg, mfc):
         self.ppo = cfg.ppo
@@ -37,9 +39,12 @@ class PPOUpdate:
 
     def loss_fn(self, logprobs, entropy, data):
         mask = data["loss_mask"].float()
+        decoupled = self.ppo.use_decoupled_loss
         loss, stats = ppo_actor_loss(
             logprobs, data["behav_logprobs"], data["advantages"], mask,
             eps_clip=self.ppo.eps_clip, c_clip=self.ppo.c_clip,
+            prox_logprobs=data["prox_logprobs"] if decoupled else None,
+            behav_imp_weight_cap=self.ppo.behav_imp_weight_cap if decoupled else None,
         )
         stats = {f"ppo/{k}": v for k, v in stats.items()}
         stats["ppo/entropy"] = (entropy.detach() * mask).sum() / mask.sum().clamp(min=1)
@@ -52,13 +57,15 @@ class PPOUpdate:
 
     def run(self, model, batch: SequenceSample):
         group_sizes = batch.group_sizes("input_ids")
-        rewards = torch.cat(batch.flat("rewards")).float()
+        rewards = torch.cat(batch.flat("rewards")).float() if len(batch) else torch.zeros(0)
         adv = group_advantages(rewards, group_sizes, norm=self.ppo.adv_norm, eps=self.ppo.adv_eps)
         data = {k: batch.flat(k) for k in ("input_ids", "loss_mask", "behav_logprobs")}
         # The sequence's advantage on every token; loss_mask keeps only the response.
         data["advantages"] = [torch.full((len(x),), float(a)) for x, a in zip(data["input_ids"], adv)]
         if self.ppo.kl_coef > 0:
             data["ref_logprobs"] = batch.flat("ref_logprobs")
+        if self.ppo.use_decoupled_loss:
+            data["prox_logprobs"] = batch.flat("prox_logprobs")
         stats = {}
         for _ in range(self.ppo.ppo_epochs):
             stats = model.train_batch(

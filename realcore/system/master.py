@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
@@ -21,12 +22,25 @@ from realcore.system.control import WorkerPool, wait_all
 from realcore.system.metrics import MetricsWriter
 from realcore.system.name_resolve import make_name_resolver, scoped_key
 from realcore.system.protocol import Cmd
+from realcore.system.stream import STREAM_KEYS
 
 log = logging.getLogger("realcore.master")
 
 
 def model_worker_key(cfg: ExperimentConfig, index: int) -> str:
     return scoped_key(cfg.experiment_name, cfg.trial_name, "model_worker", str(index))
+
+
+MANAGER = "gserver_manager"
+
+
+def manager_key(cfg: ExperimentConfig) -> str:
+    return scoped_key(cfg.experiment_name, cfg.trial_name, MANAGER)
+
+
+def source_keys(cfg: ExperimentConfig) -> tuple[str, ...]:
+    """What feeds the graph: the dataset (sync) or the rollout workers' trajectory stream (async)."""
+    return STREAM_KEYS if cfg.mode == "async" else dataset_keys(cfg.dataset)
 
 
 def merge_stats(replies: list[dict], into: dict) -> None:
@@ -41,22 +55,30 @@ class Master:
     def __init__(self, cfg: ExperimentConfig, secret: bytes, n_workers: int):
         self.cfg = cfg
         self.n_workers = n_workers
-        self.dfg: DataFlowGraph = build_graph(cfg, dataset_keys(cfg.dataset))
+        self.dfg: DataFlowGraph = build_graph(cfg, source_keys(cfg))
         self.nodes = [self.dfg.nodes[n] for n in self.dfg.order()]
         self.buffer = SampleBuffer(self.nodes)
         self.names = [f"model_worker/{i}" for i in range(n_workers)]
         resolver = make_name_resolver(cfg.system.name_resolve)
         timeout = cfg.system.startup_timeout_s
-        addrs = {n: json.loads(resolver.wait(model_worker_key(cfg, i), timeout_s=timeout)) for i, n in enumerate(self.names)}
+        addrs = {n: json.loads(resolver.wait(model_worker_key(cfg, i), timeout_s=timeout))["control"]
+                 for i, n in enumerate(self.names)}
+        if cfg.mode == "async":
+            addrs[MANAGER] = resolver.wait(manager_key(cfg), timeout_s=timeout)
         self.pool = WorkerPool(
-            {n: a["control"] for n, a in addrs.items()}, secret,
+            addrs, secret,
             heartbeat_interval_s=cfg.system.heartbeat_interval_s, heartbeat_timeout_s=cfg.system.heartbeat_timeout_s,
         )
         self.next_id = 0
         self.version = 0
 
+    def to_workers(self, cmd: Cmd, body: dict | None = None) -> dict[str, Future]:
+        return {n: self.pool.request(n, cmd, body) for n in self.names}
+
     def configure(self) -> None:
-        replies = wait_all(self.pool.broadcast(Cmd.CONFIGURE), self.cfg.system.startup_timeout_s, "configure")
+        replies = wait_all(self.to_workers(Cmd.CONFIGURE), self.cfg.system.startup_timeout_s, "configure")
+        if self.cfg.mode == "async":
+            return
         rows = sum(r["n_rows"] for r in replies.values())
         skipped: dict[str, int] = {}
         for r in replies.values():
@@ -64,17 +86,55 @@ class Master:
                 skipped[why] = skipped.get(why, 0) + n
         log.info("dataset: %d rows, %d usable, skipped %s", rows, sum(r["n_samples"] for r in replies.values()), skipped or "none")
 
-    def fetch_batch(self) -> None:
-        """New samples from the dataset shards: batch_size split evenly over the workers."""
-        n, w = self.cfg.trainer.batch_size, self.n_workers
-        futs = {}
-        for i, name in enumerate(self.names):
-            k = n // w + (1 if i < n % w else 0)
-            if k:
-                futs[name] = self.pool.request(name, Cmd.FETCH, {"first_id": self.next_id, "n": k})
-                self.next_id += k
-        for name, r in wait_all(futs, self.cfg.system.request_timeout_s, "dataset fetch").items():
-            self.buffer.add(self.names.index(name), r["ids"], r["seqlens"])
+    def fetch_batch(self, metrics: dict) -> None:
+        """New samples: batch_size split evenly over the dataset shards (sync), or the first
+        batch_size trajectories the rollout workers streamed to any model worker (async)."""
+        n, w, timeout = self.cfg.trainer.batch_size, self.n_workers, self.cfg.system.request_timeout_s
+        if self.cfg.mode == "sync":
+            futs = {}
+            for i, name in enumerate(self.names):
+                k = n // w + (1 if i < n % w else 0)
+                if k:
+                    futs[name] = self.pool.request(name, Cmd.FETCH, {"first_id": self.next_id, "n": k})
+                    self.next_id += k
+            for name, r in wait_all(futs, timeout, "dataset fetch").items():
+                self.buffer.add(self.names.index(name), r["ids"], r["seqlens"])
+            return
+        got, versions, dropped, t0 = 0, [], 0, time.monotonic()
+        deadline = t0 + timeout
+        while got < n:
+            for i, name in enumerate(self.names):
+                body = {"first_id": self.next_id, "n": n - got, "version": self.version}
+                r = wait_all({name: self.pool.request(name, Cmd.FETCH, body)}, timeout, "stream fetch")[name]
+                if r["dropped"]:  # the manager must stop counting them, or admission would stall
+                    wait_all({MANAGER: self.pool.request(MANAGER, Cmd.DROP, {"n": r["dropped"]})}, timeout, "drop")
+                    dropped += r["dropped"]
+                self.buffer.add(i, r["ids"], r["seqlens"])
+                self.next_id += len(r["ids"])
+                got += len(r["ids"])
+                versions += r["versions"]
+                if got == n:
+                    break
+            if got < n:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"stream: {got} of {n} trajectories within {timeout:g} s; are the rollout workers and servers alive?")
+                time.sleep(0.05)
+        metrics["time/stream_wait_s"] = time.monotonic() - t0
+        metrics["staleness/dropped"] = dropped
+        # Staleness of this batch against the policy that trains on it (AReaL's head/tail offpolicyness).
+        metrics["staleness/head"] = self.version - min(v[0] for v in versions)
+        metrics["staleness/tail"] = self.version - max(v[0] for v in versions)
+        metrics["staleness/interrupted_frac"] = sum(v[0] != v[1] for v in versions) / len(versions)
+
+    def publish_weights(self) -> None:
+        """Async: write the new version and have the manager move every server onto it."""
+        path = os.path.join(self.cfg.output_dir, "weights", f"v{self.version}")
+        timeout = self.cfg.system.request_timeout_s
+        wait_all(self.to_workers(Cmd.PUBLISH_WEIGHTS, {"path": path}), timeout, "publish weights")
+        wait_all({MANAGER: self.pool.request(MANAGER, Cmd.UPDATE_WEIGHTS, {"path": path, "version": self.version})},
+                 timeout, "weight update")
+        old = os.path.join(self.cfg.output_dir, "weights", f"v{self.version - 2}")
+        shutil.rmtree(old, ignore_errors=True)  # servers are on v-1 or v now
 
     def dispatch(self, node: MFCNode, ids: list[int]) -> dict[str, Future]:
         costs = [self.buffer.tokens(sid, node.inputs) for sid in ids]
@@ -120,12 +180,12 @@ class Master:
 
     def release(self) -> None:
         ids = self.buffer.completed()
-        wait_all(self.pool.broadcast(Cmd.CLEAR, {"ids": ids}), self.cfg.system.request_timeout_s, "release")
+        wait_all(self.to_workers(Cmd.CLEAR, {"ids": ids}), self.cfg.system.request_timeout_s, "release")
         self.buffer.release(ids)
 
     def save(self, step: int) -> None:
         path = os.path.join(self.cfg.output_dir, "checkpoints", f"step_{step}")
-        wait_all(self.pool.broadcast(Cmd.SAVE, {"path": path}), self.cfg.system.request_timeout_s, "checkpoint")
+        wait_all(self.to_workers(Cmd.SAVE, {"path": path}), self.cfg.system.request_timeout_s, "checkpoint")
         log.info("saved %s", path)
 
     def run(self) -> None:
@@ -136,9 +196,14 @@ class Master:
             for step in range(1, cfg.trainer.total_steps + 1):
                 t0 = time.perf_counter()
                 metrics: dict = {"step": step}
-                self.fetch_batch()
+                self.fetch_batch(metrics)
+                version = self.version
                 self.run_step(step, metrics, writer)
                 self.release()
+                if self.cfg.mode == "async" and self.version != version:
+                    t1 = time.perf_counter()
+                    self.publish_weights()
+                    metrics["time/weight_update_s"] = time.perf_counter() - t1
                 metrics["version"] = self.version
                 metrics["time/step_s"] = time.perf_counter() - t0
                 writer.write(metrics)
@@ -151,7 +216,7 @@ class Master:
     def shutdown(self) -> None:
         """Ask every live worker to exit (best effort, bounded), then close sockets."""
         try:
-            futs = {n: self.pool.request(n, Cmd.EXIT) for n in self.names if n not in self.pool.lost}
+            futs = {n: self.pool.request(n, Cmd.EXIT) for n in self.pool.names if n not in self.pool.lost}
             wait_all(futs, self.cfg.system.shutdown_timeout_s, "exit")
         except Exception as e:  # workers may already be gone; the launcher kills leftovers
             log.warning("shutdown: %s", e)

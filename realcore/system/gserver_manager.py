@@ -1,0 +1,117 @@
+"""The generation-server manager: admits rollouts under the staleness bound, routes them to
+servers, and moves every server onto each new policy version with interruption.
+
+Rollout workers ask ALLOCATE before a rollout and say FINISH after it; the master says
+UPDATE_WEIGHTS after each training step. A weight update pauses every server with `abort` (running
+requests return their partial output; rollout workers resubmit prefix + output, which the servers
+hold until they continue), loads the new weights, and continues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import os
+import queue
+import time
+import traceback
+
+from realcore.api.config import ExperimentConfig
+from realcore.system.control import ControlServer
+from realcore.system.name_resolve import make_name_resolver, scoped_key
+from realcore.system.protocol import Cmd
+from realcore.system.staleness import StalenessController
+
+log = logging.getLogger("realcore.gserver_manager")
+
+
+def gen_server_key(cfg: ExperimentConfig, index: int) -> str:
+    return scoped_key(cfg.experiment_name, cfg.trial_name, "gen_server", str(index))
+
+
+class GServerManager:
+    def __init__(self, cfg: ExperimentConfig, secret: bytes, n_servers: int):
+        from realcore.system.master import manager_key
+
+        self.cfg = cfg
+        resolver = make_name_resolver(cfg.system.name_resolve)
+        self.servers = [json.loads(resolver.wait(gen_server_key(cfg, i), timeout_s=cfg.system.startup_timeout_s))["http"]
+                        for i in range(n_servers)]
+        self.load = {s: 0 for s in self.servers}  # rollouts in flight per server
+        self._rr = itertools.cycle(self.servers)
+        r = cfg.rollout
+        self.staleness = StalenessController(cfg.trainer.batch_size, r.max_head_offpolicyness, r.max_concurrent_rollouts)
+        self.control = ControlServer(cfg.system.host, secret, self._status)
+        resolver.put(manager_key(cfg), self.control.address, replace=True)
+        log.info("managing %d servers: %s", n_servers, ", ".join(self.servers))
+
+    def _status(self) -> dict:
+        s = self.staleness
+        return {"state": "running", "pid": os.getpid(), "version": s.version, "running": s.running, "trained": s.trained}
+
+    def route(self) -> str:
+        if self.cfg.rollout.routing == "round_robin":
+            return next(self._rr)
+        return min(self.servers, key=lambda s: self.load[s])
+
+    def allocate(self, body: dict) -> dict:
+        if not self.staleness.try_allocate():
+            return {"ok": False, "version": self.staleness.version}
+        server = self.route()
+        self.load[server] += 1
+        return {"ok": True, "server": server, "version": self.staleness.version}
+
+    def finish(self, body: dict) -> dict:
+        self.staleness.finish(bool(body["accepted"]))
+        self.load[body["server"]] -= 1
+        return {}
+
+    def drop(self, body: dict) -> dict:
+        self.staleness.drop(int(body["n"]))
+        return {}
+
+    def update_weights(self, body: dict) -> dict:
+        t0 = time.perf_counter()
+        asyncio.run(self._update_all(body["path"], str(body["version"])))
+        self.staleness.version = int(body["version"])
+        return {"seconds": time.perf_counter() - t0}
+
+    async def _update_all(self, path: str, version: str) -> None:
+        from realcore.backends.gen_client import GenClient
+
+        clients = [GenClient(s, token=self.cfg.rollout.server_token, timeout_s=self.cfg.rollout.request_timeout_s)
+                   for s in self.servers]
+        try:
+            await asyncio.gather(*(c.pause("abort") for c in clients))
+            await asyncio.gather(*(c.update_weights_from_disk(path, version) for c in clients))
+            await asyncio.gather(*(c.resume() for c in clients))
+        finally:
+            await asyncio.gather(*(c.close() for c in clients))
+
+    def run(self) -> None:
+        handlers = {Cmd.ALLOCATE: self.allocate, Cmd.FINISH: self.finish, Cmd.UPDATE_WEIGHTS: self.update_weights,
+                    Cmd.DROP: self.drop}
+        deadline = self.cfg.system.startup_timeout_s
+        while True:
+            try:
+                identity, cmd, rid, body = self.control.requests.get(timeout=0.5)
+            except queue.Empty:
+                if time.monotonic() - self.control.last_seen > deadline:
+                    raise SystemExit(f"gserver_manager: no message for {deadline:g} s; exiting")
+                continue
+            deadline = self.cfg.system.heartbeat_timeout_s
+            if cmd == Cmd.EXIT:
+                self.control.send_reply(identity, rid, {})
+                return
+            try:
+                if cmd not in handlers:
+                    raise ValueError(f"unexpected command {cmd.name}")
+                self.control.send_reply(identity, rid, handlers[cmd](body))
+            except Exception as e:
+                log.error("%s failed:\n%s", cmd.name, traceback.format_exc())
+                self.control.send_reply(identity, rid, error=f"{cmd.name}: {type(e).__name__}: {e}")
+
+    def close(self) -> None:
+        self.control.close()
