@@ -6,6 +6,11 @@ for every running request, then lets waiting requests join (their prefill yields
 token). Finished rows leave the batch at once, so a long-tail request does not pay for finished
 ones. `generate()` adds all prompts and steps until everything is done.
 
+Interruption (for the HTTP server, realcore.backends.gen_server): `abort()` ends requests now
+with their partial output (finish_reason "abort"); `retract()` drops the running batch's KV cache
+and puts its requests back in the queue: when they are admitted again, their prefill covers
+prompt + output so far with whatever weights the model holds then, and decoding continues.
+
 Batching: rows are left-padded; an explicit attention mask over the cached columns and explicit
 position ids (real tokens so far) make a row's output independent of its batch-mates.
 
@@ -84,7 +89,8 @@ class GenerationEngine:
             )
         rid = self._next_rid
         self._next_rid += 1
-        stop = set(gconfig.stop_token_ids) | ({self.eos_token_id} if self.eos_token_id is not None else set())
+        eos = {self.eos_token_id} if self.eos_token_id is not None and not gconfig.ignore_eos else set()
+        stop = set(gconfig.stop_token_ids) | eos
         # Seed from (engine seed, request id): reproducible, and distinct across a GRPO group.
         rng = torch.Generator(device=self.device).manual_seed((self.seed * 1_000_003 + rid) % 2**63)
         self._waiting.append(_Request(rid, list(prompt_ids), gconfig, frozenset(stop), rng))
@@ -92,6 +98,33 @@ class GenerationEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running)
+
+    def n_running(self) -> int:
+        return len(self._running)
+
+    def abort(self, rids: list[int] | None = None) -> list[tuple[int, GenerationResult]]:
+        """End the given requests (None = all) now: partial output, finish_reason "abort".
+        Unknown or finished ids are ignored. Call between steps."""
+        hit = lambda r: rids is None or r.rid in rids  # noqa: E731
+        done = []
+        for r in [r for r in self._waiting if hit(r)]:
+            self._waiting.remove(r)
+            r.finish_reason = "abort"
+            done.append((r.rid, r.result()))
+        for r in self._running:
+            if hit(r):
+                r.finish_reason = "abort"
+        return done + self._retire()
+
+    def retract(self) -> int:
+        """Drop the running batch's KV cache and queue its requests first; returns how many.
+
+        Why: after a weight update they resume from prompt + output so far, their KV recomputed
+        with the new weights (SGLang's `pause_generation(mode="retract")`)."""
+        n = len(self._running)
+        self._waiting.extendleft(reversed(self._running))
+        self._running, self._cache, self._mask = [], None, None
+        return n
 
     def generate(self, prompts: list[list[int]], gconfig: GenerationConfig) -> list[GenerationResult]:
         """One continuation per prompt, in prompt order (the caller repeats prompts for groups)."""
@@ -137,12 +170,14 @@ class GenerationEngine:
             new.append(self._waiting.popleft())
         if not new:
             return
-        length = max(len(r.prompt_ids) for r in new)
+        # A retracted request has output already: its prefill covers it and samples the next token.
+        seqs = [r.prompt_ids + r.output_ids for r in new]
+        length = max(len(s) for s in seqs)
         ids = torch.full((len(new), length), self.pad_token_id, dtype=torch.long)  # (N, L) left-padded
         mask = torch.zeros((len(new), length), dtype=torch.long)
-        for i, r in enumerate(new):
-            ids[i, length - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
-            mask[i, length - len(r.prompt_ids) :] = 1
+        for i, seq in enumerate(seqs):
+            ids[i, length - len(seq) :] = torch.tensor(seq)
+            mask[i, length - len(seq) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # real-token positions; pads get 0
         cache = DynamicCache(config=self.model.config)

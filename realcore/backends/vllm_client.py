@@ -208,8 +208,9 @@ class VLLMClient:
         await wait_http_ready(self.base_url, timeout_s=timeout_s, token=self.token)
 
     async def close(self) -> None:
-        for request in list(self._inflight.values()):
-            request.cancel()
+        """Close the HTTP session; requests still running return with finish_reason "abort"."""
+        for rid in list(self._inflight):
+            await self.abort(rid)
         if self._session is not None:
             await self._session.close()
             self._session = None

@@ -100,7 +100,7 @@ class Master:
             for name, r in wait_all(futs, timeout, "dataset fetch").items():
                 self.buffer.add(self.names.index(name), r["ids"], r["seqlens"])
             return
-        got, versions, dropped, t0 = 0, [], 0, time.monotonic()
+        got, versions, rewards, dropped, t0 = 0, [], [], 0, time.monotonic()
         deadline = t0 + timeout
         while got < n:
             for i, name in enumerate(self.names):
@@ -113,6 +113,7 @@ class Master:
                 self.next_id += len(r["ids"])
                 got += len(r["ids"])
                 versions += r["versions"]
+                rewards += r["rewards"]  # scalars: metadata, like lengths
                 if got == n:
                     break
             if got < n:
@@ -121,6 +122,7 @@ class Master:
                 time.sleep(0.05)
         metrics["time/stream_wait_s"] = time.monotonic() - t0
         metrics["staleness/dropped"] = dropped
+        metrics["reward/mean"] = sum(rewards) / len(rewards)
         # Staleness of this batch against the policy that trains on it (AReaL's head/tail offpolicyness).
         metrics["staleness/head"] = self.version - min(v[0] for v in versions)
         metrics["staleness/tail"] = self.version - max(v[0] for v in versions)

@@ -75,7 +75,7 @@ class TrajectoryStream:
     def take(self, first_id: int, n: int, storage, *, current_version: int, max_head_offpolicyness: int) -> dict:
         """Move up to n pending trajectories into storage under ids first_id...; their metadata.
         Trajectories too stale for the current version are dropped and counted (a hard bound)."""
-        ids, seqlens, versions, dropped = [], {k: [] for k in STREAM_KEYS}, [], 0
+        ids, seqlens, versions, dropped, rewards = [], {k: [] for k in STREAM_KEYS}, [], 0, []
         while len(ids) < n and self.pending:
             sample, sid = self.pending.popleft(), first_id + len(ids)
             start = min(int(t) for t in sample["version_start"])
@@ -86,8 +86,9 @@ class TrajectoryStream:
                 storage.put(sid, k, sample[k])
                 seqlens[k].append([int(t.numel()) for t in sample[k]])
             versions.append([start, max(int(t) for t in sample["version_end"])])
+            rewards += [float(r) for r in sample["rewards"]]
             ids.append(sid)
-        return {"ids": ids, "seqlens": seqlens, "versions": versions, "dropped": dropped}
+        return {"ids": ids, "seqlens": seqlens, "versions": versions, "dropped": dropped, "rewards": rewards}
 
     def close(self) -> None:
         self._stop.set()

@@ -1,0 +1,200 @@
+"""`GenClient`: an async client of SGLang's HTTP API, for the built-in server
+(realcore.backends.gen_server) in CI and a real SGLang server on GPUs; plus `generate_resumable`,
+which survives interruptions by weight updates, and `push_weights`, the in-memory weight update of
+the built-in server.
+
+Interruptible generation (as AReaL): a weight update pauses the servers with mode "abort", so
+running requests come back early with finish_reason "abort" and their partial output.
+`generate_resumable` then resubmits prompt + output so far (the server recomputes the prefix with
+the new weights), stitching token ids, log-probs and per-token versions, until stop or length.
+
+Every call has a deadline: generation and weight updates `timeout_s`, the other calls
+`CONTROL_TIMEOUT_S`. Errors: TimeoutError for a missed deadline, RuntimeError for an HTTP error or
+an answer that breaks the API, ValueError for bad arguments.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import torch
+import zmq
+
+from realcore.backends.server_launch import wait_http_ready
+from realcore.system import wire  # the one realcore.system module backends may use
+
+CONTROL_TIMEOUT_S = 30.0
+FINISH_REASONS = ("stop", "length", "abort")
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+@dataclass
+class GenReply:
+    output_ids: list[int]
+    output_logprobs: list[float]  # empty unless return_logprob
+    finish_reason: str  # "stop" | "length" | "abort"
+    weight_version: str | None  # the server's weight version when the reply was made
+
+
+@dataclass
+class Trajectory:
+    """One continuation stitched across interruptions."""
+
+    output_ids: list[int]
+    output_logprobs: list[float]
+    output_versions: list[int]  # per token: the weight version of the segment that produced it
+    version_start: int  # version of the first segment
+    version_end: int  # version of the last segment
+    finish_reason: str  # "stop" | "length"
+    n_segments: int
+
+
+def parse_generate_reply(data: Any, *, return_logprob: bool) -> GenReply:
+    """SGLang's /generate answer -> GenReply; RuntimeError if it does not have SGLang's shape."""
+    try:
+        meta = data["meta_info"]
+        ids = [int(t) for t in data["output_ids"]]
+        reason = meta["finish_reason"]["type"]
+        logprobs = [float(x[0]) for x in meta["output_token_logprobs"]] if return_logprob else []
+        version = meta.get("weight_version")
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        raise RuntimeError(f"/generate: unexpected answer ({e!r}): {data!r:.300}") from None
+    if reason not in FINISH_REASONS or (return_logprob and len(logprobs) != len(ids)):
+        raise RuntimeError(f"/generate: finish_reason {reason!r}, {len(logprobs)} log-probs for {len(ids)} tokens")
+    return GenReply(ids, logprobs, reason, None if version is None else str(version))
+
+
+class GenClient:
+    """One server speaking SGLang's API. Create and use it inside one event loop."""
+
+    def __init__(self, base_url: str, *, token: str | None = None, timeout_s: float = 600.0):
+        self.base_url = base_url.rstrip("/")
+        self.token = token
+        self.timeout_s = float(timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def generate(
+        self, input_ids: list[int], sampling_params: dict, *, rid: str, return_logprob: bool = True
+    ) -> GenReply:
+        body = {"input_ids": list(input_ids), "sampling_params": sampling_params, "return_logprob": return_logprob, "rid": rid}
+        data = await self._request("POST", "/generate", body, self.timeout_s)
+        return parse_generate_reply(data, return_logprob=return_logprob)
+
+    async def update_weights_from_disk(self, path: str, version) -> None:
+        """Load the HF weights in `path` (a directory the server can read); tag them `version`."""
+        body = {"model_path": path, "weight_version": str(version)}
+        data = await self._request("POST", "/update_weights_from_disk", body, self.timeout_s)
+        if not data.get("success"):
+            raise RuntimeError(f"update_weights_from_disk({path!r}) failed: {data.get('message')}")
+
+    async def pause(self, mode: str = "abort") -> None:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause: mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+        await self._request("POST", "/pause_generation", {"mode": mode}, CONTROL_TIMEOUT_S)
+
+    async def resume(self) -> None:
+        await self._request("POST", "/continue_generation", {}, CONTROL_TIMEOUT_S)
+
+    async def abort(self, rid: str | None = None) -> None:
+        """Abort one request (its generate returns the partial output, finish_reason abort), or all."""
+        body = {"abort_all": True} if rid is None else {"rid": rid}
+        await self._request("POST", "/abort_request", body, CONTROL_TIMEOUT_S)
+
+    async def server_info(self) -> dict:
+        return await self._request("GET", "/get_server_info", None, CONTROL_TIMEOUT_S)
+
+    async def health(self) -> bool:
+        try:
+            async with (await self._sess()).get(
+                self.base_url + "/health", timeout=aiohttp.ClientTimeout(total=CONTROL_TIMEOUT_S)
+            ) as r:
+                return r.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Poll /v1/models until it answers 200; TimeoutError naming the url after `timeout_s`."""
+        await wait_http_ready(self.base_url, timeout_s=timeout_s, token=self.token)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _sess(self) -> aiohttp.ClientSession:
+        # Lazily: a session belongs to the loop it is made in. No connection limit, so control
+        # calls (pause, abort) never queue behind long generations.
+        if self._session is None:
+            headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+            self._session = aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=0))
+        return self._session
+
+    async def _request(self, method: str, path: str, body: dict | None, timeout_s: float) -> Any:
+        url = self.base_url + path
+        try:
+            session = await self._sess()
+            async with session.request(method, url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                text = await r.text()
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"{url} did not answer within {timeout_s:g} s") from None
+        except aiohttp.ClientError as e:
+            raise RuntimeError(f"{url}: {type(e).__name__}: {e}") from None
+        if r.status != 200:
+            raise RuntimeError(f"{url} answered HTTP {r.status}: {text[:300]}")
+        return json.loads(text) if text else {}
+
+
+def version_number(weight_version) -> int:
+    """A reply's weight version as an int; SGLang's initial "default" (and None) is version 0."""
+    if weight_version in (None, "default"):
+        return 0
+    try:
+        return int(weight_version)
+    except ValueError:
+        raise ValueError(f"weight_version {weight_version!r} is not an integer (realcore versions are step counts)") from None
+
+
+async def generate_resumable(client, prompt_ids: list[int], sampling_params: dict, *, rid: str, max_segments: int = 100) -> Trajectory:
+    """Generate until stop or length, resubmitting prompt + output so far whenever a segment is
+    aborted (a weight update interrupted it). Segment k > 0 runs as request `{rid}.{k}` with
+    max_new_tokens reduced by what is already generated."""
+    budget = int(sampling_params.get("max_new_tokens", 128))
+    ids: list[int] = []
+    logprobs: list[float] = []
+    versions: list[int] = []
+    first = None
+    for k in range(max_segments):
+        params = {**sampling_params, "max_new_tokens": budget - len(ids)}
+        reply = await client.generate(prompt_ids + ids, params, rid=rid if k == 0 else f"{rid}.{k}", return_logprob=True)
+        version = version_number(reply.weight_version)
+        first = version if first is None else first
+        ids += reply.output_ids
+        logprobs += reply.output_logprobs
+        versions += [version] * len(reply.output_ids)
+        reason = reply.finish_reason
+        if reason == "abort" and len(ids) >= budget:
+            reason = "length"  # interrupted exactly at the end
+        if reason != "abort":
+            return Trajectory(ids, logprobs, versions, first, version, reason, k + 1)
+    raise RuntimeError(f"generate_resumable: request {rid!r} was aborted {max_segments} times; giving up")
+
+
+def push_weights(address: str, secret: bytes, version: str, state_dict: dict[str, torch.Tensor], timeout_s: float) -> None:
+    """Send weights to a built-in server's in-memory update socket (`on_ready(...)["weights"]`)
+    and wait until they are applied. The tensors must stay unchanged until this returns (zero-copy)."""
+    names = list(state_dict)
+    tensors = [state_dict[n].detach().cpu() for n in names]
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(address)
+        wire.send(sock, {"version": str(version), "names": names}, tensors, secret=secret)
+        _, header, _ = wire.recv(sock, secret=secret, timeout_s=timeout_s, what=f"the weights reply from {address}")
+    finally:
+        sock.close()
+    if not header.get("ok"):
+        raise RuntimeError(f"push_weights to {address} failed: {header.get('error')}")
