@@ -40,3 +40,10 @@ def test_async_ppo_math_respects_the_staleness_bound(tmp_path, eta):
         assert all(m["staleness/head"] == 0 and m["staleness/interrupted_frac"] == 0 for m in metrics)
     assert metrics[-1]["version"] == len(metrics)
     assert os.path.exists(out / "checkpoints" / f"step_{len(metrics)}" / "model.safetensors")
+
+
+def test_in_memory_weight_update(tmp_path):
+    """Weights pushed over the authenticated wire to the paused servers (no disk)."""
+    out, metrics = run_async(tmp_path, "rollout.weight_update=memory", "rollout.max_head_offpolicyness=1", steps=3)
+    assert all(m["staleness/head"] <= 1 for m in metrics)
+    assert metrics[-1]["version"] == 3 and not os.path.exists(out / "weights")

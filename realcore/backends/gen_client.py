@@ -80,7 +80,8 @@ class GenClient:
     async def generate(
         self, input_ids: list[int], sampling_params: dict, *, rid: str, return_logprob: bool = True
     ) -> GenReply:
-        body = {"input_ids": list(input_ids), "sampling_params": sampling_params, "return_logprob": return_logprob, "rid": rid}
+        body = {"input_ids": list(input_ids), "sampling_params": sampling_params, "return_logprob": return_logprob}
+        body["rid"] = rid
         data = await self._request("POST", "/generate", body, self.timeout_s)
         return parse_generate_reply(data, return_logprob=return_logprob)
 
@@ -155,10 +156,12 @@ def version_number(weight_version) -> int:
     try:
         return int(weight_version)
     except ValueError:
-        raise ValueError(f"weight_version {weight_version!r} is not an integer (realcore versions are step counts)") from None
+        raise ValueError(f"weight_version {weight_version!r} is not an integer (realcore versions count steps)") from None
 
 
-async def generate_resumable(client, prompt_ids: list[int], sampling_params: dict, *, rid: str, max_segments: int = 100) -> Trajectory:
+async def generate_resumable(
+    client, prompt_ids: list[int], sampling_params: dict, *, rid: str, max_segments: int = 100
+) -> Trajectory:
     """Generate until stop or length, resubmitting prompt + output so far whenever a segment is
     aborted (a weight update interrupted it). Segment k > 0 runs as request `{rid}.{k}` with
     max_new_tokens reduced by what is already generated."""
@@ -169,7 +172,8 @@ async def generate_resumable(client, prompt_ids: list[int], sampling_params: dic
     first = None
     for k in range(max_segments):
         params = {**sampling_params, "max_new_tokens": budget - len(ids)}
-        reply = await client.generate(prompt_ids + ids, params, rid=rid if k == 0 else f"{rid}.{k}", return_logprob=True)
+        seg_rid = rid if k == 0 else f"{rid}.{k}"
+        reply = await client.generate(prompt_ids + ids, params, rid=seg_rid, return_logprob=True)
         version = version_number(reply.weight_version)
         first = version if first is None else first
         ids += reply.output_ids
@@ -183,7 +187,9 @@ async def generate_resumable(client, prompt_ids: list[int], sampling_params: dic
     raise RuntimeError(f"generate_resumable: request {rid!r} was aborted {max_segments} times; giving up")
 
 
-def push_weights(address: str, secret: bytes, version: str, state_dict: dict[str, torch.Tensor], timeout_s: float) -> None:
+def push_weights(
+    address: str, secret: bytes, version: str, state_dict: dict[str, torch.Tensor], timeout_s: float
+) -> None:
     """Send weights to a built-in server's in-memory update socket (`on_ready(...)["weights"]`)
     and wait until they are applied. The tensors must stay unchanged until this returns (zero-copy)."""
     names = list(state_dict)

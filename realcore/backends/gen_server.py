@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import glob
 import hmac
 import ipaddress
 import logging
@@ -35,14 +34,13 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import safetensors.torch
 import torch
 import zmq
 from aiohttp import web
 
 from realcore.api.config import GenerationConfig
 from realcore.api.engine import GenerationResult
-from realcore.backends.generation import GenerationEngine
+from realcore.backends.generation import GenerationEngine, read_hf_weights
 from realcore.backends.models import load_model, load_tokenizer
 from realcore.system import wire
 
@@ -92,35 +90,6 @@ class _Weights:
     done: Callable[[Any], None]
 
 
-# --- weights ------------------------------------------------------------------------------------
-
-
-def read_weights_dir(path: str) -> dict[str, torch.Tensor]:
-    """Every tensor of the `*.safetensors` files in an HF directory (sharded or not)."""
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors"))) if os.path.isdir(path) else []
-    if not files:
-        raise ValueError(f"update_weights_from_disk: {path!r} is not a directory holding *.safetensors files")
-    out: dict[str, torch.Tensor] = {}
-    for f in files:
-        out.update(safetensors.torch.load_file(f))
-    return out
-
-
-def apply_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Copy `tensors` into the model in place; all checks run before the first copy, so a bad
-    update changes nothing. Every parameter must be given (tied duplicates such as lm_head may be)."""
-    state = model.state_dict()  # shares storage with the parameters; tied weights under both names
-    unknown = sorted(set(tensors) - set(state))
-    missing = sorted(n for n, _ in model.named_parameters() if n not in tensors)
-    wrong = [n for n, t in tensors.items() if n in state and tuple(t.shape) != tuple(state[n].shape)]
-    for what, names in (("unknown", unknown), ("missing", missing), ("wrongly shaped", wrong)):
-        if names:
-            raise ValueError(f"weights: {len(names)} {what} parameter(s), e.g. {names[:3]}")
-    with torch.no_grad():
-        for name, t in tensors.items():
-            state[name].copy_(t)
-
-
 # --- request parsing ------------------------------------------------------------------------------
 
 
@@ -131,7 +100,9 @@ def _one_line(e: Exception) -> str:
     return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
-def parse_generate(body: Any, *, vocab_size: int, max_batch_size: int) -> tuple[str | None, list[int], GenerationConfig, bool]:
+def parse_generate(
+    body: Any, *, vocab_size: int, max_batch_size: int
+) -> tuple[str | None, list[int], GenerationConfig, bool]:
     """SGLang's /generate body -> (rid, input_ids, GenerationConfig, return_logprob); ValueError if bad."""
     if not isinstance(body, dict):
         raise ValueError("generate: the body must be a JSON object")
@@ -224,12 +195,15 @@ class EngineLoop:
             self.error = e
         finally:
             self.stopping.set()
-            self._fail_all(RuntimeError(f"gen_server: engine stopped ({self.error!r})"))
+            self._fail_all(RuntimeError(f"gen_server: the engine stopped ({self._why()})"))
 
     def submit(self, command) -> None:
         if self.stopping.is_set():
-            raise RuntimeError(f"gen_server: engine stopped ({self.error!r})")
+            raise RuntimeError(f"gen_server: the engine stopped ({self._why()})")
         self.inbox.put(command)
+
+    def _why(self) -> str:
+        return "shutting down" if self.error is None else f"it failed: {self.error!r}"
 
     def _drain(self, *, block: bool) -> None:
         try:
@@ -281,7 +255,8 @@ class EngineLoop:
             self._finish(self.engine.abort([self.erid[c.rid]]))
         for h in [h for h in self.held if c.rid is None or h.rid == c.rid]:
             self.held.remove(h)
-            h.done(generate_reply(h, GenerationResult([], [], "abort"), len(h.input_ids), self.weight_version, self.tokenizer))
+            empty = GenerationResult([], [], "abort")
+            h.done(generate_reply(h, empty, len(h.input_ids), self.weight_version, self.tokenizer))
         c.done({})
 
     def _pause(self, c: _Pause) -> None:
@@ -301,10 +276,10 @@ class EngineLoop:
 
     def _weights(self, c: _Weights) -> None:
         if self.paused == "in_place" and self.engine.has_unfinished():
-            c.done(ValueError("weight update refused: requests are held by an in_place pause (continue or abort them first)"))
+            c.done(ValueError("weight update refused: an in_place pause holds requests (continue or abort them first)"))
             return
         try:
-            apply_weights(self.model, c.tensors)
+            self.engine.load_weights(c.tensors)
         except ValueError as e:
             c.done(e)
             return
@@ -313,8 +288,13 @@ class EngineLoop:
         c.done({})
 
     def info(self) -> dict:
-        return {"weight_version": self.weight_version, "paused": self.paused, "num_running_reqs": self.engine.n_running(),
-                "num_requests": len(self.by_erid) + len(self.held), **self.stats}  # fmt: skip
+        return {
+            "weight_version": self.weight_version,
+            "paused": self.paused,
+            "num_running_reqs": self.engine.n_running(),
+            "num_requests": len(self.by_erid) + len(self.held),  # running, queued or held
+            **self.stats,
+        }
 
 
 # --- in-memory weight updates over ZeroMQ ---------------------------------------------------------
@@ -410,10 +390,20 @@ class Server:
         fut = loop.create_future()
 
         def settle(value) -> None:
-            if not fut.done():
-                fut.set_exception(value) if isinstance(value, BaseException) else fut.set_result(value)
+            if fut.done():  # cancelled: the client went away
+                return
+            if isinstance(value, BaseException):
+                fut.set_exception(value)
+            else:
+                fut.set_result(value)
 
-        self.core.submit(make(lambda value: loop.call_soon_threadsafe(settle, value)))
+        def done(value) -> None:  # called on the engine thread
+            try:
+                loop.call_soon_threadsafe(settle, value)
+            except RuntimeError:  # the loop is closed (shutdown): nobody waits any more
+                pass
+
+        self.core.submit(make(done))
         try:
             return await asyncio.wait_for(fut, timeout_s)
         except asyncio.TimeoutError:
@@ -431,12 +421,14 @@ class Server:
 
     async def generate(self, request: web.Request) -> web.Response:
         vocab = self.core.model.get_input_embeddings().num_embeddings
-        rid, ids, gconfig, logprob = parse_generate(await self._body(request), vocab_size=vocab, max_batch_size=self.max_batch_size)
+        body = await self._body(request)
+        rid, ids, gconfig, logprob = parse_generate(body, vocab_size=vocab, max_batch_size=self.max_batch_size)
         rid = rid if rid is not None else os.urandom(8).hex()
         try:
             reply = await self._call(lambda done: _Generate(rid, ids, gconfig, logprob, done), timeout_s=None)
         except asyncio.CancelledError:  # the client went away: stop spending steps on it
-            self.core.submit(_Abort(rid, lambda _: None))
+            if not self.core.stopping.is_set():
+                self.core.submit(_Abort(rid, lambda _: None))
             raise
         return web.json_response(reply)
 
@@ -446,7 +438,7 @@ class Server:
         try:
             if not isinstance(path, str) or not (version is None or isinstance(version, (str, int))):
                 raise ValueError("update_weights_from_disk: needs model_path (str) and optionally weight_version (str)")
-            tensors = await asyncio.to_thread(read_weights_dir, path)  # off the engine thread: decoding goes on
+            tensors = await asyncio.to_thread(read_hf_weights, path)  # off the engine thread: decoding goes on
             await self._call(lambda done: _Weights(tensors, None if version is None else str(version), done))
         except ValueError as e:
             return web.json_response({"success": False, "message": _one_line(e)}, status=400)
@@ -532,14 +524,14 @@ async def _serve(server: Server, host: str, port: int, on_ready: Callable[[dict]
     if threading.current_thread() is threading.main_thread():
         loop.add_signal_handler(signal.SIGTERM, stop.set)
     # handler_cancellation: a client that hangs up cancels its handler, which aborts its request (as SGLang).
-    runner = web.AppRunner(server.app, access_log=None, handle_signals=False, handler_cancellation=True)
+    runner = web.AppRunner(server.app, access_log=None, handler_cancellation=True, shutdown_timeout=5)
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port)
         await site.start()
         bound_port = runner.addresses[0][1]
         weights = server.receiver.address if server.receiver is not None else None
-        log.info("gen_server: serving %s on http://%s:%d (weights socket: %s)", server.model_path, host, bound_port, weights)
+        log.info("gen_server: serving %s on http://%s:%d (weights: %s)", server.model_path, host, bound_port, weights)
         if on_ready is not None:
             on_ready({"http": f"http://{host}:{bound_port}", "weights": weights})
         while not stop.is_set() and not server.core.stopping.is_set():
@@ -548,4 +540,5 @@ async def _serve(server: Server, host: str, port: int, on_ready: Callable[[dict]
             except asyncio.TimeoutError:
                 pass
     finally:
+        server.core.stopping.set()  # the engine thread fails pending requests, so their handlers answer 503 now
         await runner.cleanup()

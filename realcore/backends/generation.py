@@ -23,9 +23,12 @@ vocabulary; the behaviour log-probs must be that same quantity for PPO's importa
 from __future__ import annotations
 
 import collections
+import glob
+import os
 from dataclasses import dataclass, field
 from typing import Callable
 
+import safetensors.torch
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
@@ -146,6 +149,23 @@ class GenerationEngine:
         finished += self._retire()
         return finished
 
+    @torch.no_grad()
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy `tensors` (name -> tensor, HF names) into the live model; call between steps.
+
+        Every parameter must be given (tied duplicates such as lm_head.weight may be); all checks
+        run before the first copy, so a bad update changes nothing. Running requests keep their
+        KV cache (computed with the old weights); retract() them first to recompute it."""
+        state = self.model.state_dict()  # shares storage with the parameters; tied weights under both names
+        unknown = sorted(set(tensors) - set(state))
+        missing = sorted(n for n, _ in self.model.named_parameters() if n not in tensors)
+        wrong = [n for n, t in tensors.items() if n in state and tuple(t.shape) != tuple(state[n].shape)]
+        for what, names in (("unknown", unknown), ("missing", missing), ("wrongly shaped", wrong)):
+            if names:
+                raise ValueError(f"weights: {len(names)} {what} parameter(s), e.g. {names[:3]}")
+        for name, t in tensors.items():
+            state[name].copy_(t)
+
     # --- batch mechanics --------------------------------------------------------------------------
 
     def _decode(self) -> None:
@@ -243,6 +263,17 @@ class GenerationEngine:
                 r.finish_reason = "stop"
             elif len(r.output_ids) >= r.gconfig.max_new_tokens:
                 r.finish_reason = "length"
+
+
+def read_hf_weights(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the `*.safetensors` files of an HF directory (sharded or not)."""
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors"))) if os.path.isdir(path) else []
+    if not files:
+        raise ValueError(f"weights: {path!r} is not a directory holding *.safetensors files")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(safetensors.torch.load_file(f))
+    return out
 
 
 def _map_kv(cache: DynamicCache, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:

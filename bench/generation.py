@@ -1,0 +1,199 @@
+"""Decode-throughput benchmark: the built-in engine vs transformers' `generate` (vs vLLM if importable).
+
+    python bench/generation.py [--model tiny|smollm2-135m] [--new-tokens N] [--quick]
+
+Prints a markdown table of generated tokens per second of wall clock (prefill included; greedy,
+fp32, one thread) at batch 1 and batch 32, for the same model and the same ~40-token prompts
+(arithmetic questions through the tokenizer's chat template): (a) realcore's built-in
+`GenerationEngine`, (b) `model.generate` with `use_cache=True` and left padding + attention mask,
+(c) vLLM's offline `LLM.generate` when `import vllm` works in this interpreter (else a note).
+Every engine generates exactly N tokens per prompt (`ignore_eos` / `min_new_tokens`), checked.
+The "same as HF" column counts sequences whose greedy tokens equal transformers' (a sanity check:
+fp32 reductions in a different batch shape can flip a near-tie late in a sequence).
+
+Each engine warms up once; batch 1 reports the median of 3 runs, batch 32 of `--runs32` runs.
+Default (`smollm2-135m`, 48 tokens) takes ~1.5-2.5 minutes here; `--quick` (tiny model, 16 tokens)
+is the smoke test's seconds-long run.
+"""
+
+import argparse
+import copy
+import os
+import random
+import statistics
+import sys
+import time
+
+# One thread: set before torch is imported (two threads per process are pathological on these CPUs).
+os.environ["OMP_NUM_THREADS"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
+
+import torch  # noqa: E402
+
+from realcore.api.config import GenerationConfig, ModelConfig  # noqa: E402
+from realcore.backends.generation import GenerationEngine  # noqa: E402
+from realcore.backends.models import load_model, load_tokenizer, prepare_model  # noqa: E402
+
+BATCHES = (1, 32)
+RUNS_B1 = 3
+
+
+def make_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
+    """n arithmetic questions (2-4 terms, so lengths differ and padding matters) through the chat template."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(n):
+        terms = [str(rng.randint(2, 99)) for _ in range(rng.randint(2, 4))]
+        expr = terms[0] + "".join(f" {rng.choice('+-')} {t}" for t in terms[1:])
+        messages = [{"role": "user", "content": f"What is {expr}?"}]
+        # Text first, then ids: apply_chat_template(tokenize=True) changed return type across versions.
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompts.append(tokenizer(text, add_special_tokens=False).input_ids)
+    return prompts
+
+
+# --- one generate call per engine: prompts -> outputs (exactly n_new tokens each) ------------------
+
+
+def builtin_generate(engine: GenerationEngine, prompts: list[list[int]], n_new: int) -> list[list[int]]:
+    gconfig = GenerationConfig(
+        n_samples=1, max_new_tokens=n_new, greedy=True, ignore_eos=True, max_batch_size=max(BATCHES)
+    )
+    return [r.output_ids for r in engine.generate(prompts, gconfig)]
+
+
+def hf_generate(model, pad_id: int, prompts: list[list[int]], n_new: int) -> list[list[int]]:
+    """transformers' generate, greedy, KV cache, left-padded batch with an attention mask."""
+    length = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), length), pad_id, dtype=torch.long)  # (B, L) left-padded
+    mask = torch.zeros((len(prompts), length), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, length - len(p) :] = torch.tensor(p)
+        mask[i, length - len(p) :] = 1
+    # No EOS at all, rather than min_new_tokens alone: min_new_tokens forbids EOS (its logit -> -inf),
+    # while ignore_eos (built-in, vLLM) lets EOS be generated and goes on; greedy outputs would differ.
+    gen_config = copy.deepcopy(model.generation_config)
+    gen_config.update(
+        eos_token_id=None,
+        do_sample=False,
+        max_new_tokens=n_new,
+        min_new_tokens=n_new,  # a no-op without EOS; kept so no stop token could end a row early
+        use_cache=True,
+        pad_token_id=pad_id,
+    )
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config)
+    return out[:, length:].tolist()  # (B, n_new)
+
+
+def make_vllm(path: str):
+    """Return a vLLM generate function over `path`, or a string saying why there is none."""
+    try:
+        import vllm
+    except Exception as e:  # any import failure means "no vLLM here", reported in the table
+        return f"`import vllm` failed ({type(e).__name__}); run this script with a vLLM interpreter for the row"
+    # vLLM's CPU backend binds its own OpenMP threads: one core keeps the comparison at one thread.
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    llm = vllm.LLM(model=path, dtype="float32", enforce_eager=True, max_model_len=1024, seed=0)
+
+    def generate(prompts: list[list[int]], n_new: int) -> list[list[int]]:
+        params = vllm.SamplingParams(temperature=0.0, max_tokens=n_new, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    return generate
+
+
+# --- timing ----------------------------------------------------------------------------------------
+
+
+def run_once(fn, prompts: list[list[int]], n_new: int) -> tuple[float, list[list[int]]]:
+    """Generated tokens/s of one call (wall clock, prefill included), and its outputs."""
+    t0 = time.perf_counter()
+    outs = fn(prompts, n_new)
+    dt = time.perf_counter() - t0
+    assert len(outs) == len(prompts) and all(len(o) == n_new for o in outs), "an engine stopped early"
+    return len(prompts) * n_new / dt, outs
+
+
+def bench(engines: dict, prompts32: list[list[int]], n_new: int, runs32: int) -> dict[str, dict]:
+    """{engine: {batch: (median tok/s, outputs)}}.
+
+    Runs are interleaved across engines (run 1 of each, then run 2 of each, ...) so that a load
+    change on this shared machine hits every engine alike instead of whichever ran during it.
+    """
+    for fn in engines.values():  # warm-up: first-call allocations, lazy imports, kernel selection
+        fn(prompts32[:2], min(4, n_new))
+    rates: dict[str, dict[int, list[float]]] = {name: {b: [] for b in BATCHES} for name in engines}
+    outs: dict[str, dict[int, list[list[int]]]] = {name: {} for name in engines}
+    for b in BATCHES:
+        for _ in range(RUNS_B1 if b == 1 else runs32):
+            for name, fn in engines.items():
+                rate, outs[name][b] = run_once(fn, prompts32[:b], n_new)
+                rates[name][b].append(rate)
+    return {name: {b: (statistics.median(rates[name][b]), outs[name][b]) for b in BATCHES} for name in engines}
+
+
+def format_table(results: dict[str, dict | str]) -> str:
+    """Markdown: one row per engine (tok/s per batch, agreement with HF), then the built-in / HF ratio."""
+    head = "| engine | " + " | ".join(f"batch {b} (tok/s)" for b in BATCHES) + " | same tokens as HF |"
+    lines = [head, "|" + "---|" * (len(BATCHES) + 2)]
+    hf = results["transformers generate"]
+    for name, res in results.items():
+        if isinstance(res, str):
+            lines.append(f"| {name} | " + " | ".join("-" for _ in BATCHES) + f" | skipped: {res} |")
+            continue
+        same = sum(a == h for b in BATCHES for a, h in zip(res[b][1], hf[b][1]))
+        total = sum(len(res[b][1]) for b in BATCHES)
+        lines.append(f"| {name} | " + " | ".join(f"{res[b][0]:.1f}" for b in BATCHES) + f" | {same}/{total} |")
+    builtin = results["built-in engine"]
+    ratios = " | ".join(f"{builtin[b][0] / hf[b][0]:.2f}x" for b in BATCHES)
+    lines.append(f"| built-in / HF | {ratios} | |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, choices=["tiny", "smollm2-135m"], help="default smollm2-135m (tiny with --quick)")
+    p.add_argument("--new-tokens", type=int, default=None, help="tokens generated per prompt (default 48, 16 with --quick)")
+    p.add_argument("--runs32", type=int, default=2, help="timed runs at batch 32 (median)")
+    p.add_argument("--quick", action="store_true", help="tiny model, 16 tokens: a smoke test")
+    p.add_argument("--no-vllm", action="store_true", help="skip vLLM even if it imports")
+    args = p.parse_args()
+    model_name = args.model or ("tiny" if args.quick else "smollm2-135m")
+    n_new = args.new_tokens or (16 if args.quick else 48)
+    if n_new <= 0 or args.runs32 <= 0:
+        raise ValueError("--new-tokens and --runs32 must be positive")
+    torch.set_num_threads(1)
+
+    t0 = time.perf_counter()
+    path = prepare_model(ModelConfig(name=model_name), seed=1)
+    model, tokenizer = load_model(path), load_tokenizer(path)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    prompts32 = make_prompts(tokenizer, max(BATCHES))
+    lens = [len(x) for x in prompts32]
+    print(f"model {model_name} ({sum(x.numel() for x in model.parameters()) / 1e6:.1f}M params, fp32), "
+          f"{n_new} new tokens, prompts {min(lens)}-{max(lens)} tokens (mean {statistics.mean(lens):.0f}), "
+          f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}; "
+          f"loaded in {time.perf_counter() - t0:.0f} s", flush=True)
+
+    engine = GenerationEngine(model, tokenizer, seed=0)
+    engines = {
+        "built-in engine": lambda ps, n: builtin_generate(engine, ps, n),
+        "transformers generate": lambda ps, n: hf_generate(model, pad_id, ps, n),
+    }
+    vllm_fn = "--no-vllm given" if args.no_vllm else make_vllm(path)
+    if not isinstance(vllm_fn, str):
+        engines["vLLM (offline LLM)"] = vllm_fn
+    results: dict[str, dict | str] = bench(engines, prompts32, n_new, args.runs32)
+    if isinstance(vllm_fn, str):
+        results["vLLM (offline LLM)"] = vllm_fn
+    print()
+    print(format_table(results))
+    print(f"\ntotal {time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

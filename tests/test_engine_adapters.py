@@ -1,0 +1,588 @@
+"""External generation engines: server command lines, readiness, and the vLLM client.
+
+CI has neither SGLang nor vLLM installed, so the client is tested against `FakeVLLM`, a small
+aiohttp stand-in for vLLM's OpenAI server that answers in vLLM's shapes (CompletionResponse of
+vllm/entrypoints/openai/completion/protocol.py; /pause, /resume, /abort_requests,
+/collective_rpc as in the dev-mode routers) and behaves as measured in
+/work/shared/notes/inference-engines.md (pause keep freezes, pause abort returns early,
+abort-all stops requests, abort by id does not). The real servers are covered by opt-in tests:
+`REALCORE_TEST_SGLANG=1` / `REALCORE_TEST_VLLM=1` launch them on the tiny model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from aiohttp import web
+
+from realcore.backends.gen_client import generate_resumable
+from realcore.backends.server_launch import engine_available, server_command, sglang_cpu_stub_dir, wait_http_ready
+from realcore.backends.vllm_client import VLLMClient
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def start_app(app: web.Application) -> tuple[web.AppRunner, str]:
+    # handler_cancellation: a client that hangs up cancels its handler, as in vLLM's server.
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    return runner, f"http://{host}:{port}"
+
+
+# --- server_command ---------------------------------------------------------------------------
+
+COMMON = dict(model_path="/models/tiny", host="127.0.0.1", port=30000, tp=2, seed=7, max_batch_size=16)
+
+
+def test_local_and_unknown_engines_are_refused():
+    with pytest.raises(ValueError, match="realcore's own worker"):
+        server_command("local", **COMMON)
+    with pytest.raises(ValueError, match="unknown generation engine 'trt'"):
+        server_command("trt", **COMMON)
+    with pytest.raises(ValueError, match="max_batch_size must be >= 1"):
+        server_command("vllm", **{**COMMON, "max_batch_size": 0})
+
+
+def test_sglang_command_on_gpu_and_cpu():
+    argv, env = server_command("sglang", **COMMON, cuda=True, extra_args=["--api-key", "k"])
+    assert argv == [
+        sys.executable, "-m", "sglang.launch_server", "--model-path", "/models/tiny", "--host", "127.0.0.1",
+        "--port", "30000", "--tp-size", "2", "--random-seed", "7", "--max-running-requests", "16", "--api-key", "k",
+    ]  # fmt: skip
+    assert env == {}
+    argv, env = server_command("sglang", **COMMON, cuda=False, extra_args=["--api-key", "k"])
+    cpu = ["--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens", "65536", "--skip-server-warmup"]
+    assert argv[-len(cpu) - 2 : -2] == cpu and argv[-2:] == ["--api-key", "k"]
+    if engine_available("vllm") is None:  # a real vLLM provides the module; no stub then
+        assert env == {}
+    else:
+        assert env["PYTHONPATH"].split(os.pathsep)[0] == sglang_cpu_stub_dir()
+
+
+def test_vllm_command_on_gpu_and_cpu():
+    argv, env = server_command("vllm", **COMMON, cuda=True)
+    assert argv == [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", "/models/tiny", "--host", "127.0.0.1",
+        "--port", "30000", "--tensor-parallel-size", "2", "--seed", "7", "--max-num-seqs", "16",
+        "--logprobs-mode", "processed_logprobs",
+    ]  # fmt: skip
+    assert env == {"VLLM_SERVER_DEV_MODE": "1"}
+    argv, env = server_command("vllm", **COMMON)  # cuda=None: asks torch, which has no CUDA here
+    assert argv[-5:] == ["--dtype", "bfloat16", "--max-model-len", "1024", "--enforce-eager"]
+    assert env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+def test_sglang_cpu_stub_is_importable_as_vllm_custom_ops(tmp_path):
+    stub = sglang_cpu_stub_dir(str(tmp_path))
+    assert sglang_cpu_stub_dir(str(tmp_path)) == stub  # built once, then reused
+    code = (
+        "import vllm._custom_ops as ops\n"
+        "from vllm._custom_ops import scaled_fp8_quant\n"  # both import styles work
+        "print(ops.__file__)\n"
+        "try:\n    scaled_fp8_quant(1)\nexcept NotImplementedError as e:\n    print('refused:', e)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (stub, os.environ.get("PYTHONPATH", "")) if p)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    file_line, refused = out.stdout.splitlines()
+    assert file_line.startswith(stub)
+    assert "vllm._custom_ops.scaled_fp8_quant is a realcore stub" in refused
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="a real vLLM is installed: no stub is used")
+def test_sglang_cpu_env_puts_the_stub_first_on_pythonpath(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/some/where")
+    _, env = server_command("sglang", **COMMON, cuda=False)
+    stub, rest = env["PYTHONPATH"].split(os.pathsep)
+    assert rest == "/some/where"
+    out = subprocess.run(
+        [sys.executable, "-c", "import vllm._custom_ops"], env={**os.environ, **env}, capture_output=True, timeout=30
+    )
+    assert out.returncode == 0, out.stderr
+
+
+def test_engine_available_messages():
+    assert engine_available("local") is None
+    assert "unknown generation engine 'x'" in engine_available("x")
+    for engine in ("sglang", "vllm"):
+        msg = engine_available(engine)
+        if importlib.util.find_spec(engine) is None:
+            assert msg.startswith(f"{engine} is not installed in {sys.executable}: pip install ")
+            assert "\n" not in msg
+        else:
+            assert msg is None
+
+
+# --- wait_http_ready --------------------------------------------------------------------------
+
+
+def test_wait_http_ready_waits_for_200():
+    async def main():
+        t0 = time.monotonic()
+
+        async def models(request):
+            return web.json_response({"data": []}, status=200 if time.monotonic() - t0 > 1.0 else 503)
+
+        app = web.Application()
+        app.router.add_get("/v1/models", models)
+        runner, url = await start_app(app)
+        try:
+            await wait_http_ready(url, timeout_s=20)
+            assert time.monotonic() - t0 > 1.0
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
+
+
+def test_wait_http_ready_process_exit_and_timeout():
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
+    with pytest.raises(RuntimeError, match="exited with code 3"):
+        asyncio.run(wait_http_ready(url, timeout_s=30, proc=proc))
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=f"{url} was not ready after 1.5 s"):
+        asyncio.run(wait_http_ready(url, timeout_s=1.5))
+    assert 1.4 < time.monotonic() - t0 < 5
+
+
+# --- VLLMClient against a stand-in vLLM server ------------------------------------------------
+
+
+class FakeVLLM:
+    """Stand-in for vLLM's OpenAI server (vLLM is not installed in CI); see the module docstring.
+
+    Decodes one token per TOKEN_S: token i of a request is (last prompt token + i + 1) % 100 with
+    log-prob -0.1 * (i + 1), so every reply is predictable.
+    """
+
+    TOKEN_S = 0.01
+
+    def __init__(self):
+        self.bodies: list[dict] = []  # /v1/completions bodies, in arrival order
+        self.rpcs: list[dict] = []
+        self.pauses: list[str] = []
+        self.disconnected: list[str] = []  # request_ids whose client hung up
+        self.running: dict[str, dict] = {}
+        self.paused = False
+        self.fail_rpc = False
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/collective_rpc", self.collective_rpc)
+        app.router.add_post("/pause", self.pause)
+        app.router.add_post("/resume", self.resume)
+        app.router.add_post("/abort_requests", self.abort_requests)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        self.app = app
+
+    async def completions(self, request):
+        body = await request.json()
+        self.bodies.append(body)
+        rid = body["request_id"]
+        state = self.running[rid] = {"abort": False, "n": 0}
+        out, lps, finish = [], [], "length"
+        try:
+            for i in range(body["max_tokens"]):
+                while self.paused and not state["abort"]:  # pause(keep): frozen until /resume
+                    await asyncio.sleep(0.005)
+                if state["abort"]:
+                    finish = "abort"
+                    break
+                await asyncio.sleep(self.TOKEN_S)
+                out.append((body["prompt"][-1] + i + 1) % 100)
+                lps.append(-0.1 * (i + 1))
+                state["n"] = len(out)
+                if out[-1] in body.get("stop_token_ids", []):
+                    finish = "stop"
+                    break
+        except asyncio.CancelledError:
+            self.disconnected.append(rid)
+            raise
+        finally:
+            del self.running[rid]
+        logprobs = None
+        if body.get("logprobs") is not None:
+            logprobs = {
+                "text_offset": [3 * i for i in range(len(out))],
+                "token_logprobs": lps,
+                "tokens": [f"t{t}" for t in out],
+                "top_logprobs": [{f"t{t}": lp} for t, lp in zip(out, lps)],
+            }
+        choice = {
+            "index": 0,
+            "text": "".join(f"t{t}" for t in out),
+            "logprobs": logprobs,
+            "finish_reason": finish,
+            "stop_reason": out[-1] if finish == "stop" else None,
+            "token_ids": out if body.get("return_token_ids") else None,
+            "prompt_logprobs": None,
+            "prompt_token_ids": body["prompt"] if body.get("return_token_ids") else None,
+        }
+        usage = {"prompt_tokens": len(body["prompt"]), "total_tokens": len(body["prompt"]) + len(out), "completion_tokens": len(out)}
+        return web.json_response(
+            {"id": f"cmpl-{rid}", "object": "text_completion", "created": 0, "model": "tiny", "choices": [choice], "usage": usage}
+        )
+
+    async def until_decoding(self, *rids: str, n_tokens: int = 2) -> None:
+        """Wait until each request has produced `n_tokens` (so tests do not depend on timing)."""
+        for _ in range(1000):
+            if all(self.running.get(r, {}).get("n", 0) >= n_tokens for r in rids):
+                return
+            await asyncio.sleep(0.005)
+        raise AssertionError(f"requests {rids} never started decoding")
+
+    async def health(self, request):
+        return web.Response(status=200)
+
+    async def models(self, request):
+        return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+
+    async def collective_rpc(self, request):
+        body = await request.json()
+        self.rpcs.append(body)
+        if self.fail_rpc:
+            return web.json_response({"error": "reload failed: no such directory"}, status=500)
+        return web.json_response({"results": [None]})
+
+    async def pause(self, request):
+        mode = request.query.get("mode", "abort")
+        self.pauses.append(mode)
+        self.paused = True
+        if mode == "abort":
+            for state in self.running.values():
+                state["abort"] = True
+        return web.json_response({"status": "paused"})
+
+    async def resume(self, request):
+        self.paused = False
+        return web.json_response({"status": "resumed"})
+
+    async def abort_requests(self, request):
+        ids = (await request.json()).get("request_ids")
+        if not ids:  # abort all: works
+            ids = list(self.running)
+            for state in self.running.values():
+                state["abort"] = True
+        # By id: answered but not done, as measured on vllm-cpu 0.32.0 (the client never relies on it).
+        return web.json_response({"status": "aborted", "aborted": len(ids)})
+
+
+def with_fake(test):
+    """Run `test(client, fake)` against a fresh FakeVLLM, in a fresh event loop."""
+
+    async def main():
+        fake = FakeVLLM()
+        runner, url = await start_app(fake.app)
+        client = VLLMClient(url, timeout_s=20)
+        try:
+            await client.wait_ready(10)
+            await test(client, fake)
+        finally:
+            await client.close()
+            await runner.cleanup()
+
+    asyncio.run(main())
+
+
+def test_generate_maps_request_and_reply():
+    async def test(client, fake):
+        sp = {"max_new_tokens": 4, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "ignore_eos": True, "sampling_seed": 3}
+        reply = await client.generate([5, 6, 7], sp, rid="r1")
+        assert fake.bodies[-1] == {
+            "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0.7, "top_p": 0.9, "ignore_eos": True, "seed": 3,
+            "return_token_ids": True, "request_id": "r1", "logprobs": 0,
+        }  # fmt: skip
+        assert reply.output_ids == [8, 9, 10, 11]
+        assert reply.output_logprobs == pytest.approx([-0.1, -0.2, -0.3, -0.4])
+        assert reply.finish_reason == "length" and reply.weight_version is None  # version_number(None) == 0
+
+        reply = await client.generate([5], {"max_new_tokens": 10, "stop_token_ids": [8], "top_k": 5}, rid="r2")
+        assert fake.bodies[-1]["top_k"] == 5 and fake.bodies[-1]["stop_token_ids"] == [8]
+        assert (reply.output_ids, reply.finish_reason) == ([6, 7, 8], "stop")  # the stop token is kept
+
+        reply = await client.generate([5], {"max_new_tokens": 2}, rid="r3", return_logprob=False)
+        assert "logprobs" not in fake.bodies[-1] and reply.output_logprobs == [] and reply.output_ids == [6, 7]
+        reply = await client.generate([5], {}, rid="r4")  # SGLang's default length, not vLLM's 16
+        assert fake.bodies[-1]["max_tokens"] == 128 and len(reply.output_ids) == 128
+
+        n = len(fake.bodies)
+        with pytest.raises(ValueError, match="'regex' has no vLLM equivalent"):
+            await client.generate([5], {"regex": "a+"}, rid="bad")
+        with pytest.raises(ValueError, match="n=2 is not supported"):
+            await client.generate([5], {"n": 2}, rid="bad")
+        with pytest.raises(ValueError, match="non-empty list of token ids"):
+            await client.generate([], {}, rid="bad")
+        assert len(fake.bodies) == n  # refused before any request
+
+    with_fake(test)
+
+
+def test_weight_update_sets_the_reported_version():
+    async def test(client, fake):
+        await client.update_weights_from_disk("/ckpt/v3", 3)
+        assert fake.rpcs[-1] == {"method": "reload_weights", "kwargs": {"weights_path": "/ckpt/v3"}, "timeout": 20.0}
+        assert (await client.generate([1], {"max_new_tokens": 1}, rid="a")).weight_version == "3"
+        fake.fail_rpc = True
+        with pytest.raises(RuntimeError, match="/collective_rpc answered HTTP 500: .*no such directory"):
+            await client.update_weights_from_disk("/missing", 4)
+        assert client.weight_version == "3"  # a failed update does not advance the version
+        fake.fail_rpc = False
+        await client.pause("retract")
+        await client.update_weights_from_disk("/ckpt/v4", 4)
+        assert client.weight_version == "3"  # loaded while paused: live at resume
+        await client.resume()
+        assert (await client.generate([1], {"max_new_tokens": 1}, rid="b")).weight_version == "4"
+
+    with_fake(test)
+
+
+def test_pause_keep_freezes_and_resume_finishes():
+    async def test(client, fake):
+        for mode in ("retract", "in_place"):
+            job = asyncio.ensure_future(client.generate([0], {"max_new_tokens": 50}, rid=f"k-{mode}"))
+            await fake.until_decoding(f"k-{mode}")
+            await client.pause(mode)
+            assert fake.pauses[-1] == "keep"
+            await asyncio.sleep(60 * fake.TOKEN_S)  # longer than the whole request would take
+            assert not job.done()
+            await client.update_weights_from_disk("/ckpt/v1", 1)  # allowed while frozen (unlike SGLang in_place)
+            await client.resume()
+            reply = await job
+            assert reply.finish_reason == "length" and len(reply.output_ids) == 50 and reply.weight_version == "1"
+        with pytest.raises(ValueError, match="pause: mode must be one of"):
+            await client.pause("keep")  # vLLM's name, not SGLang's
+
+    with_fake(test)
+
+
+def test_pause_abort_and_abort_all_return_partial_output():
+    async def test(client, fake):
+        job = asyncio.ensure_future(client.generate([0], {"max_new_tokens": 200}, rid="p"))
+        await fake.until_decoding("p")
+        await client.pause("abort")
+        reply = await job
+        assert fake.pauses[-1] == "abort"
+        assert reply.finish_reason == "abort" and 0 < len(reply.output_ids) < 200
+        assert len(reply.output_logprobs) == len(reply.output_ids)
+        await client.resume()
+
+        jobs = [asyncio.ensure_future(client.generate([0], {"max_new_tokens": 200}, rid=f"a{i}")) for i in range(3)]
+        await fake.until_decoding("a0", "a1", "a2")
+        await client.abort()
+        for reply in await asyncio.gather(*jobs):
+            assert reply.finish_reason == "abort" and 0 < len(reply.output_ids) < 200
+
+    with_fake(test)
+
+
+def test_generate_resumable_stitches_across_a_weight_update():
+    """The interruptible-generation path of async mode, driven by GenClient's helper."""
+
+    async def test(client, fake):
+        await client.update_weights_from_disk("/ckpt/v4", 4)
+        job = asyncio.ensure_future(generate_resumable(client, [0], {"max_new_tokens": 60}, rid="traj"))
+        await fake.until_decoding("traj", n_tokens=5)
+        await client.pause("abort")
+        await client.update_weights_from_disk("/ckpt/v5", 5)
+        await client.resume()
+        traj = await job
+        assert traj.finish_reason == "length" and len(traj.output_ids) == 60 == len(traj.output_logprobs)
+        assert traj.n_segments == 2 and (traj.version_start, traj.version_end) == (4, 5)
+        k = traj.output_versions.index(5)  # first token of the resumed segment
+        assert 5 <= k < 60 and traj.output_versions == [4] * k + [5] * (60 - k)
+        assert fake.bodies[-1]["prompt"] == [0] + traj.output_ids[:k] and fake.bodies[-1]["max_tokens"] == 60 - k
+
+    with_fake(test)
+
+
+def test_abort_one_request_by_hanging_up():
+    async def test(client, fake):
+        victim = asyncio.ensure_future(client.generate([0], {"max_new_tokens": 500}, rid="victim"))
+        other = asyncio.ensure_future(client.generate([0], {"max_new_tokens": 30}, rid="other"))
+        await fake.until_decoding("victim", "other")
+        t0 = time.monotonic()
+        await client.abort("victim")
+        reply = await victim
+        assert time.monotonic() - t0 < 1.0
+        assert (reply.output_ids, reply.output_logprobs, reply.finish_reason) == ([], [], "abort")
+        for _ in range(100):  # the server notices the hang-up on its next write/read
+            if "victim" in fake.disconnected:
+                break
+            await asyncio.sleep(0.01)
+        assert fake.disconnected == ["victim"]
+        assert (await other).finish_reason == "length"  # others are untouched
+        await client.abort("unknown-rid")  # a no-op, as in SGLang
+
+        # Cancelling the caller is not an abort: the cancellation propagates.
+        job = asyncio.ensure_future(client.generate([0], {"max_new_tokens": 500}, rid="c"))
+        await fake.until_decoding("c")
+        job.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await job
+
+        # close() ends what still runs as aborted requests.
+        job = asyncio.ensure_future(client.generate([0], {"max_new_tokens": 500}, rid="at-close"))
+        await fake.until_decoding("at-close")
+        await client.close()
+        assert (await job).finish_reason == "abort"
+
+    with_fake(test)
+
+
+def test_deadlines_and_health():
+    async def main():
+        fake = FakeVLLM()
+        runner, url = await start_app(fake.app)
+        client = VLLMClient(url, timeout_s=0.3)
+        try:
+            assert await client.health()
+            with pytest.raises(TimeoutError, match="did not answer within 0.3 s"):
+                await client.generate([0], {"max_new_tokens": 100}, rid="slow")  # 1 s of decoding
+        finally:
+            await runner.cleanup()
+        assert not await client.health()  # server gone: False, not an exception
+        with pytest.raises(RuntimeError, match="ClientConnectorError"):
+            await client.pause("abort")
+        with pytest.raises(TimeoutError, match="not ready after 0.5 s"):
+            await client.wait_ready(0.5)
+        await client.close()
+
+    asyncio.run(main())
+
+
+# --- opt-in: the real servers on the tiny model ------------------------------------------------
+
+
+def _launch(engine: str, model_path: str, log_path: str):
+    port = free_port()
+    argv, env = server_command(engine, model_path=model_path, host="127.0.0.1", port=port, tp=1, seed=1, max_batch_size=8)
+    log = open(log_path, "w")
+    proc = subprocess.Popen(argv, env={**os.environ, **env, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=subprocess.STDOUT)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+async def _drive(client, model_a: str, model_b: str) -> None:
+    """The contract every engine client must keep, checked against a real server."""
+    import torch
+
+    from realcore.backends.models import load_model
+
+    greedy = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    a = await client.generate([1, 2, 3, 4], greedy, rid="g-a")
+    assert a.finish_reason == "length" and len(a.output_ids) == 8 == len(a.output_logprobs)
+    assert all(x <= 0.0 for x in a.output_logprobs)
+
+    # Behaviour log-probs follow the built-in engine's convention: log_softmax(logits / T) of the
+    # sampled token (vLLM needs --logprobs-mode processed_logprobs for it; T=1 would differ by ~0.3).
+    prompt = [5, 17, 33, 40, 2]
+    sampled = await client.generate(prompt, {"max_new_tokens": 12, "temperature": 0.7, "ignore_eos": True}, rid="s")
+    assert len(sampled.output_ids) == 12 == len(sampled.output_logprobs)
+    with torch.no_grad():
+        logits = load_model(model_a)(torch.tensor([prompt + sampled.output_ids])).logits[0, len(prompt) - 1 : -1]
+    expected = torch.log_softmax(logits.float() / 0.7, -1).gather(1, torch.tensor(sampled.output_ids)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(sampled.output_logprobs), expected, atol=0.05)  # bf16 serving
+
+    await client.update_weights_from_disk(model_b, 1)
+    b = await client.generate([1, 2, 3, 4], greedy, rid="g-b")
+    assert str(b.weight_version) == "1" and b.output_ids != a.output_ids
+    await client.update_weights_from_disk(model_a, 2)
+    again = await client.generate([1, 2, 3, 4], greedy, rid="g-a2")
+    assert again.output_ids == a.output_ids and str(again.weight_version) == "2"
+
+    long = {"max_new_tokens": 400, "temperature": 1.0, "ignore_eos": True}
+    job = asyncio.ensure_future(client.generate([1, 2], long, rid="keep"))
+    await asyncio.sleep(0.5)
+    await client.pause("retract")
+    await asyncio.sleep(0.5)
+    assert not job.done()
+    await client.resume()
+    assert (await job).finish_reason == "length"
+
+    job = asyncio.ensure_future(client.generate([1, 2], long, rid="abort"))
+    await asyncio.sleep(0.5)
+    await client.pause("abort")
+    reply = await job
+    await client.resume()
+    assert reply.finish_reason == "abort" and len(reply.output_ids) < 400
+    assert len(reply.output_logprobs) == len(reply.output_ids)
+
+    traj_job = asyncio.ensure_future(generate_resumable(client, [1, 2], {**long, "max_new_tokens": 300}, rid="traj"))
+    await asyncio.sleep(0.5)
+    await client.pause("abort")
+    await client.update_weights_from_disk(model_b, 3)
+    await client.resume()
+    traj = await traj_job
+    assert traj.finish_reason == "length" and len(traj.output_ids) == 300 == len(traj.output_logprobs)
+    assert traj.n_segments >= 2 and (traj.version_start, traj.version_end) == (2, 3)
+
+    job = asyncio.ensure_future(client.generate([1, 2], long, rid="victim"))
+    await asyncio.sleep(0.5)
+    await client.abort("victim")
+    assert (await job).finish_reason == "abort"
+    jobs = [asyncio.ensure_future(client.generate([1, 2], long, rid=f"all-{i}")) for i in range(2)]
+    await asyncio.sleep(0.5)
+    await client.abort()
+    assert [r.finish_reason for r in await asyncio.gather(*jobs)] == ["abort", "abort"]
+
+
+def _real_engine_test(engine: str, client_cls, tmp_path) -> None:
+    from realcore.api.config import ModelConfig, TinyModelConfig
+    from realcore.backends.models import prepare_model
+
+    # head_dim 64: vllm-cpu's attention kernel refuses the default tiny model's head_dim of 16.
+    tiny = TinyModelConfig(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1)
+    model_a = prepare_model(ModelConfig(name="tiny", tiny=tiny, cache_dir=str(tmp_path)), seed=1)
+    model_b = prepare_model(ModelConfig(name="tiny", tiny=tiny, cache_dir=str(tmp_path)), seed=2)
+    proc, url = _launch(engine, model_a, str(tmp_path / f"{engine}.log"))
+
+    async def main():
+        await wait_http_ready(url, timeout_s=300, proc=proc)
+        client = client_cls(url, timeout_s=120)
+        try:
+            await _drive(client, model_a, model_b)
+        finally:
+            await client.close()
+
+    try:
+        asyncio.run(main())
+    except BaseException:
+        print((tmp_path / f"{engine}.log").read_text()[-5000:])
+        raise
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(os.environ.get("REALCORE_TEST_VLLM") != "1", reason="set REALCORE_TEST_VLLM=1 (needs vllm installed)")
+def test_real_vllm_server(tmp_path):
+    _real_engine_test("vllm", VLLMClient, tmp_path)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(os.environ.get("REALCORE_TEST_SGLANG") != "1", reason="set REALCORE_TEST_SGLANG=1 (needs sglang installed)")
+def test_real_sglang_server(tmp_path):
+    from realcore.backends.gen_client import GenClient
+
+    _real_engine_test("sglang", GenClient, tmp_path)

@@ -1,0 +1,385 @@
+"""The built-in generation server (SGLang's API) and its client, against a real server process.
+
+One server subprocess serves model A (with a bearer token and an in-memory weights socket) for
+the whole file; tests that change its weights restore A (version "0") before they end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+
+import aiohttp
+import pytest
+import torch
+
+from realcore.api.config import GenerationConfig, ModelConfig
+from realcore.backends.gen_client import GenClient, generate_resumable, push_weights
+from realcore.backends.gen_server import run_server
+from realcore.backends.generation import GenerationEngine, read_hf_weights
+from realcore.backends.models import load_model, load_tokenizer, prepare_model
+
+pytestmark = pytest.mark.timeout(60)
+torch.set_num_threads(1)
+TOKEN = "test-token"
+SECRET = b"k" * 32
+PROMPT = [5, 17, 42, 9, 100]
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+SERVER = """
+import json, os, sys
+from realcore.backends.gen_server import run_server
+run_server(sys.argv[1], seed=3, max_batch_size=8, token=sys.argv[2], secret=bytes.fromhex(os.environ["SECRET_HEX"]),
+           on_ready=lambda a: print(json.dumps(a), flush=True))
+"""
+
+
+def _make_model(cache_dir, out_dir, seed: int) -> str:
+    """A tiny model whose weights are re-drawn at a larger scale: at HF's init scale greedy output
+    repeats one token, which would make the comparisons here vacuous."""
+    path = prepare_model(ModelConfig(name="tiny", cache_dir=str(cache_dir)), seed=seed)
+    model, tok = load_model(path), load_tokenizer(path)
+    gen = torch.Generator().manual_seed(100 + seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.15, generator=gen)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tok.save_pretrained(out_dir)
+    return str(out_dir)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gen_server")
+    return {name: _make_model(root / "cache", root / name, seed) for name, seed in (("A", 0), ("B", 1))}
+
+
+@pytest.fixture(scope="module")
+def forward(models):
+    """name -> full-forward log-probs of `output` after `prompt` (temperature 1)."""
+    loaded = {name: load_model(path) for name, path in models.items()}
+
+    def logprobs(name: str, prompt: list[int], output: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = loaded[name](torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1]  # (n_out, V)
+        return torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(output)[:, None]).squeeze(1)
+
+    return logprobs
+
+
+@pytest.fixture(scope="module")
+def server(models, tmp_path_factory):
+    log = open(tmp_path_factory.mktemp("log") / "server.log", "w+")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SECRET_HEX": SECRET.hex()}
+    argv = [sys.executable, "-c", SERVER, models["A"], TOKEN]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, env=env, text=True)
+    line = proc.stdout.readline()  # on_ready's JSON, or "" if the server died
+    if not line:
+        log.seek(0)
+        pytest.fail(f"server did not start:\n{log.read()[-3000:]}")
+    yield json.loads(line)
+    proc.terminate()  # SIGTERM: run_server returns, the process exits 0
+    assert proc.wait(timeout=30) == 0
+
+
+def drive(server, fn):
+    """Run `fn(client)` in a fresh event loop with a client of the shared server."""
+
+    async def main():
+        client = GenClient(server["http"], token=TOKEN, timeout_s=30)
+        try:
+            await client.wait_ready(10)
+            return await fn(client)
+        finally:
+            await client.close()
+
+    return asyncio.run(main())
+
+
+async def wait_until(client, pred, timeout_s: float = 10.0) -> dict:
+    """Poll get_server_info until `pred(info)` holds."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        info = await client.server_info()
+        if pred(info):
+            return info
+        await asyncio.sleep(0.005)
+    raise TimeoutError(f"server never reached the expected state; last info {info}")
+
+
+async def post(url: str, body, *, token: str | None = TOKEN, raw: bytes | None = None) -> tuple[int, dict]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with aiohttp.ClientSession(headers=headers) as s:
+        async with s.post(url, json=None if raw is not None else body, data=raw) as r:
+            return r.status, await r.json(content_type=None)
+
+
+async def restore_a(client, models) -> None:
+    await client.update_weights_from_disk(models["A"], "0")
+
+
+def split_point(forward, prompt, reply_ids, reply_logprobs) -> int:
+    """The s such that log-probs [:s] are model A's and [s:] model B's (full forward), asserted."""
+    a, b = forward("A", prompt, reply_ids), forward("B", prompt, reply_ids)
+    got = torch.tensor(reply_logprobs)
+    s = 0
+    while s < len(got) and abs(float(got[s] - a[s])) < 1e-4:
+        s += 1
+    torch.testing.assert_close(got[s:], b[s:], atol=1e-4, rtol=0)
+    return s
+
+
+# --- tests ------------------------------------------------------------------------------------------
+
+
+def test_continuous_batching_shares_a_batch_and_matches_alone(server):
+    prompts = [PROMPT, [7, 3, 250, 11]]
+
+    async def fn(client):
+        params = {**GREEDY, "max_new_tokens": 150}
+        alone = [await client.generate(p, params, rid=f"alone-{i}") for i, p in enumerate(prompts)]
+        before = await client.server_info()
+        first = asyncio.ensure_future(client.generate(prompts[0], params, rid="cb-0"))
+        await wait_until(client, lambda i: i["decode_steps"] >= before["decode_steps"] + 20)
+        both = await asyncio.gather(first, client.generate(prompts[1], params, rid="cb-1"))
+        return alone, both, before, await client.server_info()
+
+    alone, both, before, after = drive(server, fn)
+    for a, b in zip(alone, both):
+        assert a.output_ids == b.output_ids and len(set(a.output_ids)) > 5  # non-trivial greedy output
+        torch.testing.assert_close(torch.tensor(a.output_logprobs), torch.tensor(b.output_logprobs), atol=1e-4, rtol=0)
+    assert after["max_running_requests"] >= 2
+    assert after["decode_steps"] - before["decode_steps"] < 2 * 150 - 40  # they overlapped by 20+ steps
+
+
+def test_api_shapes_and_bad_bodies(server, models):
+    url = server["http"]
+
+    async def fn(client):
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {TOKEN}"}) as s:
+            async with s.get(url + "/v1/models") as r:
+                assert r.status == 200
+                assert await r.json() == {"object": "list", "data": [{"id": models["A"], "object": "model"}]}
+        assert await client.health()
+        info = await client.server_info()
+        assert {"weight_version", "num_running_reqs", "max_running_requests", "paused"} <= set(info)
+        params = {**GREEDY, "max_new_tokens": 6, "top_k": -1}
+        status, out = await post(url + "/generate", {"input_ids": PROMPT, "rid": "shape", "return_logprob": True, "sampling_params": params})
+        meta = out["meta_info"]
+        assert status == 200 and len(out["output_ids"]) == 6 and meta["id"] == "shape" and meta["weight_version"] == "0"
+        assert meta["finish_reason"] == {"type": "length", "length": 6}
+        assert meta["prompt_tokens"] == 5 and meta["completion_tokens"] == 6
+        triples = meta["output_token_logprobs"]  # [logprob, token id, null] per output token
+        assert [t for _, t, _ in triples] == out["output_ids"] and all(lp <= 0 and x is None for lp, _, x in triples)
+        stop = out["output_ids"][2]
+        status, out = await post(url + "/generate", {"input_ids": PROMPT, "sampling_params": {"temperature": 0, "stop_token_ids": [stop]}})
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+        assert "output_token_logprobs" not in out["meta_info"]  # return_logprob defaults to false
+        for path, body in [
+            ("/generate", {"input_ids": []}),
+            ("/generate", {"input_ids": [10**6]}),
+            ("/generate", {"input_ids": PROMPT, "sampling_params": {"min_p": 0.1}}),
+            ("/generate", {"input_ids": PROMPT, "sampling_params": {"temperature": -1}}),
+            ("/generate", [1, 2]),
+            ("/pause_generation", {"mode": "later"}),
+            ("/abort_request", {}),
+        ]:
+            status, out = await post(url + path, body)
+            assert status == 400 and "\n" not in out["error"], (path, body, out)
+        status, out = await post(url + "/generate", None, raw=b"{not json")
+        assert status == 400 and "JSON" in out["error"]
+        status, out = await post(url + "/update_weights_from_disk", {"model_path": "/nonexistent"})
+        assert status == 400 and out["success"] is False and "safetensors" in out["message"]
+
+    drive(server, fn)
+
+
+def test_abort_one_and_all(server):
+    async def fn(client):
+        long = {**GREEDY, "max_new_tokens": 1500}
+        x = asyncio.ensure_future(client.generate(PROMPT, long, rid="x"))
+        y = asyncio.ensure_future(client.generate(PROMPT, {**GREEDY, "max_new_tokens": 200}, rid="y"))
+        await wait_until(client, lambda i: i["num_running_reqs"] == 2)
+        await client.abort("x")
+        x, y = await x, await y
+        assert x.finish_reason == "abort" and 0 < len(x.output_ids) < 1500
+        assert len(x.output_logprobs) == len(x.output_ids)
+        assert y.finish_reason == "length" and len(y.output_ids) == 200
+        jobs = [asyncio.ensure_future(client.generate(PROMPT, long, rid=f"all-{i}")) for i in range(2)]
+        await wait_until(client, lambda i: i["num_running_reqs"] == 2)
+        await client.abort()
+        assert all(r.finish_reason == "abort" and len(r.output_ids) < 1500 for r in await asyncio.gather(*jobs))
+
+    drive(server, fn)
+
+
+def test_pause_abort_and_requests_wait_while_paused(server):
+    async def fn(client):
+        long = {**GREEDY, "max_new_tokens": 1500}
+        job = asyncio.ensure_future(client.generate(PROMPT, long, rid="pa"))
+        await wait_until(client, lambda i: i["num_running_reqs"] == 1)
+        await client.pause("abort")
+        reply = await job
+        assert reply.finish_reason == "abort" and len(reply.output_ids) < 1500
+        late = asyncio.ensure_future(client.generate(PROMPT, {**GREEDY, "max_new_tokens": 5}, rid="late"))
+        await asyncio.sleep(0.3)
+        assert not late.done()  # held, not rejected
+        await client.resume()
+        assert (await late).finish_reason == "length"
+
+    drive(server, fn)
+
+
+def test_pause_in_place_refuses_update_and_keeps_kv(server, models):
+    async def fn(client):
+        params = {**GREEDY, "max_new_tokens": 400}
+        ref = await client.generate(PROMPT, params, rid="ref")
+        job = asyncio.ensure_future(client.generate(PROMPT, params, rid="ip"))
+        await wait_until(client, lambda i: i["num_running_reqs"] == 1)
+        await client.pause("in_place")
+        steps = (await client.server_info())["decode_steps"]
+        late = asyncio.ensure_future(client.generate(PROMPT, {**GREEDY, "max_new_tokens": 5}, rid="ip-late"))
+        with pytest.raises(RuntimeError, match="in_place"):
+            await client.update_weights_from_disk(models["B"], "1")
+        await asyncio.sleep(0.2)
+        info = await client.server_info()
+        assert info["decode_steps"] == steps and info["weight_version"] == "0" and not job.done() and not late.done()
+        await client.resume()
+        held = await job
+        assert held.output_ids == ref.output_ids and (await late).finish_reason == "length"
+
+    drive(server, fn)
+
+
+def test_retract_update_continue_resumes_under_new_weights(server, models, forward):
+    async def fn(client):
+        job = asyncio.ensure_future(client.generate(PROMPT, {**GREEDY, "max_new_tokens": 300}, rid="rt"))
+        await wait_until(client, lambda i: i["num_running_reqs"] == 1)
+        await client.pause("retract")
+        await client.update_weights_from_disk(models["B"], "1")
+        await asyncio.sleep(0.1)
+        assert not job.done()
+        await client.resume()
+        reply = await job
+        await restore_a(client, models)
+        return reply
+
+    reply = drive(server, fn)
+    assert reply.finish_reason == "length" and len(reply.output_ids) == 300 and reply.weight_version == "1"
+    s = split_point(forward, PROMPT, reply.output_ids, reply.output_logprobs)
+    assert 0 < s < 300  # tokens before the retraction from A, after it from B (KV recomputed)
+
+
+def test_interrupted_generation_logprobs_match_each_segments_weights(server, models, forward):
+    """The acceptance test of async RL: pause(abort) -> update -> continue, stitched by the client."""
+    params = {"temperature": 1.0, "ignore_eos": True, "max_new_tokens": 800}
+
+    async def fn(client):
+        before = await client.server_info()
+        job = asyncio.ensure_future(generate_resumable(client, PROMPT, params, rid="key"))
+        await wait_until(client, lambda i: i["decode_steps"] >= before["decode_steps"] + 50)
+        await client.pause("abort")
+        await client.update_weights_from_disk(models["B"], "1")
+        await client.resume()
+        traj = await job
+        await restore_a(client, models)
+        return traj
+
+    traj = drive(server, fn)
+    assert traj.n_segments >= 2 and traj.finish_reason == "length" and len(traj.output_ids) == 800
+    assert (traj.version_start, traj.version_end) == (0, 1) and traj.output_versions == sorted(traj.output_versions)
+    s = traj.output_versions.index(1)
+    assert 50 <= s < 800
+    got = torch.tensor(traj.output_logprobs)
+    torch.testing.assert_close(got[:s], forward("A", PROMPT, traj.output_ids)[:s], atol=1e-4, rtol=0)
+    torch.testing.assert_close(got[s:], forward("B", PROMPT, traj.output_ids)[s:], atol=1e-4, rtol=0)
+
+
+def test_weight_updates_from_disk_and_memory(server, models):
+    params = {**GREEDY, "max_new_tokens": 40}
+    state_b = read_hf_weights(models["B"])
+
+    async def gen(client, rid):
+        return await client.generate(PROMPT, params, rid=rid)
+
+    async def fn(client):
+        a = await gen(client, "w-a")
+        await client.update_weights_from_disk(models["B"], "1")
+        b = await gen(client, "w-b")
+        await client.update_weights_from_disk(models["A"], "2")
+        a2 = await gen(client, "w-a2")
+        await asyncio.to_thread(push_weights, server["weights"], SECRET, "3", state_b, 10)
+        b2 = await gen(client, "w-b2")
+        with pytest.raises(TimeoutError):  # a forged message is dropped: no answer at all
+            await asyncio.to_thread(push_weights, server["weights"], b"x" * 32, "4", state_b, 0.5)
+        with pytest.raises(RuntimeError, match="missing"):  # authenticated but incomplete: refused, nothing changed
+            partial = {"lm_head.weight": state_b["model.embed_tokens.weight"]}
+            await asyncio.to_thread(push_weights, server["weights"], SECRET, "5", partial, 10)
+        b3 = await gen(client, "w-b3")
+        info = await client.server_info()
+        await restore_a(client, models)
+        return a, b, a2, b2, b3, info
+
+    a, b, a2, b2, b3, info = drive(server, fn)
+    assert b.output_ids != a.output_ids and b.weight_version == "1"
+    assert a2.output_ids == a.output_ids and a2.weight_version == "2"
+    assert b2.output_ids == b.output_ids and b2.weight_version == "3"
+    assert b3.output_ids == b.output_ids and b3.weight_version == "3" and info["dropped_weight_messages"] >= 1
+
+
+def test_auth(server):
+    url = server["http"]
+
+    async def fn(client):
+        for token in (None, "wrong"):
+            for path in ("/generate", "/pause_generation", "/get_server_info"):
+                status, out = await post(url + path, {"input_ids": PROMPT}, token=token)
+                assert status == 401 and "token" in out["error"]
+        async with aiohttp.ClientSession() as s:
+            async with s.get(url + "/health") as r:
+                assert r.status == 200  # the one public endpoint
+            async with s.get(url + "/v1/models") as r:
+                assert r.status == 401
+        status, _ = await post(url + "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}})
+        assert status == 200
+
+    drive(server, fn)
+    with pytest.raises(ValueError, match="needs a token"):
+        run_server("/nonexistent", host="0.0.0.0")
+
+
+def test_engine_honours_ignore_eos(models):
+    model, tok = load_model(models["A"]), load_tokenizer(models["A"])
+    full = GenerationEngine(model, tok).generate([PROMPT], GenerationConfig(greedy=True, max_new_tokens=12))[0]
+    engine = GenerationEngine(model, tok)
+    engine.eos_token_id = full.output_ids[3]  # pretend a token of the output is EOS
+    first = full.output_ids.index(engine.eos_token_id)
+    stopped = engine.generate([PROMPT], GenerationConfig(greedy=True, max_new_tokens=12))[0]
+    assert stopped.output_ids == full.output_ids[: first + 1] and stopped.finish_reason == "stop"
+    kept = engine.generate([PROMPT], GenerationConfig(greedy=True, max_new_tokens=12, ignore_eos=True))[0]
+    assert kept.output_ids == full.output_ids and kept.finish_reason == "length"
+
+
+def test_client_deadlines_name_the_url():
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+
+    async def main():
+        client = GenClient(url, timeout_s=1)
+        try:
+            assert not await client.health()
+            with pytest.raises(TimeoutError, match=url):
+                await client.wait_ready(0.3)
+            with pytest.raises(RuntimeError, match=url):
+                await client.generate(PROMPT, GREEDY, rid="nobody")
+        finally:
+            await client.close()
+
+    asyncio.run(main())
