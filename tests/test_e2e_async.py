@@ -47,3 +47,13 @@ def test_in_memory_weight_update(tmp_path):
     out, metrics = run_async(tmp_path, "rollout.weight_update=memory", "rollout.max_head_offpolicyness=1", steps=3)
     assert all(m["staleness/head"] <= 1 for m in metrics)
     assert metrics[-1]["version"] == 3 and not os.path.exists(out / "weights")
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("sglang") is not None, reason="sglang is installed here")
+def test_missing_engine_is_a_one_line_config_error(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "realcore.launch", "experiment=async-ppo-math", "model=tiny",
+                        "allocation_mode=sglang.d1p1t1+d1p1t1", f"output_dir={tmp_path}"],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "sglang is not installed" in lines[0] and "pip install sglang" in lines[0]

@@ -71,6 +71,7 @@ class DatasetConfig(_Strict):
     seed: int = 1
     format: Literal["rl", "sft"] = Field("rl", description="rl: prompt_ids + answer; sft: input_ids + loss_mask")
     prompt_template: str = Field("Question: {question}\nAnswer:", description="`{question}` is replaced")
+    system_prompt: str | None = Field(None, description="with a chat template: replaces its default system message")
     max_prompt_len: int = Field(256, gt=0, description="longer prompts are skipped and counted")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="passed to a user-registered dataset")
 

@@ -200,3 +200,15 @@ async def wait_http_ready(
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
                 last = type(e).__name__
             await asyncio.sleep(max(0.0, min(_POLL_S, deadline - time.monotonic())))
+
+
+def client_for(engine: str, url: str, *, token: str | None, timeout_s: float):
+    """The HTTP client for a server of `engine`: SGLang's API for the built-in server and SGLang,
+    the adapter for vLLM. All have the same async interface (see gen_client.GenClient)."""
+    if engine == "vllm":
+        from realcore.backends.vllm_client import VLLMClient
+
+        return VLLMClient(url, token=token, timeout_s=timeout_s)
+    from realcore.backends.gen_client import GenClient
+
+    return GenClient(url, token=token, timeout_s=timeout_s)

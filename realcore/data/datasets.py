@@ -50,14 +50,16 @@ def dataset_keys(cfg: DatasetConfig) -> tuple[str, ...]:
 # Row -> sample
 
 
-def prompt_token_ids(tokenizer, prompt: str, use_chat_template: bool) -> list[int]:
-    """Token ids of a prompt, through the chat template (with the generation prompt) if asked."""
+def prompt_token_ids(tokenizer, prompt: str, use_chat_template: bool, system_prompt: str | None = None) -> list[int]:
+    """Token ids of a prompt, through the chat template (with the generation prompt) if asked;
+    `system_prompt` replaces the template's default system message."""
     if not use_chat_template:
         # add_special_tokens: a BOS where the model family expects one (Llama), nothing for Qwen.
         return list(tokenizer.encode(prompt, add_special_tokens=True))
-    out = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-    )
+    messages = [{"role": "user", "content": prompt}]
+    if system_prompt is not None:
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if isinstance(out, Mapping) or hasattr(out, "input_ids"):  # transformers 5 returns a BatchEncoding
         out = out["input_ids"]
     if hasattr(out, "tolist"):
@@ -82,7 +84,7 @@ def _row_to_sample(row: Mapping, cfg: DatasetConfig, tokenizer, use_chat_templat
     question, answer = _field(row, "question"), _field(row, "answer")
     if question is None or answer is None:
         return SKIP_MISSING
-    prompt = prompt_token_ids(tokenizer, cfg.prompt_template.format(question=question), use_chat_template)
+    prompt = prompt_token_ids(tokenizer, cfg.prompt_template.format(question=question), use_chat_template, cfg.system_prompt)
     if len(prompt) > cfg.max_prompt_len:
         return SKIP_TOO_LONG
     if cfg.format == "rl":

@@ -16,7 +16,7 @@ from realcore.api.config import ExperimentConfig
 from realcore.api.registry import lookup
 from realcore.dfg.graph import DataFlowGraph, GraphError, build_graph
 from realcore.launch.config_loader import ConfigError, import_user_modules, load_config
-from realcore.launch.local import Proc, describe_exit, spawn, stop_all, tail
+from realcore.launch.local import Proc, describe_exit, spawn, spawn_command, stop_all, tail
 from realcore.system.master import source_keys
 from realcore.system.name_resolve import make_name_resolver, scoped_key
 
@@ -33,8 +33,17 @@ def validate(cfg: ExperimentConfig) -> tuple[DataFlowGraph, AllocationMode]:
     if cfg.mode == "async":
         if alloc.gen is None:
             raise ConfigError(f"allocation_mode: mode=async needs generation servers, e.g. local.d2p1t1+{cfg.allocation_mode}")
-        if alloc.backend != "local" or alloc.gen.world_size != alloc.gen.dp:
-            raise ConfigError(f"allocation_mode: {cfg.allocation_mode!r}: the launcher starts built-in servers (local.dN) only so far")
+        if alloc.backend not in ("local", "sglang", "vllm"):
+            raise ConfigError(f"allocation_mode: unknown generation engine {alloc.backend!r} (local, sglang, vllm)")
+        if alloc.backend == "local" and alloc.gen.world_size != alloc.gen.dp:
+            raise ConfigError(f"allocation_mode: built-in servers are data parallel only (local.dN), got {cfg.allocation_mode!r}")
+        from realcore.backends.server_launch import engine_available
+
+        missing = engine_available(alloc.backend)
+        if missing:
+            raise ConfigError(f"allocation_mode: {missing}")
+        if alloc.backend != "local" and cfg.rollout.weight_update == "memory":
+            raise ConfigError("rollout.weight_update: memory works with built-in servers only (allocation_mode local.*)")
         try:
             lookup("agent", cfg.rollout.agent)
         except KeyError as e:
@@ -126,6 +135,30 @@ def watch(procs: list[Proc], grace_s: float) -> int:
             signal.signal(s, h)
 
 
+def start_engine_servers(cfg: ExperimentConfig, alloc: AllocationMode, env: dict, logs: str) -> list[Proc]:
+    """SGLang or vLLM servers: started here on free ports and published; the manager waits for
+    each to answer before any rollout starts."""
+    import socket
+
+    from realcore.backends.server_launch import server_command
+    from realcore.system.gserver_manager import gen_server_key
+
+    resolver = make_name_resolver(cfg.system.name_resolve)
+    procs = []
+    for i in range(alloc.gen.dp):
+        with socket.socket() as s:
+            s.bind((cfg.system.host, 0))
+            port = s.getsockname()[1]
+        extra = ["--api-key", cfg.rollout.server_token] if cfg.rollout.server_token else []
+        argv, extra_env = server_command(alloc.backend, model_path=cfg.model.path, host=cfg.system.host, port=port,
+                                         tp=alloc.gen.tp, seed=cfg.seed + 1000 * i,
+                                         max_batch_size=cfg.generation.max_batch_size, extra_args=extra)
+        procs.append(spawn_command(f"gen_server/{i}", argv, env={**env, **extra_env},
+                                   log_path=os.path.join(logs, f"gen_server-{i}.log")))
+        resolver.put(gen_server_key(cfg, i), json.dumps({"http": f"http://{cfg.system.host}:{port}", "weights": None}), replace=True)
+    return procs
+
+
 def start_processes(cfg: ExperimentConfig, alloc: AllocationMode, config_path: str, secret_path: str) -> list[Proc]:
     """Model workers (the training mesh), then in async mode generation servers, their manager and
     rollout workers; the master last (it waits for the others' addresses anyway)."""
@@ -135,9 +168,13 @@ def start_processes(cfg: ExperimentConfig, alloc: AllocationMode, config_path: s
     common = ["--world", str(alloc.train.world_size), "--config", config_path, "--secret-file", secret_path,
               "--n-servers", str(n_servers)]
     kinds = [("model_worker", alloc.train.world_size)]
-    if cfg.mode == "async":
-        kinds += [("gen_server", n_servers), ("gserver_manager", 1), ("rollout_worker", cfg.rollout.n_workers)]
     procs = []
+    if cfg.mode == "async":
+        if alloc.backend == "local":
+            kinds.append(("gen_server", n_servers))
+        else:
+            procs += start_engine_servers(cfg, alloc, env, logs)
+        kinds += [("gserver_manager", 1), ("rollout_worker", cfg.rollout.n_workers)]
     for kind, count in kinds:
         for i in range(count):
             name = kind if kind == "gserver_manager" else f"{kind}/{i}"

@@ -25,9 +25,14 @@ class Proc:
 
 def spawn(name: str, args: list[str], *, env: dict, log_path: str | None) -> Proc:
     """Start `python -m realcore.system.run_worker ARGS`; output to log_path (None: inherit)."""
+    return spawn_command(name, [sys.executable, "-m", "realcore.system.run_worker", *args], env=env, log_path=log_path)
+
+
+def spawn_command(name: str, argv: list[str], *, env: dict, log_path: str | None) -> Proc:
+    """Start any command (e.g. an SGLang server) under the same rules as realcore's workers."""
     out = open(log_path, "ab") if log_path else None
     popen = subprocess.Popen(
-        [sys.executable, "-m", "realcore.system.run_worker", *args],
+        argv,
         env=env, stdout=out, stderr=subprocess.STDOUT if out else None, stdin=subprocess.DEVNULL,
         start_new_session=True, preexec_fn=die_with_parent,
     )

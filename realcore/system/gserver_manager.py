@@ -18,6 +18,7 @@ import queue
 import time
 import traceback
 
+from realcore.api.alloc import parse_allocation_mode
 from realcore.api.config import ExperimentConfig
 from realcore.system.control import ControlServer
 from realcore.system.name_resolve import make_name_resolver, scoped_key
@@ -39,6 +40,8 @@ class GServerManager:
         resolver = make_name_resolver(cfg.system.name_resolve)
         self.servers = [json.loads(resolver.wait(gen_server_key(cfg, i), timeout_s=cfg.system.startup_timeout_s))["http"]
                         for i in range(n_servers)]
+        self.engine = parse_allocation_mode(cfg.allocation_mode).backend
+        asyncio.run(self._on_all(lambda c: c.wait_ready(cfg.system.startup_timeout_s)))
         self.load = {s: 0 for s in self.servers}  # rollouts in flight per server
         self._rr = itertools.cycle(self.servers)
         r = cfg.rollout
@@ -90,10 +93,10 @@ class GServerManager:
         return {"seconds": time.perf_counter() - t0}
 
     async def _on_all(self, call) -> None:
-        from realcore.backends.gen_client import GenClient
+        from realcore.backends.server_launch import client_for
 
-        clients = [GenClient(s, token=self.cfg.rollout.server_token, timeout_s=self.cfg.rollout.request_timeout_s)
-                   for s in self.servers]
+        r = self.cfg.rollout
+        clients = [client_for(self.engine, s, token=r.server_token, timeout_s=r.request_timeout_s) for s in self.servers]
         try:
             await asyncio.gather(*(call(c) for c in clients))
         finally:

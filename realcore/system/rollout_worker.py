@@ -92,11 +92,12 @@ class RolloutWorker:
         log.info("rollout worker %d: %d prompts (skipped %s)", index, len(self.samples), loaded.skipped or "none")
 
     def client(self, server: str):
-        from realcore.backends.gen_client import GenClient
+        from realcore.api.alloc import parse_allocation_mode
+        from realcore.backends.server_launch import client_for
 
         if server not in self.clients:
-            r = self.cfg.rollout
-            self.clients[server] = GenClient(server, token=r.server_token, timeout_s=r.request_timeout_s)
+            r, engine = self.cfg.rollout, parse_allocation_mode(self.cfg.allocation_mode).backend
+            self.clients[server] = client_for(engine, server, token=r.server_token, timeout_s=r.request_timeout_s)
         return self.clients[server]
 
     async def rollout(self, manager: ManagerClient, push: zmq.asyncio.Socket, server: str) -> None:

@@ -1,0 +1,39 @@
+"""Smoke test of the generation benchmark: `bench/generation.py --quick` runs and prints its table."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.timeout(150)
+def test_generation_bench_quick():
+    # --no-vllm: with a vLLM interpreter the vLLM row would cost ~45 s of start-up (and vLLM's CPU
+    # kernels refuse the tiny model's head_dim); the row must still be there, as a note.
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "generation.py"), "--quick", "--no-vllm"],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # Table rows by their first cell: {"built-in engine": ["512.3", "8100.0", "33/33"], ...}
+    rows = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("| "):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            rows[cells[0]] = cells[1:]
+    for engine in ("built-in engine", "transformers generate"):
+        assert engine in rows, proc.stdout
+        b1, b32, same = rows[engine]
+        assert float(b1) > 0 and float(b32) > 0, rows[engine]
+        assert re.fullmatch(r"\d+/33", same), rows[engine]  # 1 + 32 sequences compared with HF
+    assert rows["vLLM (offline LLM)"][2].startswith("skipped"), rows["vLLM (offline LLM)"]
+    for label in ("built-in / HF", "built-in / HF, per CPU second"):
+        assert all(re.fullmatch(r"[\d.]+x", c) for c in rows[label][:2]), rows[label]
