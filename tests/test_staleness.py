@@ -64,3 +64,24 @@ def test_staleness_never_exceeds_eta_in_a_simulation():
         # Random completion order is a harsh tail (a rollout can be overtaken forever); still most
         # samples train and the trainer never starves.
         assert steps > 300 and dropped < 0.5 * steps * B, (eta, steps, dropped)
+
+
+def test_dynamic_filtering_and_trajectory_layout():
+    from realcore.backends.gen_client import Trajectory
+    from realcore.system.rollout_worker import keep_group, trajectory_sample
+    from realcore.system.stream import decode_group, encode_group
+
+    assert keep_group([0.0, 1.0], True) and keep_group([1.0, 1.0], False)
+    assert not keep_group([1.0, 1.0, 1.0], True) and not keep_group([0.0, 0.0], True)
+    t = Trajectory([7, 8], [-0.5, -0.25], [0, 1], 0, 1, "stop", 2)
+    sample = trajectory_sample([1, 2, 3], [(t, 1.0)])
+    assert sample["input_ids"][0].tolist() == [1, 2, 3, 7, 8]
+    assert sample["loss_mask"][0].tolist() == [0, 0, 0, 1, 1]
+    assert sample["behav_logprobs"][0].tolist() == [0, 0, 0, -0.5, -0.25]
+    assert (int(sample["version_start"][0]), int(sample["version_end"][0]), float(sample["rewards"][0])) == (0, 1, 1.0)
+    back = decode_group(*encode_group(sample))
+    assert all(torch_equal(back[k], sample[k]) for k in sample)
+
+
+def torch_equal(a, b):
+    return len(a) == len(b) and all((x == y).all() for x, y in zip(a, b))

@@ -42,8 +42,7 @@ from typing import Any
 
 import aiohttp
 
-from realcore.backends.gen_client import CONTROL_TIMEOUT_S, FINISH_REASONS, GenReply
-from realcore.backends.server_launch import wait_http_ready
+from realcore.backends.gen_client import CONTROL_TIMEOUT_S, FINISH_REASONS, GenClient, GenReply
 
 # SGLang pause modes -> vLLM /pause modes (see the module docstring for what differs).
 PAUSE_MODES = {"abort": "abort", "retract": "keep", "in_place": "keep"}
@@ -127,17 +126,15 @@ def _cancelling(task: asyncio.Task) -> bool:
     return getattr(task, "cancelling", lambda: 0)() > 0
 
 
-class VLLMClient:
-    """One vLLM server, driven with GenClient's interface (see the module docstring)."""
+class VLLMClient(GenClient):
+    """One vLLM server, driven with GenClient's interface (see the module docstring). The HTTP
+    session, health and readiness checks are GenClient's; the endpoints are vLLM's."""
 
     def __init__(self, base_url: str, *, token: str | None = None, timeout_s: float = 600.0):
-        self.base_url = base_url.rstrip("/")
-        self.token = token
-        self.timeout_s = float(timeout_s)
+        super().__init__(base_url, token=token, timeout_s=timeout_s)
         self.weight_version: str | None = None  # the version requests run with now (module docstring)
         self._loaded_version: str | None = None  # the last version loaded; live at resume()
         self._paused = False
-        self._session: aiohttp.ClientSession | None = None
         self._inflight: dict[str, asyncio.Task] = {}  # rid -> the HTTP request task (for abort(rid))
         self._aborted: set[str] = set()
 
@@ -208,20 +205,6 @@ class VLLMClient:
 
     # --- liveness -----------------------------------------------------------------------------
 
-    async def health(self) -> bool:
-        """True if the server answers `/health` with 200 within the control deadline."""
-        try:
-            async with (await self._sess()).get(
-                self.base_url + "/health", timeout=aiohttp.ClientTimeout(total=CONTROL_TIMEOUT_S)
-            ) as r:
-                return r.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            return False
-
-    async def wait_ready(self, timeout_s: float) -> None:
-        """Wait until the server serves `/v1/models`; TimeoutError after `timeout_s`."""
-        await wait_http_ready(self.base_url, timeout_s=timeout_s, token=self.token)
-
     async def close(self) -> None:
         """Close the HTTP session; requests still running return with finish_reason "abort"."""
         for rid in list(self._inflight):
@@ -231,14 +214,6 @@ class VLLMClient:
             self._session = None
 
     # --- HTTP ---------------------------------------------------------------------------------
-
-    async def _sess(self) -> aiohttp.ClientSession:
-        # Created lazily: a session belongs to the event loop it was made in. No connection limit,
-        # so control calls (pause, abort) never queue behind long generations.
-        if self._session is None:
-            headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-            self._session = aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=0))
-        return self._session
 
     async def _post(self, path: str, body: dict | None, timeout_s: float) -> dict:
         url = self.base_url + path

@@ -54,6 +54,12 @@ class ManagerClient:
         return header["body"]
 
 
+def keep_group(rewards: list[float], filter_equal_rewards: bool) -> bool:
+    """Dynamic filtering (DAPO, AReaL): a group whose rewards are all equal has zero advantage
+    everywhere, so it teaches nothing; drop it when asked."""
+    return not (filter_equal_rewards and len(set(rewards)) <= 1)
+
+
 def trajectory_sample(prompt_ids: list[int], results) -> dict:
     """A group of (Trajectory, reward) -> a stream sample (see realcore.system.stream)."""
     p = len(prompt_ids)
@@ -107,8 +113,7 @@ class RolloutWorker:
             prompt_ids, tensor_to_text(sample["answer"][0]), client=self.client(server), gconfig=self.cfg.generation,
             tokenizer=self.tokenizer, reward_fn=self.reward_fn, rid=f"r{self.index}-{next(self._count)}",
         )
-        rewards = [r for _, r in results]
-        accepted = not (self.cfg.rollout.filter_equal_reward_groups and len(set(rewards)) == 1)
+        accepted = keep_group([r for _, r in results], self.cfg.rollout.filter_equal_reward_groups)
         if accepted:
             header, tensors = encode_group(trajectory_sample(prompt_ids, results))
             await push.send_multipart(wire.encode(header, tensors, self.secret))
