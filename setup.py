@@ -31,8 +31,9 @@ setup(
     install_requires=install_requires,
     extras_require={
         "dev": ["pytest>=8", "pytest-timeout>=2.3"],
-        # Filled by later issues: Megatron-core backend, SGLang / vLLM servers, Ray scheduler.
-        "megatron": [],
+        # megatron-core 0.17+ needs Python >= 3.12; 0.16.1 is the last for 3.11 (shared notes).
+        "megatron": ["megatron-core==0.16.1"],
+        # SGLang / vLLM are installed by the user (GPU builds; see README); Ray comes with issue 5.
         "sglang": [],
         "vllm": [],
         "ray": [],

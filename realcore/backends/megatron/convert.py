@@ -1,0 +1,226 @@
+"""Weight conversion between HF Llama/Qwen2 checkpoints and Megatron-core GPTModel shards.
+
+Pure tensor functions: no process group is needed, so the layout logic is testable alone.
+Target layout is `GPTModel` built with `get_gpt_layer_local_spec()` (megatron-core 0.16.1):
+
+    embedding.word_embeddings.weight                    first PP stage, vocab rows split over TP
+    decoder.layers.{i}.input_layernorm.weight           replicated
+    decoder.layers.{i}.self_attention.linear_qkv.weight fused QKV, per query group, split by groups
+    decoder.layers.{i}.self_attention.linear_qkv.bias   (Qwen2 only) same layout as the weight
+    decoder.layers.{i}.self_attention.linear_proj.weight split over the input dim
+    decoder.layers.{i}.pre_mlp_layernorm.weight         replicated
+    decoder.layers.{i}.mlp.linear_fc1.weight            [gate_r; up_r] per TP rank
+    decoder.layers.{i}.mlp.linear_fc2.weight            split over the input dim
+    decoder.final_layernorm.weight                      last PP stage
+    output_layer.weight                                 last PP stage, vocab rows split over TP
+
+Layer numbers `{i}` are local to the PP stage. Megatron's `*._extra_state` entries (TE/fp8
+metadata, None without TransformerEngine) are neither produced nor read: load with
+`strict=False` or ignore them. With tied embeddings and PP > 1 the last stage holds an
+`output_layer.weight` copy of the embedding (Megatron keeps one and syncs it); with PP = 1 it
+has no output layer. The vocab is not padded here: it must be divisible by TP (pad the
+checkpoint beforehand if needed).
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+
+
+def _dims(hf_config) -> tuple[int, int, int]:
+    """(num_heads, num_kv_heads, head_dim) of an HF config."""
+    nh = hf_config.num_attention_heads
+    nkv = getattr(hf_config, "num_key_value_heads", None) or nh
+    hd = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // nh
+    return nh, nkv, hd
+
+
+def _has_qkv_bias(hf_config) -> bool:
+    return hf_config.model_type == "qwen2"
+
+
+def rope_base(hf_config) -> float:
+    """HF rope theta (transformers 5 keeps it in `rope_parameters`)."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    return float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+
+
+def validate(hf_config, *, tp: int, pp: int) -> None:
+    """Raise ValueError if this HF config cannot be sharded as TP x PP."""
+    mt = getattr(hf_config, "model_type", None)
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"unsupported architecture {mt!r}; supported: {SUPPORTED_MODEL_TYPES}")
+    if mt == "llama" and (getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False)):
+        raise ValueError("llama with attention_bias/mlp_bias is not supported")
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    if params.get("rope_type", "default") != "default":
+        raise ValueError(f"rope_type {params['rope_type']!r} is not supported (only 'default')")
+    if tp < 1 or pp < 1:
+        raise ValueError(f"tp and pp must be >= 1, got tp={tp} pp={pp}")
+    nh, nkv, _ = _dims(hf_config)
+    if nh % tp:
+        raise ValueError(f"num_attention_heads={nh} is not divisible by tp={tp}")
+    if nkv % tp:
+        raise ValueError(f"num_key_value_heads={nkv} is not divisible by tp={tp}")
+    if hf_config.num_hidden_layers % pp:
+        raise ValueError(f"num_hidden_layers={hf_config.num_hidden_layers} is not divisible by pp={pp}")
+    if hf_config.vocab_size % tp:
+        raise ValueError(f"vocab_size={hf_config.vocab_size} is not divisible by tp={tp} (pad the vocab first)")
+    if hf_config.intermediate_size % tp:
+        raise ValueError(f"intermediate_size={hf_config.intermediate_size} is not divisible by tp={tp}")
+
+
+def mcore_config_from_hf(hf_config, **overrides):
+    """A megatron `TransformerConfig` matching an HF Llama/Qwen2 config (CPU initialisation)."""
+    from megatron.core.transformer import TransformerConfig  # heavy import, only when asked
+
+    validate(hf_config, tp=1, pp=1)
+    nh, nkv, hd = _dims(hf_config)
+    kwargs = dict(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        num_attention_heads=nh,
+        num_query_groups=nkv,
+        kv_channels=hd,
+        ffn_hidden_size=hf_config.intermediate_size,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=_has_qkv_bias(hf_config),
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def _stage_layers(hf_config, pp: int, pp_rank: int) -> range:
+    """Global layer indices held by one PP stage (even split)."""
+    per = hf_config.num_hidden_layers // pp
+    return range(pp_rank * per, (pp_rank + 1) * per)
+
+
+def _fuse_qkv(q: Tensor, k: Tensor, v: Tensor, nh: int, nkv: int, hd: int) -> Tensor:
+    """HF q/k/v (weights [out, in] or biases [out]) -> Megatron per-group fused layout."""
+    tail = q.shape[1:]
+    q = q.reshape(nkv, nh // nkv * hd, *tail)  # (ng, heads_per_group*hd, ...)
+    k = k.reshape(nkv, hd, *tail)  # (ng, hd, ...)
+    v = v.reshape(nkv, hd, *tail)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *tail)  # (ng*(hpg+2)*hd, ...)
+
+
+def _split_qkv(fused: Tensor, nh: int, nkv: int, hd: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Inverse of `_fuse_qkv` for the full (TP-gathered) fused tensor."""
+    tail = fused.shape[1:]
+    hpg = nh // nkv
+    g = fused.reshape(nkv, (hpg + 2) * hd, *tail)  # (ng, (hpg+2)*hd, ...)
+    q, k, v = torch.split(g, [hpg * hd, hd, hd], dim=1)
+    return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
+
+
+def hf_to_mcore(
+    hf_state: dict[str, Tensor], hf_config, *, tp: int, pp: int, tp_rank: int, pp_rank: int
+) -> dict[str, Tensor]:
+    """The Megatron-core GPTModel state dict of one (tp_rank, pp_rank) shard (contiguous clones)."""
+    validate(hf_config, tp=tp, pp=pp)
+    if not (0 <= tp_rank < tp and 0 <= pp_rank < pp):
+        raise ValueError(f"rank (tp_rank={tp_rank}, pp_rank={pp_rank}) outside tp={tp} pp={pp}")
+    nh, nkv, hd = _dims(hf_config)
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+
+    def col(t: Tensor) -> Tensor:  # column parallel: split output rows
+        return t.chunk(tp, dim=0)[tp_rank].clone()
+
+    def row(t: Tensor) -> Tensor:  # row parallel: split input columns
+        return t.chunk(tp, dim=1)[tp_rank].clone()
+
+    out: dict[str, Tensor] = {}
+    embed = hf_state["model.embed_tokens.weight"]
+    if pp_rank == 0:
+        out["embedding.word_embeddings.weight"] = col(embed)
+    for local, i in enumerate(_stage_layers(hf_config, pp, pp_rank)):
+        h, m = f"model.layers.{i}.", f"decoder.layers.{local}."
+        qkv = _fuse_qkv(
+            hf_state[h + "self_attn.q_proj.weight"],
+            hf_state[h + "self_attn.k_proj.weight"],
+            hf_state[h + "self_attn.v_proj.weight"],
+            nh, nkv, hd,
+        )
+        # Groups are contiguous in the fused layout, so a row chunk is whole groups.
+        out[m + "self_attention.linear_qkv.weight"] = col(qkv)
+        if _has_qkv_bias(hf_config):
+            bias = _fuse_qkv(
+                hf_state[h + "self_attn.q_proj.bias"],
+                hf_state[h + "self_attn.k_proj.bias"],
+                hf_state[h + "self_attn.v_proj.bias"],
+                nh, nkv, hd,
+            )
+            out[m + "self_attention.linear_qkv.bias"] = col(bias)
+        out[m + "self_attention.linear_proj.weight"] = row(hf_state[h + "self_attn.o_proj.weight"])
+        out[m + "input_layernorm.weight"] = hf_state[h + "input_layernorm.weight"].clone()
+        out[m + "pre_mlp_layernorm.weight"] = hf_state[h + "post_attention_layernorm.weight"].clone()
+        # Each rank holds its slice of gate then its slice of up: (2*ffn/tp, hidden).
+        gate, up = col(hf_state[h + "mlp.gate_proj.weight"]), col(hf_state[h + "mlp.up_proj.weight"])
+        out[m + "mlp.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
+        out[m + "mlp.linear_fc2.weight"] = row(hf_state[h + "mlp.down_proj.weight"])
+    if pp_rank == pp - 1:
+        out["decoder.final_layernorm.weight"] = hf_state["model.norm.weight"].clone()
+        if not tied:
+            out["output_layer.weight"] = col(hf_state["lm_head.weight"])
+        elif pp > 1:  # Megatron keeps a synced copy of the embedding on the last stage
+            out["output_layer.weight"] = col(embed)
+    return out
+
+
+def mcore_to_hf(shards: dict[tuple[int, int], dict[str, Tensor]], hf_config, *, tp: int, pp: int) -> dict[str, Tensor]:
+    """Gather all (tp_rank, pp_rank) shards back into an HF state dict.
+
+    With tied embeddings `lm_head.weight` is emitted as a copy of the embedding (HF's
+    `state_dict()` lists it too); the last stage's output_layer copy is not read.
+    """
+    validate(hf_config, tp=tp, pp=pp)
+    missing = [(t, p) for t in range(tp) for p in range(pp) if (t, p) not in shards]
+    if missing:
+        raise ValueError(f"missing shards for (tp_rank, pp_rank) {missing}")
+    nh, nkv, hd = _dims(hf_config)
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+
+    def cat(p: int, key: str, dim: int) -> Tensor:
+        return torch.cat([shards[(t, p)][key] for t in range(tp)], dim=dim)
+
+    def rep(p: int, key: str) -> Tensor:  # replicated over TP: take rank 0
+        return shards[(0, p)][key].clone()
+
+    out: dict[str, Tensor] = {}
+    out["model.embed_tokens.weight"] = cat(0, "embedding.word_embeddings.weight", 0)
+    for p in range(pp):
+        for local, i in enumerate(_stage_layers(hf_config, pp, p)):
+            h, m = f"model.layers.{i}.", f"decoder.layers.{local}."
+            q, k, v = _split_qkv(cat(p, m + "self_attention.linear_qkv.weight", 0), nh, nkv, hd)
+            out[h + "self_attn.q_proj.weight"] = q
+            out[h + "self_attn.k_proj.weight"] = k
+            out[h + "self_attn.v_proj.weight"] = v
+            if _has_qkv_bias(hf_config):
+                qb, kb, vb = _split_qkv(cat(p, m + "self_attention.linear_qkv.bias", 0), nh, nkv, hd)
+                out[h + "self_attn.q_proj.bias"] = qb
+                out[h + "self_attn.k_proj.bias"] = kb
+                out[h + "self_attn.v_proj.bias"] = vb
+            out[h + "self_attn.o_proj.weight"] = cat(p, m + "self_attention.linear_proj.weight", 1)
+            out[h + "input_layernorm.weight"] = rep(p, m + "input_layernorm.weight")
+            out[h + "post_attention_layernorm.weight"] = rep(p, m + "pre_mlp_layernorm.weight")
+            # Each rank's fc1 is [gate_r; up_r] (2*ffn/tp, hidden): un-interleave before concat.
+            halves = [shards[(t, p)][m + "mlp.linear_fc1.weight"].chunk(2, dim=0) for t in range(tp)]
+            out[h + "mlp.gate_proj.weight"] = torch.cat([g for g, _ in halves], dim=0)
+            out[h + "mlp.up_proj.weight"] = torch.cat([u for _, u in halves], dim=0)
+            out[h + "mlp.down_proj.weight"] = cat(p, m + "mlp.linear_fc2.weight", 1)
+    out["model.norm.weight"] = rep(pp - 1, "decoder.final_layernorm.weight")
+    if tied:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"].clone()
+    else:
+        out["lm_head.weight"] = cat(pp - 1, "output_layer.weight", 0)
+    return out
