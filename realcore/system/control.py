@@ -73,6 +73,18 @@ class ControlServer:
         self._out.put((identity, reply(rid, body, error)))
         self._waker.wake()
 
+    def next_request(self, *, first: bool, startup_timeout_s: float, heartbeat_timeout_s: float, who: str):
+        """The next request (identity, cmd, rid, body), or None after a short poll. Exits the
+        process when nothing authenticated arrived for the deadline (startup until the first
+        request, heartbeat after): the master is gone."""
+        try:
+            return self.requests.get(timeout=0.5)
+        except queue.Empty:
+            deadline = startup_timeout_s if first else heartbeat_timeout_s
+            if time.monotonic() - self.last_seen > deadline:
+                raise SystemExit(f"{who}: no message from the master for {deadline:g} s; exiting")
+            return None
+
     def _handle(self, frames) -> None:
         if len(frames) < 2:
             self.dropped += 1

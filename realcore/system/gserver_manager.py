@@ -14,7 +14,6 @@ import itertools
 import json
 import logging
 import os
-import queue
 import time
 import traceback
 
@@ -105,15 +104,14 @@ class GServerManager:
     def run(self) -> None:
         handlers = {Cmd.ALLOCATE: self.allocate, Cmd.FINISH: self.finish, Cmd.UPDATE_WEIGHTS: self.update_weights, Cmd.PAUSE: self.pause,
                     Cmd.DROP: self.drop}
-        deadline = self.cfg.system.startup_timeout_s
+        first, sys_cfg = True, self.cfg.system
         while True:
-            try:
-                identity, cmd, rid, body = self.control.requests.get(timeout=0.5)
-            except queue.Empty:
-                if time.monotonic() - self.control.last_seen > deadline:
-                    raise SystemExit(f"gserver_manager: no message for {deadline:g} s; exiting")
+            req = self.control.next_request(first=first, startup_timeout_s=sys_cfg.startup_timeout_s,
+                                            heartbeat_timeout_s=sys_cfg.heartbeat_timeout_s, who="gserver_manager")
+            if req is None:
                 continue
-            deadline = self.cfg.system.heartbeat_timeout_s
+            identity, cmd, rid, body = req
+            first = False
             if cmd == Cmd.EXIT:
                 self.control.send_reply(identity, rid, {})
                 return

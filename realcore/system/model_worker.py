@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import queue
-import time
 import traceback
 from datetime import timedelta
 from types import SimpleNamespace
@@ -201,18 +199,17 @@ class ModelWorker:
 
     def run(self) -> None:
         held: list = []  # requests that arrived while paused, replayed in order on START
-        deadline = self.cfg.system.startup_timeout_s  # until the master first speaks
+        first, sys_cfg = True, self.cfg.system
         while True:
             if held and self.state != "paused":
                 identity, cmd, rid, body = held.pop(0)
             else:
-                try:
-                    identity, cmd, rid, body = self.control.requests.get(timeout=0.5)
-                except queue.Empty:
-                    if time.monotonic() - self.control.last_seen > deadline:
-                        raise SystemExit(f"model_worker/{self.index}: master silent for {deadline:g} s; exiting")
+                req = self.control.next_request(first=first, startup_timeout_s=sys_cfg.startup_timeout_s,
+                                                heartbeat_timeout_s=sys_cfg.heartbeat_timeout_s, who=f"model_worker/{self.index}")
+                if req is None:
                     continue
-                deadline = self.cfg.system.heartbeat_timeout_s
+                identity, cmd, rid, body = req
+                first = False
             if cmd == Cmd.EXIT:
                 self.control.send_reply(identity, rid, {})
                 return
