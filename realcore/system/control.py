@@ -65,6 +65,7 @@ class ControlServer:
         self._waker = _Waker(self.ctx)
         self.dropped = 0  # unauthenticated or malformed messages
         self.last_seen = time.monotonic()  # last authenticated message from the master
+        self._served = False  # a request has been handed out (the startup deadline is over)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="control-io", daemon=True)
         self._thread.start()
@@ -73,14 +74,16 @@ class ControlServer:
         self._out.put((identity, reply(rid, body, error)))
         self._waker.wake()
 
-    def next_request(self, *, first: bool, startup_timeout_s: float, heartbeat_timeout_s: float, who: str):
+    def next_request(self, *, startup_timeout_s: float, heartbeat_timeout_s: float, who: str):
         """The next request (identity, cmd, rid, body), or None after a short poll. Exits the
         process when nothing authenticated arrived for the deadline (startup until the first
         request, heartbeat after): the master is gone."""
         try:
-            return self.requests.get(timeout=0.5)
+            req = self.requests.get(timeout=0.5)
+            self._served = True
+            return req
         except queue.Empty:
-            deadline = startup_timeout_s if first else heartbeat_timeout_s
+            deadline = heartbeat_timeout_s if self._served else startup_timeout_s
             if time.monotonic() - self.last_seen > deadline:
                 raise SystemExit(f"{who}: no message from the master for {deadline:g} s; exiting")
             return None

@@ -104,14 +104,13 @@ class GServerManager:
     def run(self) -> None:
         handlers = {Cmd.ALLOCATE: self.allocate, Cmd.FINISH: self.finish, Cmd.UPDATE_WEIGHTS: self.update_weights, Cmd.PAUSE: self.pause,
                     Cmd.DROP: self.drop}
-        first, sys_cfg = True, self.cfg.system
+        sys_cfg = self.cfg.system
         while True:
-            req = self.control.next_request(first=first, startup_timeout_s=sys_cfg.startup_timeout_s,
+            req = self.control.next_request(startup_timeout_s=sys_cfg.startup_timeout_s,
                                             heartbeat_timeout_s=sys_cfg.heartbeat_timeout_s, who="gserver_manager")
             if req is None:
                 continue
             identity, cmd, rid, body = req
-            first = False
             if cmd == Cmd.EXIT:
                 self.control.send_reply(identity, rid, {})
                 return

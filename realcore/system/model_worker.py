@@ -199,17 +199,16 @@ class ModelWorker:
 
     def run(self) -> None:
         held: list = []  # requests that arrived while paused, replayed in order on START
-        first, sys_cfg = True, self.cfg.system
+        sys_cfg = self.cfg.system
         while True:
             if held and self.state != "paused":
                 identity, cmd, rid, body = held.pop(0)
             else:
-                req = self.control.next_request(first=first, startup_timeout_s=sys_cfg.startup_timeout_s,
+                req = self.control.next_request(startup_timeout_s=sys_cfg.startup_timeout_s,
                                                 heartbeat_timeout_s=sys_cfg.heartbeat_timeout_s, who=f"model_worker/{self.index}")
                 if req is None:
                     continue
                 identity, cmd, rid, body = req
-                first = False
             if cmd == Cmd.EXIT:
                 self.control.send_reply(identity, rid, {})
                 return
