@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from realcore.api.config import OptimizerConfig, RoleConfig
-from realcore.backends.torch_engine import TorchEngine, lr_factor, split_by_budget, split_minibatches
+from realcore.backends.batching import lr_factor, split_by_budget, split_minibatches
+from realcore.backends.torch_engine import TorchEngine
 
 torch.set_num_threads(1)
 

@@ -26,6 +26,19 @@ class ParallelDims:
         # Expert parallelism reuses the data x tensor ranks (Megatron); it does not add processes.
         return self.dp * self.pp * self.tp * self.cp
 
+    # Ranks follow Megatron's default order "tp-cp-ep-dp-pp" (TP fastest, PP slowest); EP is
+    # carved out of the dp x cp ranks, so it does not change where a dense rank sits.
+    def dp_rank(self, rank: int) -> int:
+        """The data-parallel replica a global rank of this mesh belongs to."""
+        return (rank // (self.tp * self.cp)) % self.dp
+
+    def dp_head(self, dp_rank: int) -> int:
+        """The global rank that speaks for a data-parallel replica (TP 0, CP 0, first PP stage)."""
+        return dp_rank * self.tp * self.cp
+
+    def is_dp_head(self, rank: int) -> bool:
+        return rank == self.dp_head(self.dp_rank(rank))
+
 
 @dataclass(frozen=True)
 class AllocationMode:

@@ -50,10 +50,23 @@ class OptimizerConfig(_Strict):
     max_grad_norm: float = Field(1.0, gt=0)
 
 
+class MegatronConfig(_Strict):
+    """Megatron-core options of a role (backend=megatron); parallel sizes come from allocation_mode."""
+
+    sequence_parallel: bool | None = Field(None, description="None: on when TP > 1 (Megatron-LM's advice)")
+    distributed_optimizer: bool = Field(True, description="shard optimizer state over data-parallel ranks")
+    virtual_pipeline_stages: int | None = Field(None, gt=1, description="model chunks per PP rank (interleaved 1F1B)")
+    batch_p2p_comm: bool = Field(True, description="batch PP send/recv (must be False with virtual stages at PP=2)")
+    overlap_p2p_comm: bool = Field(False, description="overlap PP send/recv with compute (virtual stages only)")
+    moe_token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+
+
 class RoleConfig(_Strict):
     """A model role (actor, ref): its backend and, if trainable, its optimizer."""
 
-    backend: Literal["torch", "megatron"] = "torch"
+    backend: Literal["torch", "megatron"] | None = Field(
+        None, description="torch | megatron; None: torch for the actor, the actor's backend for other roles")
+    megatron: MegatronConfig = MegatronConfig()
     trainable: bool = False
     optimizer: OptimizerConfig = OptimizerConfig()
     max_tokens_per_mb: int = Field(4096, gt=0, description="token budget of one micro-batch")
@@ -188,6 +201,10 @@ class ExperimentConfig(_Strict):
     def _check(self) -> "ExperimentConfig":
         if not self.mfcs:
             raise ValueError("mfcs: an experiment declares at least one MFC")
+        if self.actor.backend is None:
+            self.actor.backend = "torch"
+        if self.ref is not None and self.ref.backend is None:  # roles share one mesh: same backend by default
+            self.ref.backend = self.actor.backend
         return self
 
     def roles(self) -> dict[str, RoleConfig]:

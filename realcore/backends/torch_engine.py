@@ -10,78 +10,18 @@ micro-batch split or DP size.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import shutil
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from realcore.api.config import OptimizerConfig, RoleConfig
+from realcore.api.config import RoleConfig
 from realcore.api.engine import Engine, GenerationResult, LossFn, LossWeightFn
+from realcore.backends.batching import (block_causal_mask, check_train_data, lr_factor, mean_over_minibatches,
+                                        reduce_weighted, split_by_budget, split_minibatches, token_logprobs)
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-def lr_factor(step: int, opt: OptimizerConfig, total_steps: int) -> float:
-    """Multiplier of `opt.lr` for optimizer step `step` (0-based): linear warm-up over
-    `warmup_steps`, then cosine decay to `min_lr_ratio` at `total_steps` (or constant)."""
-    if step < opt.warmup_steps:
-        return (step + 1) / opt.warmup_steps
-    if opt.lr_scheduler == "constant":
-        return 1.0
-    progress = min(1.0, (step - opt.warmup_steps) / max(1, total_steps - opt.warmup_steps))
-    return opt.min_lr_ratio + (1.0 - opt.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def split_by_budget(lens: list[int], budget: int) -> list[list[int]]:
-    """Greedy, in-order split of sequence indices into micro-batches of at most `budget` tokens
-    (a sequence longer than the budget gets a micro-batch of its own)."""
-    mbs: list[list[int]] = []
-    cur: list[int] = []
-    cur_tokens = 0
-    for i, n in enumerate(lens):
-        if cur and cur_tokens + n > budget:
-            mbs.append(cur)
-            cur, cur_tokens = [], 0
-        cur.append(i)
-        cur_tokens += n
-    if cur:
-        mbs.append(cur)
-    return mbs
-
-
-def split_minibatches(n_seqs: int, n_minibatches: int) -> list[range]:
-    """`n_minibatches` contiguous chunks whose sizes differ by at most one (some may be empty)."""
-    q, r = divmod(n_seqs, n_minibatches)
-    bounds = [0]
-    for i in range(n_minibatches):
-        bounds.append(bounds[-1] + q + (i < r))
-    return [range(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
-
-
-def block_causal_mask(lens: list[int], device) -> torch.Tensor:
-    """(1, 1, T, T) bool, True = may attend: causal within each packed sequence, nothing across."""
-    seq_id = torch.repeat_interleave(torch.arange(len(lens), device=device), torch.tensor(lens, device=device))
-    same = seq_id[:, None] == seq_id[None, :]  # (T, T)
-    causal = torch.ones_like(same).tril()
-    return (same & causal)[None, None]
-
-
-def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, starts: torch.Tensor, temperature: float,
-                   with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log p(x[t] | x[:t]) and entropy of the temperature-scaled distribution, aligned
-    with `ids` (realcore.api.data); 0 where `starts` marks the first token of a sequence.
-    logits: (T, V), ids: (T,), starts: (T,) bool."""
-    logp = F.log_softmax(logits[:-1].float() / temperature, dim=-1)  # (T-1, V) predicts ids[1:]
-    lp = torch.cat([logp.new_zeros(1), logp.gather(-1, ids[1:, None]).squeeze(-1)])  # (T,)
-    # Position `start` would be predicted by the previous sequence's last token: not a real token.
-    lp = torch.where(starts, torch.zeros_like(lp), lp)
-    if not with_entropy:
-        return lp, None
-    ent = torch.cat([logp.new_zeros(1), -(logp.exp() * logp).sum(-1)])
-    return lp, torch.where(starts, torch.zeros_like(ent), ent)
 
 
 def _allreduce_grads(params: list[torch.nn.Parameter], group) -> None:
@@ -94,20 +34,6 @@ def _allreduce_grads(params: list[torch.nn.Parameter], group) -> None:
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         for g, chunk in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(chunk.view_as(g))
-
-
-def _union_keys(keys: list[str], group, device) -> list[str]:
-    """Sorted union of stat names over the group (a rank with an empty minibatch has none).
-    Names travel as padded UTF-8 byte tensors: no pickle."""
-    raw = "\n".join(sorted(keys)).encode("utf-8")
-    n = torch.tensor([len(raw)], dtype=torch.int64, device=device)
-    dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
-    buf = torch.zeros(int(n) + 1, dtype=torch.uint8, device=device)
-    buf[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8, device=device)
-    out = [torch.empty_like(buf) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, buf, group=group)
-    names = {k for t in out for k in bytes(t.tolist()).rstrip(b"\0").decode("utf-8").split("\n") if k}
-    return sorted(names)
 
 
 class TorchEngine(Engine):
@@ -188,18 +114,12 @@ class TorchEngine(Engine):
                     n_minibatches: int = 1, temperature: float = 1.0) -> dict[str, float]:
         if self.optimizer is None:
             raise ValueError("train_batch: this model role is not trainable (role.trainable is False)")
-        if "input_ids" not in data:
-            raise ValueError(f"train_batch: data must hold 'input_ids', got keys {sorted(data)}")
-        lens = [int(x.numel()) for x in data["input_ids"]]
-        for k, seqs in data.items():
-            if [int(t.numel()) for t in seqs] != lens:
-                raise ValueError(f"train_batch: key {k!r} is not per-token (lengths differ from input_ids)")
+        lens = check_train_data(data)
         results = []
         for chunk in split_minibatches(len(lens), n_minibatches):
             mb_data = {k: [v[i] for i in chunk] for k, v in data.items()}
             results.append(self._train_minibatch(mb_data, loss_fn, loss_weight_fn, temperature))
-        keys = {k for r in results for k in r}
-        return {k: sum(r[k] for r in results if k in r) / sum(k in r for r in results) for k in sorted(keys)}
+        return mean_over_minibatches(results)
 
     def _train_minibatch(self, data, loss_fn, loss_weight_fn, temperature) -> dict[str, float]:
         """Accumulate token-weighted gradients over micro-batches and ranks, then one optimizer step."""
@@ -220,7 +140,7 @@ class TorchEngine(Engine):
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + float(v) * w
                 weights[k] = weights.get(k, 0.0) + w
-        stats = self._reduce_stats(sums, weights)
+        stats = reduce_weighted(sums, weights, self.group, self.world_size, self.device)
         stats["lr"] = self.optimizer.param_groups[0]["lr"]
         stats["grad_norm"] = self._step()
         return stats
@@ -231,16 +151,6 @@ class TorchEngine(Engine):
         t = torch.tensor([x], dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         return float(t)
-
-    def _reduce_stats(self, sums: dict[str, float], weights: dict[str, float]) -> dict[str, float]:
-        """Weighted means over micro-batches and ranks: sum(w * stat) / sum(w) per stat name."""
-        keys = sorted(sums) if self.world_size == 1 else _union_keys(list(sums), self.group, self.device)
-        vec = torch.tensor([sums.get(k, 0.0) for k in keys] + [weights.get(k, 0.0) for k in keys],
-                           dtype=torch.float64, device=self.device)  # (2 * n_keys,)
-        if self.world_size > 1:
-            dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=self.group)
-        s, w = vec[: len(keys)].tolist(), vec[len(keys):].tolist()
-        return {k: (sk / wk if wk > 0 else 0.0) for k, sk, wk in zip(keys, s, w)}
 
     def _step(self) -> float:
         """Sum grads over ranks, clip, step optimizer and schedule; returns the pre-clip grad norm."""

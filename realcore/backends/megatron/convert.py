@@ -99,6 +99,13 @@ def mcore_config_from_hf(hf_config, **overrides):
     return TransformerConfig(**kwargs)
 
 
+def layer_spec(hf_config):
+    """The Megatron layer spec for this architecture: local (non-TransformerEngine) modules."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec()
+
+
 def _stage_layers(hf_config, pp: int, pp_rank: int) -> range:
     """Global layer indices held by one PP stage (even split)."""
     per = hf_config.num_hidden_layers // pp

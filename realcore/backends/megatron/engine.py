@@ -1,0 +1,339 @@
+"""MegatronEngine: one rank of a Megatron-core mesh (TP x PP x DP, EP for MoE) holding a model role.
+
+Every rank of the mesh runs the same calls; ranks of one data-parallel replica receive the same
+sequences. Micro-batches are the torch engine's (token budget, packed into one row with a
+block-diagonal causal mask), padded to one common length so pipeline stages exchange fixed
+shapes. Losses use Megatron's per-token mode (`calculate_per_token_loss`): each micro-batch
+returns (mean loss x its loss tokens, loss tokens), gradients are summed over micro-batches and
+DP ranks and divided by the global number of loss tokens in `finalize_model_grads` -- the same
+global token mean as the torch engine, for any split.
+
+Log-probs come from logits gathered over TP (full vocabulary on the last stage), then are
+broadcast from the last PP stage so every rank returns them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+
+from realcore.api.alloc import ParallelDims
+from realcore.api.config import RoleConfig
+from realcore.api.engine import Engine, GenerationResult, LossFn, LossWeightFn
+from realcore.backends.batching import (block_causal_mask, check_train_data, lr_factor, mean_over_minibatches,
+                                        reduce_weighted, split_by_budget, split_minibatches, token_logprobs)
+from realcore.backends.megatron.checkpoint import LazyHFState, gather_hf, load_shard
+from realcore.backends.megatron.cpu_compat import apply_cpu_compat, cuda_to_cpu_mode
+from realcore.backends.megatron.parallel import check_megatron_config, init_parallel_state, sequence_parallel
+
+
+class MegatronEngine(Engine):
+    """A model role on a Megatron-core mesh; the default process group spans the mesh."""
+
+    def __init__(self, model_path: str, role: RoleConfig, dims: ParallelDims, *, total_steps: int, seed: int = 0,
+                 role_name: str = "actor"):
+        from megatron.core import parallel_state as ps
+        from transformers import AutoConfig
+
+        from realcore.backends.torch_engine import _load_tokenizer
+
+        apply_cpu_compat()  # no-op with CUDA
+        self.role, self.dims, self.version, self.total_steps = role, dims, 0, total_steps
+        self.mcfg = role.megatron
+        self.hf_config = AutoConfig.from_pretrained(model_path)
+        check_megatron_config(role_name, self.mcfg, dims, self.hf_config)
+        if dist.get_world_size() != dims.world_size:
+            raise ValueError(f"megatron: {dist.get_world_size()} processes for a mesh of {dims.world_size}")
+        init_parallel_state(dims, self.mcfg, seed)
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.pp_rank = ps.get_pipeline_model_parallel_rank()
+        self.replica = ps.get_data_parallel_rank(with_context_parallel=True)
+        self.vpp = self.mcfg.virtual_pipeline_stages or 1
+        self.n_stages = dims.pp * self.vpp
+        self.sp = sequence_parallel(self.mcfg, dims)
+        self.config = self._transformer_config()
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.model_path = model_path
+        self.tokenizer = _load_tokenizer(model_path)
+        hf_state = LazyHFState(model_path)
+        self._meta = hf_state.meta()
+        self.chunks = [self._build_chunk(v, hf_state) for v in range(self.vpp)]
+        self.optimizer = None
+        if role.trainable:
+            self._init_training()
+        else:
+            for c in self.chunks:
+                c.eval()
+                c.requires_grad_(False)
+
+    # ---- construction ----
+
+    def _transformer_config(self):
+        from realcore.backends.megatron.convert import mcore_config_from_hf
+
+        d, m = self.dims, self.mcfg
+        return mcore_config_from_hf(
+            self.hf_config,
+            tensor_model_parallel_size=d.tp, pipeline_model_parallel_size=d.pp, context_parallel_size=d.cp,
+            expert_model_parallel_size=d.ep, virtual_pipeline_model_parallel_size=m.virtual_pipeline_stages,
+            sequence_parallel=self.sp, batch_p2p_comm=m.batch_p2p_comm, overlap_p2p_comm=m.overlap_p2p_comm,
+            pipeline_dtype=torch.float32, params_dtype=torch.float32, calculate_per_token_loss=True,
+            moe_token_dispatcher_type=m.moe_token_dispatcher,
+        )
+
+    def _build_chunk(self, v: int, hf_state: LazyHFState):
+        from megatron.core import parallel_state as ps
+        from megatron.core.models.gpt import GPTModel
+
+        from realcore.backends.megatron.convert import layer_spec, rope_base
+
+        vp = v if self.vpp > 1 else None
+        model = GPTModel(
+            config=self.config, transformer_layer_spec=layer_spec(self.hf_config),
+            vocab_size=self.hf_config.vocab_size, max_sequence_length=self.hf_config.max_position_embeddings,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+            share_embeddings_and_output_weights=bool(getattr(self.hf_config, "tie_word_embeddings", False)),
+            position_embedding_type="rope", rotary_base=rope_base(self.hf_config), vp_stage=vp,
+        )
+        shard = load_shard(hf_state, self.hf_config, tp=self.dims.tp, n_stages=self.n_stages, tp_rank=self.tp_rank,
+                           stage=self._stage(v), ep=self.dims.ep, ep_rank=_ep_rank())
+        missing, unexpected = model.load_state_dict(shard, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise RuntimeError(f"megatron: checkpoint does not fit the model: missing {missing[:4]}, unexpected {unexpected[:4]}")
+        return model.to(self.device)
+
+    def _stage(self, v: int) -> int:
+        return v * self.dims.pp + self.pp_rank
+
+    def _init_training(self) -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        opt = self.role.optimizer
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=self.mcfg.distributed_optimizer,
+        )
+        with cuda_to_cpu_mode():
+            self.chunks = [
+                DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=c, disable_bucketing=v > 0)
+                for v, c in enumerate(self.chunks)
+            ]
+            self.optimizer = get_megatron_optimizer(
+                OptimizerConfig(
+                    optimizer="adam", lr=opt.lr, weight_decay=opt.weight_decay, adam_beta1=opt.beta1,
+                    adam_beta2=opt.beta2, adam_eps=opt.eps, clip_grad=opt.max_grad_norm,
+                    use_distributed_optimizer=self.mcfg.distributed_optimizer, params_dtype=torch.float32,
+                ),
+                self.chunks,
+            )
+        self.config.finalize_model_grads_func = finalize_model_grads
+        for c in self.chunks:
+            c.train()
+
+    # ---- forward ----
+
+    def _pad_multiple(self) -> int:
+        return self.dims.tp if self.sp else 1
+
+    def _micro_batches(self, seqs: list[torch.Tensor], budget: int) -> tuple[list[list[int]], int]:
+        """Token-budget micro-batches and the common padded length of their packed rows."""
+        lens = [int(s.numel()) for s in seqs]
+        mbs = split_by_budget(lens, budget) if lens else []
+        m = self._pad_multiple()
+        longest = max((sum(lens[i] for i in mb) for mb in mbs), default=0)
+        return mbs, -(-longest // m) * m
+
+    def _run(self, batches: list[dict], seq_len: int, loss_func_for, forward_only: bool) -> list[dict]:
+        """Megatron's schedule over packed micro-batches; returns the last stage's loss dicts."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        device = self.device
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            ids = mb["ids"]
+            pad = seq_len - ids.numel()
+            lens = mb["lens"] + ([pad] if pad else [])
+            tokens = torch.cat([ids, ids.new_zeros(pad)]).to(device)[None]  # (1, seq_len)
+            position_ids = torch.arange(seq_len, device=device)[None]  # RoPE in Megatron uses the row's positions
+            # True = masked in Megatron. Packing is exact with RoPE: scores depend on relative positions only.
+            mask = ~block_causal_mask(lens, device)
+            output = model(tokens, position_ids, mask, runtime_gather_output=True)
+            return output, loss_func_for(mb, tokens[0], lens)
+
+        data_iterator = iter(batches)
+        with cuda_to_cpu_mode():
+            return get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=[data_iterator] * self.vpp if self.vpp > 1 else data_iterator,
+                model=self.chunks if self.vpp > 1 else self.chunks[0],
+                num_microbatches=len(batches), seq_length=seq_len, micro_batch_size=1, forward_only=forward_only,
+            )
+
+    def _token_logprobs(self, logits, tokens, lens, n_real: int, temperature: float, with_entropy: bool):
+        """Per-token log-probs (and entropy) of the real tokens of one packed row."""
+        starts = torch.zeros(tokens.numel(), dtype=torch.bool, device=tokens.device)
+        starts[torch.tensor([0] + lens[:-1], device=tokens.device).cumsum(0)] = True
+        lp, ent = token_logprobs(logits[0], tokens, starts, temperature, with_entropy)
+        return lp[:n_real], (ent[:n_real] if ent is not None else None)
+
+    def _eval(self):
+        for c in self.chunks:
+            c.eval()
+
+    def _train(self):
+        if self.optimizer is not None:
+            for c in self.chunks:
+                c.train()
+
+    def logprobs(self, input_ids: list[torch.Tensor], temperature: float = 1.0) -> list[torch.Tensor]:
+        from megatron.core import parallel_state as ps
+
+        lens = [int(x.numel()) for x in input_ids]
+        mbs, seq_len = self._micro_batches(input_ids, self.role.max_tokens_per_mb)
+        batches = [{"ids": torch.cat([input_ids[i] for i in mb]).long(), "lens": [lens[i] for i in mb]} for mb in mbs]
+
+        def loss_func_for(mb, tokens, row_lens):
+            def loss_func(logits):
+                lp, _ = self._token_logprobs(logits, tokens, row_lens, mb["ids"].numel(), temperature, False)
+                return logits.sum() * 0.0, torch.tensor(0, dtype=torch.int), {"lp": lp.detach().float().cpu()}
+            return loss_func
+
+        self._eval()
+        try:
+            with torch.no_grad():
+                out = self._run(batches, seq_len, loss_func_for, forward_only=True) if batches else []
+        finally:
+            self._train()
+        flat = torch.cat([d["lp"] for d in out]) if ps.is_pipeline_last_stage() and out else torch.zeros(sum(lens))
+        if self.dims.pp > 1:  # the last stage has them; every rank returns them
+            dist.broadcast(flat, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+        return list(flat.split(lens))
+
+    # ---- training ----
+
+    def train_batch(self, data: dict[str, list[torch.Tensor]], loss_fn: LossFn, loss_weight_fn: LossWeightFn, *,
+                    n_minibatches: int = 1, temperature: float = 1.0) -> dict[str, float]:
+        if self.optimizer is None:
+            raise ValueError("train_batch: this model role is not trainable (role.trainable is False)")
+        lens = check_train_data(data)
+        results = []
+        for chunk in split_minibatches(len(lens), n_minibatches):
+            mb_data = {k: [v[i] for i in chunk] for k, v in data.items()}
+            results.append(self._train_minibatch(mb_data, loss_fn, loss_weight_fn, temperature))
+        return mean_over_minibatches(results)
+
+    def forward_backward(self, data, loss_fn: LossFn, loss_weight_fn: LossWeightFn, temperature: float = 1.0) -> dict[str, float]:
+        """Gradients of the global token-mean loss in the DDP grad buffers (no optimizer step)."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import finalize_model_grads
+
+        for c in self.chunks:
+            c.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        mbs, seq_len = self._micro_batches(data["input_ids"], self.role.max_tokens_per_mb)
+        batches = []
+        for idx in mbs:
+            packed = {k: torch.cat([v[i] for i in idx]).to(self.device) for k, v in data.items()}
+            batches.append({"ids": packed["input_ids"].long(), "lens": [int(data["input_ids"][i].numel()) for i in idx],
+                            "data": packed})
+
+        def loss_func_for(mb, tokens, row_lens):
+            def loss_func(logits):
+                n = mb["ids"].numel()
+                lp, ent = self._token_logprobs(logits, tokens, row_lens, n, temperature, True)
+                w = float(loss_weight_fn(mb["data"]))
+                if w == 0:  # contributes nothing; its mean may be 0/0 (the schedule still needs a graph)
+                    return logits.sum() * 0.0, torch.tensor(0, dtype=torch.int), {}
+                loss, stats = loss_fn(lp, ent, mb["data"])
+                reported = {k: torch.tensor([float(v) * w, w], dtype=torch.float64) for k, v in stats.items()}
+                return loss * w, torch.tensor(round(w), dtype=torch.int), reported
+            return loss_func
+
+        if batches:
+            out = self._run(batches, seq_len, loss_func_for, forward_only=False)
+        else:  # an empty DP shard still joins the gradient reduction
+            out = []
+            with cuda_to_cpu_mode():
+                finalize_model_grads(self.chunks, num_tokens=torch.tensor(0, dtype=torch.int))
+        sums: dict[str, float] = {}
+        weights: dict[str, float] = {}
+        if ps.is_pipeline_last_stage() and self.tp_rank == 0:  # one report per DP replica
+            for d in out:
+                for k, v in d.items():
+                    sums[k] = sums.get(k, 0.0) + float(v[0])
+                    weights[k] = weights.get(k, 0.0) + float(v[1])
+        return reduce_weighted(sums, weights, None, dist.get_world_size())
+
+    def _train_minibatch(self, data, loss_fn, loss_weight_fn, temperature) -> dict[str, float]:
+        stats = self.forward_backward(data, loss_fn, loss_weight_fn, temperature)
+        lr = self.role.optimizer.lr * lr_factor(self.version, self.role.optimizer, self.total_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        with cuda_to_cpu_mode():
+            ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            raise RuntimeError("megatron: optimizer step skipped (non-finite gradients)")
+        self.version += 1
+        stats["lr"] = lr
+        stats["grad_norm"] = float(grad_norm)
+        return stats
+
+    # ---- weights out ----
+
+    def _local_shards(self, grads: bool = False) -> dict[int, dict[str, torch.Tensor]]:
+        out = {}
+        for v, c in enumerate(self.chunks):
+            module = c.module if hasattr(c, "module") else c
+            if grads:
+                out[self._stage(v)] = {n: p.main_grad for n, p in module.named_parameters()}
+            else:
+                out[self._stage(v)] = {k: t for k, t in module.state_dict().items() if not k.endswith("_extra_state")}
+        return out
+
+    def hf_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor] | None:
+        """Collective: the full HF state dict (or HF-named gradients) on global rank 0, None elsewhere."""
+        return gather_hf(self._local_shards(grads), self._meta, self.hf_config, tp=self.dims.tp, pp=self.dims.pp,
+                         n_stages=self.n_stages, coords=(self.tp_rank, self.pp_rank, self.replica),
+                         ep=self.dims.ep, ep_rank=_ep_rank())
+
+    def save_hf(self, path: str) -> None:
+        """Collective; global rank 0 writes an HF directory atomically (tmp dir + rename)."""
+        from safetensors.torch import save_file
+
+        state = self.hf_state_dict()
+        if state is None:
+            return
+        if getattr(self.hf_config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)
+        path = os.path.abspath(path)
+        tmp, old = f"{path}.tmp-{os.getpid()}", f"{path}.old-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(tmp, "model.safetensors"),
+                  metadata={"format": "pt"})
+        self.hf_config.save_pretrained(tmp)
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(tmp)
+        for name in ("generation_config.json",):
+            src = os.path.join(self.model_path, name)
+            if os.path.exists(src):
+                shutil.copy(src, tmp)
+        if os.path.exists(path):
+            os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+
+    def generate(self, prompts: list[list[int]], gconfig) -> list[GenerationResult]:
+        raise NotImplementedError("megatron roles generate through generation servers (allocation_mode local.dN+...)")
+
+
+def _ep_rank() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_model_parallel_rank()
