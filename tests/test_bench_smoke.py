@@ -1,4 +1,4 @@
-"""Smoke test of the generation benchmark: `bench/generation.py --quick` runs and prints its table."""
+"""Smoke tests of the benchmarks: `--quick` runs finish and print their tables."""
 
 import os
 import re
@@ -37,3 +37,17 @@ def test_generation_bench_quick():
     assert rows["vLLM (offline LLM)"][2].startswith("skipped"), rows["vLLM (offline LLM)"]
     for label in ("built-in / HF", "built-in / HF, per CPU second"):
         assert all(re.fullmatch(r"[\d.]+x", c) for c in rows[label][:2]), rows[label]
+
+
+@pytest.mark.timeout(400)
+def test_train_step_bench_quick():
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "train_step.py"), "--quick"],
+        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=360,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.strip().strip("|").split("|") for line in proc.stdout.splitlines() if line.startswith("| ")]
+    layouts = {(c[0].strip(), c[1].strip()) for c in rows[2:]}  # after the header and separator rows
+    assert {("torch", "d1"), ("megatron", "d1"), ("megatron", "d1t2"), ("megatron", "d1p2")} <= layouts, proc.stdout
+    for c in rows[2:]:
+        assert float(c[3]) > 0 and float(c[4]) > 0, c

@@ -29,22 +29,55 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _hf_dir(root: str, tied: bool) -> str:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def _hf_model(kind: str):
+    from transformers import (MixtralConfig, MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig,
+                              Qwen2MoeForCausalLM)
 
-    path = os.path.join(root, f"hf-{'tied' if tied else 'untied'}")
+    common = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4, vocab_size=128,
+                  rms_norm_eps=1e-6, max_position_embeddings=128)
+    if kind == "qwen2_moe":  # routed experts (softmax over all, no renormalisation) + gated shared expert
+        return Qwen2MoeForCausalLM(Qwen2MoeConfig(**common, intermediate_size=96, moe_intermediate_size=32,
+                                                  shared_expert_intermediate_size=48, num_experts=4,
+                                                  num_experts_per_tok=2, tie_word_embeddings=False))
+    if kind == "mixtral":  # top-k renormalised
+        return MixtralForCausalLM(MixtralConfig(**common, intermediate_size=32, num_local_experts=4,
+                                                num_experts_per_tok=2, tie_word_embeddings=False))
+    return Qwen2ForCausalLM(Qwen2Config(**common, intermediate_size=96, tie_word_embeddings=kind == "tied"))
+
+
+def _hf_dir(root: str, kind: str) -> str:
+    path = os.path.join(root, f"hf-{kind}")
     if os.path.exists(path):
         return path
-    cfg = Qwen2Config(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-                      num_hidden_layers=4, vocab_size=128, tie_word_embeddings=tied, rms_norm_eps=1e-6,
-                      max_position_embeddings=128)
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(cfg)
+    model = _hf_model(kind)
     with torch.no_grad():  # random everything (default init leaves biases 0 and norms 1)
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * 0.1 + (1.0 if p.ndim == 1 and p.shape[0] == 64 else 0.0))
     model.save_pretrained(path)
     return path
+
+
+def _hub_names(grads: dict, mixtral: bool) -> dict:
+    """transformers 5 fuses experts in memory (experts.gate_up_proj [E, 2f, h] = [gate; up],
+    experts.down_proj [E, h, f]) and calls Mixtral's block `mlp`; checkpoints (and our conversion)
+    keep one tensor per expert and Mixtral's `block_sparse_moe.experts.{j}.w1/w3/w2`."""
+    gate_name, up_name, down_name = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    out = {}
+    for name, g in grads.items():
+        if mixtral and (".mlp.gate." in name or ".mlp.experts." in name):
+            name = name.replace(".mlp.", ".block_sparse_moe.")
+        if name.endswith("experts.gate_up_proj"):
+            block = name.rsplit(".", 1)[0]
+            for j in range(g.shape[0]):
+                out[f"{block}.{j}.{gate_name}.weight"], out[f"{block}.{j}.{up_name}.weight"] = g[j].chunk(2, dim=0)
+        elif name.endswith("experts.down_proj"):
+            block = name.rsplit(".", 1)[0]
+            for j in range(g.shape[0]):
+                out[f"{block}.{j}.{down_name}.weight"] = g[j]
+        else:
+            out[name] = g
+    return out
 
 
 def _data():
@@ -96,7 +129,8 @@ def _reference(hf_path: str, out: str):
     loss, _ = _loss_fn(torch.cat(lps), torch.cat(ents), packed)
     loss.backward()
     tensors = {f"lp.{i}": lp.detach() for i, lp in enumerate(lps)}
-    tensors.update({f"grad.{n}": p.grad for n, p in model.named_parameters()})
+    hub = _hub_names({n: p.grad for n, p in model.named_parameters()}, model.config.model_type == "mixtral")
+    tensors.update({f"grad.{n}": g.contiguous() for n, g in hub.items()})
     model.zero_grad(set_to_none=True)
     losses = [engine.train_batch(data, _loss_fn, _n_tokens)["loss"] for _ in range(STEPS)]
     save_file(tensors, f"{out}/ref.st")
@@ -131,7 +165,7 @@ def _worker(rank, world, port, hf_path, out, mesh, megatron):
     grads = engine.hf_state_dict(grads=True)
     full_grads = dims.dp == 1 or not megatron.get("distributed_optimizer", True)  # else sharded after reduce
     if rank == 0 and full_grads:
-        tied = engine.hf_config.tie_word_embeddings
+        tied = getattr(engine.hf_config, "tie_word_embeddings", False)
         for name, grad in grads.items():
             if not (tied and name == "lm_head.weight"):
                 _assert_close(grad, ref[f"grad.{name}"], f"grad {name}")
@@ -159,9 +193,9 @@ def root(tmp_path_factory):
     return str(tmp_path_factory.mktemp("megatron_engine"))
 
 
-def _reference_dir(root: str, tied: bool) -> tuple[str, str]:
-    hf_path = _hf_dir(root, tied)
-    out = os.path.join(root, f"ref-{tied}")
+def _reference_dir(root: str, kind: str) -> tuple[str, str]:
+    hf_path = _hf_dir(root, kind)
+    out = os.path.join(root, f"ref-{kind}")
     if not os.path.exists(f"{out}/ref.json"):
         os.makedirs(out, exist_ok=True)
         ctx = mp.get_context("spawn")
@@ -173,19 +207,21 @@ def _reference_dir(root: str, tied: bool) -> tuple[str, str]:
 
 
 CASES = [
-    ("d1p1t2", False, {}),  # TP=2 with sequence parallel
-    ("d1p2t1", True, {}),  # PP=2 1F1B, tied embeddings synced across stages
-    ("d1p2t2", True, {}),  # TP=2 x PP=2
-    ("d2p1t2", False, {"distributed_optimizer": False}),  # DP=2 x TP=2 (full grads readable on replica 0)
-    ("d2p1t2", False, {}),  # ... and the distributed optimizer (trajectory only differs if it is wrong)
+    ("d1p1t2", "untied", {}),  # TP=2 with sequence parallel
+    ("d1p2t1", "tied", {}),  # PP=2 1F1B, tied embeddings synced across stages
+    ("d1p2t2", "tied", {}),  # TP=2 x PP=2
+    ("d2p1t2", "untied", {"distributed_optimizer": False}),  # DP=2 x TP=2 (full grads readable on replica 0)
+    ("d2p1t2", "untied", {}),  # ... and the distributed optimizer (trajectory only differs if it is wrong)
+    ("d2p1t1e2", "qwen2_moe", {"distributed_optimizer": False}),  # EP=2: 2 experts per rank, DP=2 for the rest
+    ("d1p2t2e2", "mixtral", {"distributed_optimizer": False}),  # EP=2 over the TP ranks, PP=2, SP
 ]
 
 
-@pytest.mark.parametrize("mesh,tied,megatron", CASES, ids=[f"{m}-{'tied' if t else 'untied'}-{i}" for i, (m, t, _) in enumerate(CASES)])
-def test_engine_matches_reference(root, mesh, tied, megatron):
+@pytest.mark.parametrize("mesh,kind,megatron", CASES, ids=[f"{m}-{k}-{i}" for i, (m, k, _) in enumerate(CASES)])
+def test_engine_matches_reference(root, mesh, kind, megatron):
     from realcore.api.alloc import parse_mesh
 
-    hf_path, out = _reference_dir(root, tied)
+    hf_path, out = _reference_dir(root, kind)
     os.environ["OMP_NUM_THREADS"] = "1"
     world = parse_mesh(mesh).world_size
     mp.spawn(_worker, args=(world, _free_port(), hf_path, out, mesh, megatron), nprocs=world, join=True)

@@ -68,6 +68,18 @@ def parse_generate_reply(data: Any, *, return_logprob: bool) -> GenReply:
     return GenReply(ids, logprobs, reason, None if version is None else str(version))
 
 
+def sampling_params(gconfig) -> dict:
+    """GenerationConfig -> SGLang sampling_params (temperature 0 means greedy there)."""
+    return {
+        "temperature": 0.0 if gconfig.greedy else gconfig.temperature,
+        "top_p": gconfig.top_p,
+        "top_k": gconfig.top_k if gconfig.top_k > 0 else -1,
+        "max_new_tokens": gconfig.max_new_tokens,
+        "stop_token_ids": list(gconfig.stop_token_ids),
+        "ignore_eos": gconfig.ignore_eos,
+    }
+
+
 class GenClient:
     """One server speaking SGLang's API. Create and use it inside one event loop."""
 

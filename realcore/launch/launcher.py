@@ -5,6 +5,7 @@ Exit codes: 0 done; 1 a worker failed; 2 bad config (one line, no traceback); 13
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -28,22 +29,11 @@ def validate(cfg: ExperimentConfig) -> tuple[DataFlowGraph, AllocationMode]:
         alloc = parse_allocation_mode(cfg.allocation_mode)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if cfg.mode == "sync" and alloc.gen is not None:
-        raise ConfigError(f"allocation_mode: {cfg.allocation_mode!r} has generation servers; mode=sync colocates generation (use e.g. d2p1t1)")
+    if cfg.mode == "async" and alloc.gen is None:
+        raise ConfigError(f"allocation_mode: mode=async needs generation servers, e.g. local.d2p1t1+{cfg.allocation_mode}")
+    if alloc.gen is not None:
+        check_generation_servers(cfg, alloc)
     if cfg.mode == "async":
-        if alloc.gen is None:
-            raise ConfigError(f"allocation_mode: mode=async needs generation servers, e.g. local.d2p1t1+{cfg.allocation_mode}")
-        if alloc.backend not in ("local", "sglang", "vllm"):
-            raise ConfigError(f"allocation_mode: unknown generation engine {alloc.backend!r} (local, sglang, vllm)")
-        if alloc.backend == "local" and alloc.gen.world_size != alloc.gen.dp:
-            raise ConfigError(f"allocation_mode: built-in servers are data parallel only (local.dN), got {cfg.allocation_mode!r}")
-        from realcore.backends.server_launch import engine_available
-
-        missing = engine_available(alloc.backend)
-        if missing:
-            raise ConfigError(f"allocation_mode: {missing}")
-        if alloc.backend != "local" and cfg.rollout.weight_update == "memory":
-            raise ConfigError("rollout.weight_update: memory works with built-in servers only (allocation_mode local.*)")
         try:
             lookup("agent", cfg.rollout.agent)
         except KeyError as e:
@@ -52,6 +42,13 @@ def validate(cfg: ExperimentConfig) -> tuple[DataFlowGraph, AllocationMode]:
     for role, r in cfg.roles().items():
         if r.backend == "torch" and (mesh.pp, mesh.tp, mesh.cp, mesh.ep) != (1, 1, 1, 1):
             raise ConfigError(f"allocation_mode: {role}.backend=torch supports data parallel only (got {cfg.allocation_mode}); use pN/tN with the megatron backend")
+        if r.backend == "megatron" and importlib.util.find_spec("megatron") is None:
+            raise ConfigError(f"{role}.backend=megatron needs megatron-core: pip install -e '.[megatron]'")
+    for m in cfg.mfcs:
+        generates = getattr(_mfc_class(m.type), "generates", False)
+        if generates and alloc.gen is None and m.model is not None and cfg.roles()[m.model].backend == "megatron":
+            raise ConfigError(f"mfcs ({m.name}): {m.model}.backend=megatron samples on generation servers; "
+                              f"use allocation_mode=local.d1+{cfg.allocation_mode}")
     try:
         keys = source_keys(cfg)
     except KeyError as e:
@@ -63,6 +60,45 @@ def validate(cfg: ExperimentConfig) -> tuple[DataFlowGraph, AllocationMode]:
         if cfg.trainer.batch_size % node.n_seqs:
             raise ConfigError(f"mfcs ({node.name}).n_seqs: {node.n_seqs} does not divide trainer.batch_size {cfg.trainer.batch_size}")
     return dfg, alloc
+
+
+def _mfc_class(type_name: str):
+    try:
+        return lookup("mfc", type_name)
+    except KeyError:
+        return None  # build_graph reports unknown types with the node's name
+
+
+def check_generation_servers(cfg: ExperimentConfig, alloc: AllocationMode) -> None:
+    """Generation servers of `local.*|sglang.*|vllm.*` allocation modes (sync or async)."""
+    if alloc.backend not in ("local", "sglang", "vllm"):
+        raise ConfigError(f"allocation_mode: unknown generation engine {alloc.backend!r} (local, sglang, vllm)")
+    if alloc.backend == "local" and alloc.gen.world_size != alloc.gen.dp:
+        raise ConfigError(f"allocation_mode: built-in servers are data parallel only (local.dN), got {cfg.allocation_mode!r}")
+    from realcore.backends.server_launch import engine_available
+
+    missing = engine_available(alloc.backend)
+    if missing:
+        raise ConfigError(f"allocation_mode: {missing}")
+    if alloc.backend != "local" and cfg.rollout.weight_update == "memory":
+        raise ConfigError("rollout.weight_update: memory works with built-in servers only (allocation_mode local.*)")
+
+
+def check_model_layout(cfg: ExperimentConfig, alloc: AllocationMode) -> None:
+    """Checks that need the model's config: Megatron's parallel layout and its known pitfalls."""
+    roles = {role: r for role, r in cfg.roles().items() if r.backend == "megatron"}
+    if not roles:
+        return
+    from transformers import AutoConfig
+
+    from realcore.backends.megatron.parallel import check_megatron_config
+
+    hf_config = AutoConfig.from_pretrained(cfg.model.path)
+    for role, r in roles.items():
+        try:
+            check_megatron_config(role, r.megatron, alloc.train, hf_config)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def prepare_output(cfg: ExperimentConfig, dfg: DataFlowGraph) -> tuple[str, str]:
@@ -160,8 +196,8 @@ def start_engine_servers(cfg: ExperimentConfig, alloc: AllocationMode, env: dict
 
 
 def start_processes(cfg: ExperimentConfig, alloc: AllocationMode, config_path: str, secret_path: str) -> list[Proc]:
-    """Model workers (the training mesh), then in async mode generation servers, their manager and
-    rollout workers; the master last (it waits for the others' addresses anyway)."""
+    """Model workers (the training mesh), generation servers if the allocation has them, in async
+    mode their manager and rollout workers; the master last (it waits for the others anyway)."""
     env = child_env(cfg)
     logs = os.path.join(cfg.output_dir, "logs")
     n_servers = alloc.gen.dp if alloc.gen is not None else 0
@@ -169,11 +205,12 @@ def start_processes(cfg: ExperimentConfig, alloc: AllocationMode, config_path: s
               "--n-servers", str(n_servers)]
     kinds = [("model_worker", alloc.train.world_size)]
     procs = []
-    if cfg.mode == "async":
+    if alloc.gen is not None:
         if alloc.backend == "local":
             kinds.append(("gen_server", n_servers))
         else:
             procs += start_engine_servers(cfg, alloc, env, logs)
+    if cfg.mode == "async":
         kinds += [("gserver_manager", 1), ("rollout_worker", cfg.rollout.n_workers)]
     for kind, count in kinds:
         for i in range(count):
@@ -194,6 +231,7 @@ def main(argv: list[str]) -> int:
             cfg.model.path = prepare_model(cfg.model, cfg.seed)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        check_model_layout(cfg, alloc)
     except (ConfigError, GraphError) as e:
         print(f"realcore: config error: {e}", file=sys.stderr)
         return 2

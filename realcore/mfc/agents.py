@@ -10,18 +10,7 @@ from __future__ import annotations
 import asyncio
 
 from realcore.api.registry import register_agent
-
-
-def sampling_params(gconfig) -> dict:
-    """GenerationConfig -> SGLang sampling_params (temperature 0 means greedy there)."""
-    return {
-        "temperature": 0.0 if gconfig.greedy else gconfig.temperature,
-        "top_p": gconfig.top_p,
-        "top_k": gconfig.top_k if gconfig.top_k > 0 else -1,
-        "max_new_tokens": gconfig.max_new_tokens,
-        "stop_token_ids": list(gconfig.stop_token_ids),
-        "ignore_eos": gconfig.ignore_eos,
-    }
+from realcore.backends.gen_client import sampling_params
 
 
 @register_agent("math-single-step")

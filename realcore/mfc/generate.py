@@ -14,6 +14,7 @@ class Generate:
 
     needs_model = True
     trains = False
+    generates = True  # samples only: runs on generation servers when the experiment has them
 
     def __init__(self, cfg, mfc):
         self.gconfig = cfg.generation

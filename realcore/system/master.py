@@ -14,8 +14,9 @@ import shutil
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
+from realcore.api.alloc import parse_allocation_mode
 from realcore.api.config import ExperimentConfig
-from realcore.api.registry import dataset_keys
+from realcore.api.registry import dataset_keys, lookup
 from realcore.dfg.graph import DataFlowGraph, MFCNode, build_graph
 from realcore.system.buffer import SampleBuffer, split_balanced
 from realcore.system.control import WorkerPool, wait_all
@@ -59,6 +60,10 @@ class Master:
         self.nodes = [self.dfg.nodes[n] for n in self.dfg.order()]
         self.buffer = SampleBuffer(self.nodes)
         self.names = [f"model_worker/{i}" for i in range(n_workers)]
+        self.alloc = parse_allocation_mode(cfg.allocation_mode)
+        self.mesh = self.alloc.train
+        # One head per data-parallel replica holds the replica's samples and answers for it.
+        self.heads = [self.mesh.dp_head(d) for d in range(self.mesh.dp)]
         resolver = make_name_resolver(cfg.system.name_resolve)
         timeout = cfg.system.startup_timeout_s
         addrs = {n: json.loads(resolver.wait(model_worker_key(cfg, i), timeout_s=timeout))["control"]
@@ -89,11 +94,12 @@ class Master:
     def fetch_batch(self, metrics: dict) -> None:
         """New samples: batch_size split evenly over the dataset shards (sync), or the first
         batch_size trajectories the rollout workers streamed to any model worker (async)."""
-        n, w, timeout = self.cfg.trainer.batch_size, self.n_workers, self.cfg.system.request_timeout_s
+        n, w, timeout = self.cfg.trainer.batch_size, len(self.heads), self.cfg.system.request_timeout_s
         if self.cfg.mode == "sync":
             futs = {}
-            for i, name in enumerate(self.names):
-                k = n // w + (1 if i < n % w else 0)
+            for d, head in enumerate(self.heads):
+                name = self.names[head]
+                k = n // w + (1 if d < n % w else 0)
                 if k:
                     futs[name] = self.pool.request(name, Cmd.FETCH, {"first_id": self.next_id, "n": k})
                     self.next_id += k
@@ -103,7 +109,8 @@ class Master:
         got, versions, rewards, dropped, t0 = 0, [], [], 0, time.monotonic()
         deadline = t0 + timeout
         while got < n:
-            for i, name in enumerate(self.names):
+            for i in self.heads:
+                name = self.names[i]
                 body = {"first_id": self.next_id, "n": n - got, "version": self.version}
                 r = wait_all({name: self.pool.request(name, Cmd.FETCH, body)}, timeout, "stream fetch")[name]
                 if r["dropped"]:  # the manager must stop counting them, or admission would stall
@@ -129,8 +136,10 @@ class Master:
         metrics["staleness/interrupted_frac"] = sum(v[0] != v[1] for v in versions) / len(versions)
 
     def publish_weights(self) -> None:
-        """Async: move every generation server onto the new version, interrupting generation."""
+        """Move every generation server onto the new version (async: interrupting generation)."""
         timeout = self.cfg.system.request_timeout_s
+        if self.cfg.mode == "sync":  # no manager: the trainer updates the idle servers itself
+            return self.publish_weights_sync(timeout)
         manager = lambda cmd, body: wait_all({MANAGER: self.pool.request(MANAGER, cmd, body)}, timeout, f"manager {cmd.name}")
         if self.cfg.rollout.weight_update == "memory":
             manager(Cmd.PAUSE, {})
@@ -143,21 +152,41 @@ class Master:
         manager(Cmd.UPDATE_WEIGHTS, {"path": path, "version": self.version})
         shutil.rmtree(os.path.join(self.cfg.output_dir, "weights", f"v{self.version - 2}"), ignore_errors=True)
 
+    def publish_weights_sync(self, timeout: float) -> None:
+        if self.cfg.rollout.weight_update == "memory":
+            body = {"servers": self.server_addresses("weights"), "version": self.version}
+        else:
+            path = os.path.join(self.cfg.output_dir, "weights", f"v{self.version}")
+            body = {"path": path, "http": self.server_addresses("http"), "version": self.version}
+        wait_all(self.to_workers(Cmd.PUBLISH_WEIGHTS, body), timeout, "publish weights")
+        shutil.rmtree(os.path.join(self.cfg.output_dir, "weights", f"v{self.version - 2}"), ignore_errors=True)
+
     def server_weight_addresses(self) -> list[str]:
-        from realcore.api.alloc import parse_allocation_mode
+        return self.server_addresses("weights")
+
+    def server_addresses(self, kind: str) -> list[str]:
+        """Every generation server's `http` or in-memory `weights` address, as it published them."""
         from realcore.system.gserver_manager import gen_server_key
 
-        n = parse_allocation_mode(self.cfg.allocation_mode).gen.dp
         resolver = make_name_resolver(self.cfg.system.name_resolve)
-        return [json.loads(resolver.get(gen_server_key(self.cfg, i)))["weights"] for i in range(n)]
+        return [json.loads(resolver.get(gen_server_key(self.cfg, i)))[kind] for i in range(self.alloc.gen.dp)]
+
+    def collective(self, node: MFCNode) -> bool:
+        """Runs on every rank of each replica (a Megatron role's forward/backward), or on heads only."""
+        if node.model is None or self.cfg.roles()[node.model].backend != "megatron":
+            return False
+        return not (self.alloc.gen is not None and getattr(lookup("mfc", node.type), "generates", False))
 
     def dispatch(self, node: MFCNode, ids: list[int]) -> dict[str, Future]:
         costs = [self.buffer.tokens(sid, node.inputs) for sid in ids]
-        parts = split_balanced(ids, costs, self.n_workers)
+        parts = split_balanced(ids, costs, self.mesh.dp)
         self.buffer.start(node, ids)
+        ranks = range(self.n_workers) if self.collective(node) else self.heads
         return {
-            name: self.pool.request(name, Cmd.RUN_MFC, {"mfc": node.name, "ids": part, "owners": self.buffer.owners(part, node.inputs)})
-            for name, part in zip(self.names, parts)
+            self.names[i]: self.pool.request(self.names[i], Cmd.RUN_MFC, {
+                "mfc": node.name, "ids": parts[self.mesh.dp_rank(i)],
+                "owners": self.buffer.owners(parts[self.mesh.dp_rank(i)], node.inputs)})
+            for i in ranks
         }
 
     def run_step(self, step: int, metrics: dict, writer: MetricsWriter) -> None:
@@ -184,7 +213,8 @@ class Master:
                 if not all(f.done() for f in futs.values()):
                     continue
                 del running[name]
-                replies = wait_all(futs, 0, f"MFC {name}")
+                replies = {w: r for w, r in wait_all(futs, 0, f"MFC {name}").items()
+                           if self.names.index(w) in self.heads}  # the rest of a replica echoes its head
                 for wname, r in replies.items():
                     self.buffer.add(self.names.index(wname), r["ids"], r["outputs"])
                 self.buffer.finish(node, ids)
@@ -216,7 +246,7 @@ class Master:
                 version = self.version
                 self.run_step(step, metrics, writer)
                 self.release()
-                if self.cfg.mode == "async" and self.version != version:
+                if self.alloc.gen is not None and self.version != version:
                     t1 = time.perf_counter()
                     self.publish_weights()
                     metrics["time/weight_update_s"] = time.perf_counter() - t1

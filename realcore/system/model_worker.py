@@ -7,6 +7,7 @@ threads; the master's silence for longer than the heartbeat deadline ends the wo
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -17,6 +18,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
+from realcore.api.alloc import parse_allocation_mode
 from realcore.api.config import ExperimentConfig
 from realcore.api.data import SequenceSample
 from realcore.api.registry import dataset_keys, lookup
@@ -35,6 +37,11 @@ log = logging.getLogger("realcore.model_worker")
 class ModelWorker:
     def __init__(self, cfg: ExperimentConfig, index: int, world: int, secret: bytes):
         self.cfg, self.index, self.world = cfg, index, world
+        self.alloc = parse_allocation_mode(cfg.allocation_mode)
+        self.mesh = self.alloc.train
+        # Ranks of one data-parallel replica (a TP x PP group) work on the same samples; its head
+        # holds them, fetches them, and answers for the replica.
+        self.dp_rank, self.head = self.mesh.dp_rank(index), self.mesh.is_dp_head(index)
         self.dfg = build_graph(cfg, source_keys(cfg))
         self.state = "created"
         self.storage = Storage()
@@ -48,7 +55,8 @@ class ModelWorker:
         self.mfcs = {name: lookup("mfc", n.type)(cfg, next(m for m in cfg.mfcs if m.name == name))
                      for name, n in self.dfg.nodes.items()}
         self.dataset: list = []
-        self.stream = TrajectoryStream(host, secret) if cfg.mode == "async" else None
+        self.stream = TrajectoryStream(host, secret) if cfg.mode == "async" and self.head else None
+        self.generator = None  # sync mode with generation servers: where `generate` MFCs sample
         info = {"control": self.control.address, "data": self.data.address, "pid": os.getpid()}
         if self.stream is not None:
             info["stream"] = self.stream.address
@@ -64,27 +72,44 @@ class ModelWorker:
         cfg = self.cfg
         self._init_process_group()
         from realcore.backends.models import load_tokenizer
-        from realcore.backends.torch_engine import TorchEngine
 
         for role, rcfg in cfg.roles().items():
-            if rcfg.backend != "torch":
-                raise ValueError(f"{role}.backend={rcfg.backend!r} is not available yet; use torch")
-            self.engines[role] = TorchEngine(cfg.model.path, rcfg, total_steps=cfg.trainer.total_steps, seed=cfg.seed)
+            if rcfg.backend == "megatron":
+                from realcore.backends.megatron.engine import MegatronEngine
+
+                self.engines[role] = MegatronEngine(cfg.model.path, rcfg, self.mesh, total_steps=cfg.trainer.total_steps,
+                                                    seed=cfg.seed, role_name=role)
+            else:
+                from realcore.backends.torch_engine import TorchEngine
+
+                self.engines[role] = TorchEngine(cfg.model.path, rcfg, total_steps=cfg.trainer.total_steps, seed=cfg.seed)
         tokenizer = self.engines["actor"].tokenizer or load_tokenizer(cfg.model.path)
         self.no_model = SimpleNamespace(tokenizer=tokenizer)
         counts = {"n_rows": 0, "n_samples": 0, "skipped": {}}
-        if self.stream is None:  # in async mode the rollout workers hold the dataset
+        if cfg.mode == "sync" and self.head:  # in async mode the rollout workers hold the dataset
             loaded = lookup("dataset", cfg.dataset.type)(
-                cfg.dataset, tokenizer, rank=self.index, world=self.world, use_chat_template=cfg.model.use_chat_template
+                cfg.dataset, tokenizer, rank=self.dp_rank, world=self.mesh.dp, use_chat_template=cfg.model.use_chat_template
             )
             self.dataset = loaded.samples
-            self.sampler = EpochSampler(len(self.dataset), cfg.dataset.seed, self.index)
+            self.sampler = EpochSampler(len(self.dataset), cfg.dataset.seed, self.dp_rank)
             counts = {"n_rows": loaded.n_rows, "n_samples": len(self.dataset), "skipped": loaded.skipped}
+        if cfg.mode == "sync" and self.alloc.gen is not None and self.head:
+            self.generator = self._server_generation(tokenizer)
         for i in range(self.world):
             if i != self.index:
                 self.peers[i] = json.loads(self.resolver.get(model_worker_key(cfg, i)))["data"]
         self.state = "running"
         return counts
+
+    def _server_generation(self, tokenizer):
+        from realcore.backends.server_generation import ServerGeneration
+        from realcore.system.gserver_manager import gen_server_key
+
+        timeout = self.cfg.system.startup_timeout_s
+        addrs = json.loads(self.resolver.wait(gen_server_key(self.cfg, self.dp_rank % self.alloc.gen.dp), timeout_s=timeout))
+        r = self.cfg.rollout
+        return ServerGeneration(self.alloc.backend, addrs["http"], tokenizer, token=r.server_token,
+                                timeout_s=r.request_timeout_s, ready_timeout_s=timeout)
 
     def _init_process_group(self) -> None:
         cfg = self.cfg
@@ -123,6 +148,8 @@ class ModelWorker:
         samples = self._gather(ids, node.inputs, body["owners"])
         batch = SequenceSample(ids, [{node.input_remap.get(k, k): s[k] for k in node.inputs} for s in samples])
         model = self.engines[node.model] if node.model else self.no_model
+        if self.generator is not None and getattr(self.mfcs[node.name], "generates", False):
+            model = self.generator
         result = self.mfcs[node.name].run(model, batch)
         out, stats = (result if isinstance(result, tuple) else (result, {}))
         if isinstance(out, dict):
@@ -132,7 +159,7 @@ class ModelWorker:
         got = out.keys() if out is not None else set()
         if set(got) != expected:
             raise ValueError(f"MFC {node.name!r} returned keys {sorted(got)}, declared outputs {sorted(expected)}")
-        if out is not None:
+        if out is not None and self.head:  # other ranks of the replica computed the same outputs
             for name in expected:
                 key = node.output_remap.get(name, name)
                 outputs[key] = []
@@ -155,29 +182,47 @@ class ModelWorker:
             for i, sid in enumerate(ids)
         ]
 
+    def _sharded(self, role: str) -> bool:
+        """A Megatron role: every rank takes part in gathering its weights (rank 0 writes)."""
+        return self.cfg.roles()[role].backend == "megatron"
+
     def save(self, body: dict) -> dict:
-        """Rank 0 writes each trainable role in HF format (the actor at the path itself)."""
-        if self.index == 0:
-            for role, engine in self.engines.items():
-                if self.cfg.roles()[role].trainable:
-                    engine.save_hf(body["path"] if role == "actor" else os.path.join(body["path"], role))
+        """Each trainable role in HF format (the actor at the path itself), written by rank 0."""
+        for role, engine in self.engines.items():
+            if self.cfg.roles()[role].trainable and (self.index == 0 or self._sharded(role)):
+                engine.save_hf(body["path"] if role == "actor" else os.path.join(body["path"], role))
         return {}
 
     def publish_weights(self, body: dict) -> dict:
-        """Rank 0 hands the actor's weights to the generation servers: as an HF directory they
-        load (`path`), or pushed over the authenticated wire to their update sockets (`servers`)."""
-        if self.index != 0:
-            return {}
-        engine = self.engines["actor"]
+        """Hand the actor's weights to the generation servers: as an HF directory they load
+        (`path`; in sync mode rank 0 then tells the servers in `http`), or pushed over the
+        authenticated wire to their update sockets (`servers`)."""
+        engine, sharded = self.engines["actor"], self._sharded("actor")
         if body.get("servers"):
             from realcore.backends.gen_client import push_weights
 
-            state = engine.model.state_dict()
-            for address in body["servers"]:
+            if sharded:
+                state = engine.hf_state_dict()
+            else:
+                state = engine.model.state_dict() if self.index == 0 else None
+            for address in body["servers"] if self.index == 0 else []:
                 push_weights(address, self.control.secret, str(body["version"]), state, self.cfg.system.request_timeout_s)
-        else:
+            return {}
+        if self.index == 0 or sharded:
             engine.save_hf(body["path"])
+        if self.index == 0 and body.get("http"):
+            asyncio.run(self._servers_load(body["http"], body["path"], body["version"]))
         return {}
+
+    async def _servers_load(self, urls: list[str], path: str, version: int) -> None:
+        from realcore.backends.server_launch import client_for
+
+        r = self.cfg.rollout
+        clients = [client_for(self.alloc.backend, u, token=r.server_token, timeout_s=r.request_timeout_s) for u in urls]
+        try:
+            await asyncio.gather(*(c.update_weights_from_disk(path, version) for c in clients))
+        finally:
+            await asyncio.gather(*(c.close() for c in clients))
 
     # --- loop -----------------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ import torch
 import zmq
 import zmq.asyncio
 
+from realcore.api.alloc import parse_allocation_mode
 from realcore.api.config import ExperimentConfig
 from realcore.api.data import tensor_to_text
 from realcore.api.registry import lookup
@@ -76,7 +77,7 @@ def trajectory_sample(prompt_ids: list[int], results) -> dict:
 
 
 class RolloutWorker:
-    def __init__(self, cfg: ExperimentConfig, index: int, secret: bytes, n_model_workers: int):
+    def __init__(self, cfg: ExperimentConfig, index: int, secret: bytes):
         from realcore.backends.models import load_tokenizer
 
         self.cfg, self.index, self.secret = cfg, index, secret
@@ -91,14 +92,15 @@ class RolloutWorker:
         resolver = make_name_resolver(cfg.system.name_resolve)
         timeout = cfg.system.startup_timeout_s
         self.manager_address = resolver.wait(manager_key(cfg), timeout_s=timeout)
-        self.streams = [json.loads(resolver.wait(model_worker_key(cfg, i), timeout_s=timeout))["stream"]
-                        for i in range(n_model_workers)]
+        # Trajectories go to the head of each data-parallel replica of the training mesh.
+        mesh = parse_allocation_mode(cfg.allocation_mode).train
+        self.streams = [json.loads(resolver.wait(model_worker_key(cfg, mesh.dp_head(d)), timeout_s=timeout))["stream"]
+                        for d in range(mesh.dp)]
         self.clients: dict = {}
         self._count = itertools.count()
         log.info("rollout worker %d: %d prompts (skipped %s)", index, len(self.samples), loaded.skipped or "none")
 
     def client(self, server: str):
-        from realcore.api.alloc import parse_allocation_mode
         from realcore.backends.server_launch import client_for
 
         if server not in self.clients:

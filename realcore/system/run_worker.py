@@ -85,7 +85,7 @@ def run(args, cfg: ExperimentConfig, secret: bytes) -> int:
 
         from realcore.system.rollout_worker import RolloutWorker
 
-        asyncio.run(RolloutWorker(cfg, args.index, secret, args.world).main())
+        asyncio.run(RolloutWorker(cfg, args.index, secret).main())
     return 0
 
 

@@ -60,48 +60,76 @@ class LazyHFState(Mapping):
 
 def load_shard(hf_state: Mapping, hf_config, *, tp: int, n_stages: int, tp_rank: int, stage: int,
                ep: int = 1, ep_rank: int = 0) -> dict[str, Tensor]:
-    return hf_to_mcore(hf_state, hf_config, tp=tp, pp=n_stages, tp_rank=tp_rank, pp_rank=stage)
+    return hf_to_mcore(hf_state, hf_config, tp=tp, pp=n_stages, tp_rank=tp_rank, pp_rank=stage, ep=ep, ep_rank=ep_rank)
+
+
+def _is_expert(key: str) -> bool:
+    return ".mlp.experts." in key
 
 
 def gather_hf(local: dict[int, dict[str, Tensor]], meta: dict[str, Tensor], hf_config, *, tp: int, pp: int,
-              n_stages: int, coords: tuple[int, int, int], ep: int = 1, ep_rank: int = 0,
-              group=None) -> dict[str, Tensor] | None:
+              n_stages: int, coords: tuple[int, int, int, int], ep: int = 1, group=None) -> dict[str, Tensor] | None:
     """Collective over the mesh: rank 0 of `group` returns the HF state dict, others None.
 
-    local: this rank's shards by stage (its model chunks' state dicts, `_extra_state` removed);
-    coords: this rank's (tp_rank, pp_rank, replica) where replica 0 holds the copies sent (the
-    first data/context-parallel replica); meta: the HF layout (`LazyHFState.meta()`).
+    local: this rank's tensors by stage (its model chunks' state dicts or grads, HF-convertible keys);
+    coords: this rank's (tp_rank, pp_rank, replica, ep_rank); dense tensors come from replica 0,
+    each EP rank's experts from the first rank holding them; meta: `LazyHFState.meta()`.
     """
-    world = dist.get_world_size(group)
     me = dist.get_rank(group)
     mine = torch.tensor(list(coords), dtype=torch.int64)
-    everyone = [torch.empty_like(mine) for _ in range(world)]
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
-    owner = {(int(t), int(p)): r for r, (t, p, rep) in enumerate(x.tolist() for x in everyone) if rep == 0}
+    table = [tuple(x.tolist()) for x in everyone]
+    dense_owner = {(t, p): r for r, (t, p, rep, _) in enumerate(table) if rep == 0}
+    expert_owner: dict[tuple[int, int], int] = {}
+    for r, (_, p, _, e) in enumerate(table):
+        expert_owner.setdefault((p, e), r)
+
+    def layout(t: int, stage: int, e: int) -> dict[str, Tensor]:
+        return hf_to_mcore(meta, hf_config, tp=tp, pp=n_stages, tp_rank=t, pp_rank=stage, ep=ep, ep_rank=e)
+
     shards: dict[tuple[int, int], dict[str, Tensor]] = {}
     for t in range(tp):
         for stage in range(n_stages):
-            src = owner[(t, stage % pp)]
-            if src != me and me != 0:
-                continue
-            layout = hf_to_mcore(meta, hf_config, tp=tp, pp=n_stages, tp_rank=t, pp_rank=stage)
-            keys = sorted(layout)
-            if src == me:
-                tensors = [local[stage][k].detach().float().reshape(-1) for k in keys]
-                if me == 0:
-                    shards[(t, stage)] = {k: v.detach().float().clone() for k, v in local[stage].items() if k in layout}
-                    continue
-                dist.send(torch.cat(tensors), dst=_global(src_rank=0, group=group), group=group)
-                continue
-            flat = torch.empty(sum(layout[k].numel() for k in keys), dtype=torch.float32)
-            dist.recv(flat, src=_global(src, group), group=group)
-            parts = flat.split([layout[k].numel() for k in keys])
-            shards[(t, stage)] = {k: p.view(layout[k].shape) for k, p in zip(keys, parts)}
+            dense = {k: v for k, v in layout(t, stage, 0).items() if not _is_expert(k)}
+            got = _collect(local, stage, dense, dense_owner[(t, stage % pp)], me, group)
+            if got is not None:
+                shards[(t, stage)] = got
+    for stage in range(n_stages):
+        for e in range(ep):
+            experts = {k: v for k, v in layout(0, stage, e).items() if _is_expert(k)}
+            if not experts:
+                break  # a dense model
+            got = _collect(local, stage, experts, expert_owner[(stage % pp, e)], me, group)
+            if got is not None:  # local expert j of EP rank e is global expert e * per + j
+                per = len({k.split("local_experts.")[1].split(".")[0] for k in experts})
+                shards[(0, stage)].update({_renumber(k, e * per): v for k, v in got.items()})
     if me != 0:
         return None
     return mcore_to_hf(shards, hf_config, tp=tp, pp=n_stages)
 
 
-def _global(src_rank: int, group) -> int:
+def _renumber(key: str, offset: int) -> str:
+    head, tail = key.split("local_experts.")
+    j, rest = tail.split(".", 1)
+    return f"{head}local_experts.{int(j) + offset}.{rest}"
+
+
+def _collect(local, stage: int, layout: dict[str, Tensor], src: int, me: int, group) -> dict[str, Tensor] | None:
+    """Rank 0 gets `layout`'s tensors of `stage` from rank `src` (one flat message); None elsewhere."""
+    keys = sorted(layout)
+    if src == me:
+        if me == 0:
+            return {k: local[stage][k].detach().float().clone() for k in keys}
+        dist.send(torch.cat([local[stage][k].detach().float().reshape(-1) for k in keys]), dst=_global(0, group), group=group)
+        return None
+    if me != 0:
+        return None
+    flat = torch.empty(sum(layout[k].numel() for k in keys), dtype=torch.float32)
+    dist.recv(flat, src=_global(src, group), group=group)
+    return {k: p.view(layout[k].shape) for k, p in zip(keys, flat.split([layout[k].numel() for k in keys]))}
+
+
+def _global(rank: int, group) -> int:
     """dist.send/recv take global ranks even with a group."""
-    return src_rank if group is None else dist.get_global_rank(group, src_rank)
+    return rank if group is None else dist.get_global_rank(group, rank)

@@ -26,7 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen2_moe", "mixtral")
+# Where each MoE family keeps its router and experts (the hub/on-disk names transformers saves).
+_MOE_NAMES = {
+    "mixtral": {"block": "block_sparse_moe", "gate": "w1", "up": "w3", "down": "w2"},
+    "qwen2_moe": {"block": "mlp", "gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
+}
 
 
 def _dims(hf_config) -> tuple[int, int, int]:
@@ -38,7 +43,22 @@ def _dims(hf_config) -> tuple[int, int, int]:
 
 
 def _has_qkv_bias(hf_config) -> bool:
-    return hf_config.model_type == "qwen2"
+    return hf_config.model_type in ("qwen2", "qwen2_moe")
+
+
+def num_experts(hf_config) -> int | None:
+    """Routed experts of an MoE config (Qwen2-MoE `num_experts`, Mixtral `num_local_experts`)."""
+    if hf_config.model_type not in _MOE_NAMES:
+        return None
+    return getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
+
+
+def _expert_ffn(hf_config) -> int:
+    return getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size
+
+
+def _shared_ffn(hf_config) -> int:
+    return getattr(hf_config, "shared_expert_intermediate_size", 0) or 0
 
 
 def rope_base(hf_config) -> float:
@@ -68,8 +88,14 @@ def validate(hf_config, *, tp: int, pp: int) -> None:
         raise ValueError(f"num_hidden_layers={hf_config.num_hidden_layers} is not divisible by pp={pp}")
     if hf_config.vocab_size % tp:
         raise ValueError(f"vocab_size={hf_config.vocab_size} is not divisible by tp={tp} (pad the vocab first)")
-    if hf_config.intermediate_size % tp:
+    experts = num_experts(hf_config)
+    if experts is None and hf_config.intermediate_size % tp:
         raise ValueError(f"intermediate_size={hf_config.intermediate_size} is not divisible by tp={tp}")
+    if experts is not None:
+        if mt == "qwen2_moe" and (getattr(hf_config, "decoder_sparse_step", 1) != 1 or getattr(hf_config, "mlp_only_layers", [])):
+            raise ValueError("qwen2_moe with dense layers (decoder_sparse_step != 1 or mlp_only_layers) is not supported")
+        if _shared_ffn(hf_config) % tp:
+            raise ValueError(f"shared_expert_intermediate_size={_shared_ffn(hf_config)} is not divisible by tp={tp}")
 
 
 def mcore_config_from_hf(hf_config, **overrides):
@@ -95,6 +121,21 @@ def mcore_config_from_hf(hf_config, **overrides):
         attention_dropout=0.0,
         use_cpu_initialization=True,
     )
+    experts = num_experts(hf_config)
+    if experts is not None:
+        kwargs.update(
+            num_moe_experts=experts,
+            moe_router_topk=hf_config.num_experts_per_tok,
+            moe_ffn_hidden_size=_expert_ffn(hf_config),
+            # Mixtral (and Qwen2-MoE with norm_topk_prob) renormalise the top-k probabilities: that
+            # is a softmax over the top-k logits, Megatron's default. Otherwise softmax over all first.
+            moe_router_pre_softmax=not (hf_config.model_type == "mixtral" or getattr(hf_config, "norm_topk_prob", False)),
+            moe_aux_loss_coeff=0.0,  # the RL loss is the whole objective; add the aux loss in loss_fn if wanted
+            moe_router_load_balancing_type="none",
+            expert_tensor_parallel_size=1,  # experts are not split over TP (ETP=2 fails over gloo)
+        )
+        if _shared_ffn(hf_config):
+            kwargs.update(moe_shared_expert_intermediate_size=_shared_ffn(hf_config), moe_shared_expert_gate=True)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
@@ -103,7 +144,7 @@ def layer_spec(hf_config):
     """The Megatron layer spec for this architecture: local (non-TransformerEngine) modules."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return get_gpt_layer_local_spec()
+    return get_gpt_layer_local_spec(num_experts=num_experts(hf_config), moe_grouped_gemm=False)
 
 
 def _stage_layers(hf_config, pp: int, pp_rank: int) -> range:
@@ -131,9 +172,12 @@ def _split_qkv(fused: Tensor, nh: int, nkv: int, hd: int) -> tuple[Tensor, Tenso
 
 
 def hf_to_mcore(
-    hf_state: dict[str, Tensor], hf_config, *, tp: int, pp: int, tp_rank: int, pp_rank: int
+    hf_state: dict[str, Tensor], hf_config, *, tp: int, pp: int, tp_rank: int, pp_rank: int, ep: int = 1,
+    ep_rank: int = 0,
 ) -> dict[str, Tensor]:
-    """The Megatron-core GPTModel state dict of one (tp_rank, pp_rank) shard (contiguous clones)."""
+    """The Megatron-core GPTModel state dict of one (tp_rank, pp_rank, ep_rank) shard (contiguous
+    clones). With MoE, an EP rank holds experts [ep_rank * E/ep, (ep_rank + 1) * E/ep), numbered
+    from 0 locally (Megatron's `local_experts.{j}`)."""
     validate(hf_config, tp=tp, pp=pp)
     if not (0 <= tp_rank < tp and 0 <= pp_rank < pp):
         raise ValueError(f"rank (tp_rank={tp_rank}, pp_rank={pp_rank}) outside tp={tp} pp={pp}")
@@ -171,6 +215,9 @@ def hf_to_mcore(
         out[m + "self_attention.linear_proj.weight"] = row(hf_state[h + "self_attn.o_proj.weight"])
         out[m + "input_layernorm.weight"] = hf_state[h + "input_layernorm.weight"].clone()
         out[m + "pre_mlp_layernorm.weight"] = hf_state[h + "post_attention_layernorm.weight"].clone()
+        if num_experts(hf_config) is not None:
+            out.update(_moe_to_mcore(hf_state, hf_config, h, m, col, row, ep, ep_rank))
+            continue
         # Each rank holds its slice of gate then its slice of up: (2*ffn/tp, hidden).
         gate, up = col(hf_state[h + "mlp.gate_proj.weight"]), col(hf_state[h + "mlp.up_proj.weight"])
         out[m + "mlp.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
@@ -220,6 +267,9 @@ def mcore_to_hf(shards: dict[tuple[int, int], dict[str, Tensor]], hf_config, *, 
             out[h + "self_attn.o_proj.weight"] = cat(p, m + "self_attention.linear_proj.weight", 1)
             out[h + "input_layernorm.weight"] = rep(p, m + "input_layernorm.weight")
             out[h + "post_attention_layernorm.weight"] = rep(p, m + "pre_mlp_layernorm.weight")
+            if num_experts(hf_config) is not None:
+                out.update(_moe_to_hf(shards, hf_config, p, tp, h, m, cat))
+                continue
             # Each rank's fc1 is [gate_r; up_r] (2*ffn/tp, hidden): un-interleave before concat.
             halves = [shards[(t, p)][m + "mlp.linear_fc1.weight"].chunk(2, dim=0) for t in range(tp)]
             out[h + "mlp.gate_proj.weight"] = torch.cat([g for g, _ in halves], dim=0)
@@ -230,4 +280,47 @@ def mcore_to_hf(shards: dict[tuple[int, int], dict[str, Tensor]], hf_config, *, 
         out["lm_head.weight"] = out["model.embed_tokens.weight"].clone()
     else:
         out["lm_head.weight"] = cat(pp - 1, "output_layer.weight", 0)
+    return out
+
+
+def _moe_to_mcore(hf_state, hf_config, h: str, m: str, col, row, ep: int, ep_rank: int) -> dict[str, Tensor]:
+    """Router, this EP rank's experts (whole: no TP split) and the TP-split shared expert."""
+    names, experts = _MOE_NAMES[hf_config.model_type], num_experts(hf_config)
+    if experts % ep or not 0 <= ep_rank < ep:
+        raise ValueError(f"{experts} experts cannot be split as ep_rank {ep_rank} of ep={ep}")
+    b, per = h + names["block"] + ".", experts // ep
+    out = {m + "mlp.router.weight": hf_state[b + "gate.weight"].clone()}
+    for j in range(per):
+        e = f"{b}experts.{ep_rank * per + j}."
+        x = f"{m}mlp.experts.local_experts.{j}."
+        out[x + "linear_fc1.weight"] = torch.cat([hf_state[e + names["gate"] + ".weight"], hf_state[e + names["up"] + ".weight"]])
+        out[x + "linear_fc2.weight"] = hf_state[e + names["down"] + ".weight"].clone()
+    if _shared_ffn(hf_config):
+        s = b + "shared_expert."
+        out[m + "mlp.shared_experts.linear_fc1.weight"] = torch.cat(
+            [col(hf_state[s + "gate_proj.weight"]), col(hf_state[s + "up_proj.weight"])])
+        out[m + "mlp.shared_experts.linear_fc2.weight"] = row(hf_state[s + "down_proj.weight"])
+        out[m + "mlp.shared_experts.gate_weight"] = hf_state[b + "shared_expert_gate.weight"].clone()
+    return out
+
+
+def _moe_to_hf(shards, hf_config, p: int, tp: int, h: str, m: str, cat) -> dict[str, Tensor]:
+    """Inverse of `_moe_to_mcore` over TP shards holding every expert (an EP=1 view)."""
+    names, experts = _MOE_NAMES[hf_config.model_type], num_experts(hf_config)
+    b, first = h + names["block"] + ".", shards[(0, p)]
+    out = {b + "gate.weight": first[m + "mlp.router.weight"].clone()}
+    for j in range(experts):
+        x = f"{m}mlp.experts.local_experts.{j}."
+        gate, up = first[x + "linear_fc1.weight"].chunk(2, dim=0)
+        e = f"{b}experts.{j}."
+        out[e + names["gate"] + ".weight"] = gate.clone()
+        out[e + names["up"] + ".weight"] = up.clone()
+        out[e + names["down"] + ".weight"] = first[x + "linear_fc2.weight"].clone()
+    if _shared_ffn(hf_config):
+        s = b + "shared_expert."
+        halves = [shards[(t, p)][m + "mlp.shared_experts.linear_fc1.weight"].chunk(2, dim=0) for t in range(tp)]
+        out[s + "gate_proj.weight"] = torch.cat([g for g, _ in halves], dim=0)
+        out[s + "up_proj.weight"] = torch.cat([u for _, u in halves], dim=0)
+        out[s + "down_proj.weight"] = cat(p, m + "mlp.shared_experts.linear_fc2.weight", 1)
+        out[b + "shared_expert_gate.weight"] = first[m + "mlp.shared_experts.gate_weight"].clone()
     return out

@@ -145,8 +145,20 @@ class MegatronEngine(Engine):
         lens = [int(s.numel()) for s in seqs]
         mbs = split_by_budget(lens, budget) if lens else []
         m = self._pad_multiple()
-        longest = max((sum(lens[i] for i in mb) for mb in mbs), default=0)
+        longest = max((sum(lens[i] for i in mb) for mb in mbs), default=m)
         return mbs, -(-longest // m) * m
+
+    def _align_for_experts(self, batches: list[dict], seq_len: int) -> list[dict]:
+        """With expert parallelism every replica of an EP group must run the same number of
+        micro-batches (the token dispatch is a collective): pad with empty ones."""
+        if self.dims.ep == 1:
+            return batches
+        from megatron.core import parallel_state as ps
+
+        n = torch.tensor([len(batches)], dtype=torch.int64)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group(with_context_parallel=True))
+        dummy = {"ids": torch.zeros(0, dtype=torch.int64), "lens": [], "dummy": True}
+        return batches + [dummy] * (int(n) - len(batches))
 
     def _run(self, batches: list[dict], seq_len: int, loss_func_for, forward_only: bool) -> list[dict]:
         """Megatron's schedule over packed micro-batches; returns the last stage's loss dicts."""
@@ -158,7 +170,7 @@ class MegatronEngine(Engine):
             mb = next(data_iterator)
             ids = mb["ids"]
             pad = seq_len - ids.numel()
-            lens = mb["lens"] + ([pad] if pad else [])
+            lens = mb["lens"] + ([pad] if pad else [])  # padding is one more "sequence"
             tokens = torch.cat([ids, ids.new_zeros(pad)]).to(device)[None]  # (1, seq_len)
             position_ids = torch.arange(seq_len, device=device)[None]  # RoPE in Megatron uses the row's positions
             # True = masked in Megatron. Packing is exact with RoPE: scores depend on relative positions only.
@@ -197,6 +209,7 @@ class MegatronEngine(Engine):
         lens = [int(x.numel()) for x in input_ids]
         mbs, seq_len = self._micro_batches(input_ids, self.role.max_tokens_per_mb)
         batches = [{"ids": torch.cat([input_ids[i] for i in mb]).long(), "lens": [lens[i] for i in mb]} for mb in mbs]
+        batches = self._align_for_experts(batches, seq_len)
 
         def loss_func_for(mb, tokens, row_lens):
             def loss_func(logits):
@@ -242,9 +255,12 @@ class MegatronEngine(Engine):
             packed = {k: torch.cat([v[i] for i in idx]).to(self.device) for k, v in data.items()}
             batches.append({"ids": packed["input_ids"].long(), "lens": [int(data["input_ids"][i].numel()) for i in idx],
                             "data": packed})
+        batches = self._align_for_experts(batches, seq_len)
 
         def loss_func_for(mb, tokens, row_lens):
             def loss_func(logits):
+                if mb.get("dummy"):
+                    return logits.sum() * 0.0, torch.tensor(0, dtype=torch.int), {}
                 n = mb["ids"].numel()
                 lp, ent = self._token_logprobs(logits, tokens, row_lens, n, temperature, True)
                 w = float(loss_weight_fn(mb["data"]))
@@ -299,8 +315,8 @@ class MegatronEngine(Engine):
     def hf_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor] | None:
         """Collective: the full HF state dict (or HF-named gradients) on global rank 0, None elsewhere."""
         return gather_hf(self._local_shards(grads), self._meta, self.hf_config, tp=self.dims.tp, pp=self.dims.pp,
-                         n_stages=self.n_stages, coords=(self.tp_rank, self.pp_rank, self.replica),
-                         ep=self.dims.ep, ep_rank=_ep_rank())
+                         n_stages=self.n_stages, coords=(self.tp_rank, self.pp_rank, self.replica, _ep_rank()),
+                         ep=self.dims.ep)
 
     def save_hf(self, path: str) -> None:
         """Collective; global rank 0 writes an HF directory atomically (tmp dir + rename)."""

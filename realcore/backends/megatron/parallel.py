@@ -10,11 +10,7 @@ import torch
 
 from realcore.api.alloc import ParallelDims
 from realcore.api.config import MegatronConfig
-
-
-def num_experts(hf_config) -> int | None:
-    """Routed experts of an MoE config (Qwen2-MoE `num_experts`, Mixtral `num_local_experts`)."""
-    return getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None) or None
+from realcore.backends.megatron.convert import num_experts
 
 
 def sequence_parallel(mcfg: MegatronConfig, dims: ParallelDims) -> bool:
@@ -58,9 +54,9 @@ def check_megatron_config(role: str, mcfg: MegatronConfig, dims: ParallelDims, h
             raise ValueError(f"{where}.sequence_parallel: MoE with tensor parallel needs sequence parallel")
         if experts % dims.ep:
             raise ValueError(f"allocation_mode: {experts} experts are not divisible by e{dims.ep}")
-        if (dims.dp * dims.cp) % dims.ep:
-            raise ValueError(f"allocation_mode: expert parallel e{dims.ep} must divide d{dims.dp} x c{dims.cp} "
-                             "(experts are split over data-parallel ranks)")
+        if (dims.dp * dims.cp * dims.tp) % dims.ep:
+            raise ValueError(f"allocation_mode: expert parallel e{dims.ep} must divide d{dims.dp} x c{dims.cp} x "
+                             f"t{dims.tp} (experts are split over the data and tensor parallel ranks)")
     n_stages = dims.pp * (vpp or 1)
     try:
         validate(hf_config, tp=dims.tp, pp=n_stages)
@@ -88,5 +84,6 @@ def init_parallel_state(dims: ParallelDims, mcfg: MegatronConfig, seed: int) -> 
         virtual_pipeline_model_parallel_size=mcfg.virtual_pipeline_stages,
         context_parallel_size=dims.cp,
         expert_model_parallel_size=dims.ep,
+        expert_tensor_parallel_size=1,  # matches convert.mcore_config_from_hf
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)

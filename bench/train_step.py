@@ -1,0 +1,139 @@
+"""Training-step benchmark: the torch engine vs the Megatron-core engine, same model and batch.
+
+    python bench/train_step.py [--model smollm2-135m|tiny | --path DIR] [--seqs N] [--len L] [--steps K] [--quick]
+
+One training step = `train_batch` on N sequences of L tokens (an SFT loss on every token, one
+optimizer step, micro-batches of at most `--mb-tokens`), fp32, one thread per process, gloo on
+127.0.0.1. Each layout runs in fresh processes: one warm-up step, then the median of K timed
+steps. Prints a markdown table: seconds per step, trained tokens per second (the whole mesh),
+and the peak resident memory of the largest process.
+
+Layouts: torch d1 and d2 (data parallel), megatron d1, d2, t2 (TP=2 + sequence parallel) and p2
+(PP=2, 1F1B). This machine has 2 cores, so at most 2 processes; on GPUs the same engines run
+the same code with NCCL. `--quick` (tiny model, 2 steps) is the smoke test's few-second run.
+"""
+
+import argparse
+import json
+import os
+import resource
+import socket
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ["OMP_NUM_THREADS"] = "1"  # before torch: two threads per process are pathological here
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
+
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+LAYOUTS = [("torch", "d1"), ("megatron", "d1"), ("torch", "d2"), ("megatron", "d2"), ("megatron", "d1t2"),
+           ("megatron", "d1p2")]
+
+
+def _loss_fn(logprobs, entropy, data):
+    m = data["loss_mask"].float()
+    loss = -(logprobs * m).sum() / m.sum()
+    return loss, {"loss": loss.detach()}
+
+
+def _n_tokens(data):
+    return float(data["loss_mask"].sum())
+
+
+def _batch(n: int, length: int, vocab: int) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    ids = [torch.randint(0, vocab, (length,), generator=gen) for _ in range(n)]
+    return {"input_ids": ids, "loss_mask": [torch.ones(length, dtype=torch.int64) for _ in ids]}
+
+
+def _worker(rank, world, port, backend, mesh, args, out):
+    torch.set_num_threads(1)
+    from transformers import AutoConfig
+
+    from realcore.api.alloc import parse_mesh
+    from realcore.api.config import OptimizerConfig, RoleConfig
+
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    role = RoleConfig(backend=backend, trainable=True, max_tokens_per_mb=args.mb_tokens,
+                      optimizer=OptimizerConfig(lr=1e-5, weight_decay=0.0))
+    dims = parse_mesh(mesh)
+    if backend == "torch":
+        from realcore.backends.torch_engine import TorchEngine
+
+        engine = TorchEngine(args.path, role, total_steps=args.steps + 1)
+    else:
+        from realcore.backends.megatron.engine import MegatronEngine
+
+        engine = MegatronEngine(args.path, role, dims, total_steps=args.steps + 1)
+    vocab = AutoConfig.from_pretrained(args.path).vocab_size
+    data = _batch(args.seqs, args.len, vocab)
+    d = dims.dp_rank(rank)
+    shard = {k: v[d::dims.dp] for k, v in data.items()}  # data parallel: each replica its share
+    times = []
+    for step in range(args.steps + 1):
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
+        engine.train_batch(shard, _loss_fn, _n_tokens)
+        torch.distributed.barrier()
+        if step:  # the first step warms up (allocations, lazy inits)
+            times.append(time.perf_counter() - t0)
+    rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024], dtype=torch.float64)
+    torch.distributed.all_reduce(rss, op=torch.distributed.ReduceOp.MAX)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"s": statistics.median(times), "rss_mb": float(rss)}, f)
+    torch.distributed.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(backend: str, mesh: str, args) -> dict:
+    from realcore.api.alloc import parse_mesh
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        world = parse_mesh(mesh).world_size
+        mp.spawn(_worker, args=(world, _free_port(), backend, mesh, args, out), nprocs=world, join=True)
+        with open(out) as f:
+            return json.load(f)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--path", default=None, help="an HF model directory (overrides --model)")
+    p.add_argument("--seqs", type=int, default=16)
+    p.add_argument("--len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--mb-tokens", type=int, default=1024)
+    p.add_argument("--quick", action="store_true", help="tiny model, 8 x 32 tokens, 2 steps")
+    args = p.parse_args()
+    if args.quick:
+        args.model, args.seqs, args.len, args.steps = "tiny", 8, 32, 2
+    if args.path is None:
+        from realcore.api.config import ModelConfig
+        from realcore.backends.models import prepare_model
+
+        args.path = prepare_model(ModelConfig(name=args.model), seed=1)
+    tokens = args.seqs * args.len
+    print(f"model {args.path}, batch {args.seqs} x {args.len} = {tokens} tokens, micro-batches <= {args.mb_tokens} "
+          f"tokens, fp32, 1 thread/process, median of {args.steps} steps\n", flush=True)
+    print("| backend | layout | processes | s/step | tokens/s | peak RSS/process (MB) |")
+    print("|---|---|---|---|---|---|")
+    from realcore.api.alloc import parse_mesh
+
+    for backend, mesh in LAYOUTS:
+        r = run(backend, mesh, args)
+        print(f"| {backend} | {mesh} | {parse_mesh(mesh).world_size} | {r['s']:.3f} | {tokens / r['s']:.0f} | "
+              f"{r['rss_mb']:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
