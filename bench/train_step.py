@@ -129,7 +129,19 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     from realcore.api.alloc import parse_mesh
 
+    from transformers import AutoConfig
+
+    from realcore.api.config import MegatronConfig
+    from realcore.backends.megatron.parallel import check_megatron_config
+
+    hf_config = AutoConfig.from_pretrained(args.path)
     for backend, mesh in LAYOUTS:
+        if backend == "megatron":
+            try:
+                check_megatron_config("actor", MegatronConfig(), parse_mesh(mesh), hf_config)
+            except ValueError as e:  # e.g. SmolLM2's 9 heads do not split over TP=2
+                print(f"| {backend} | {mesh} | {parse_mesh(mesh).world_size} | n/a: {e} | | |", flush=True)
+                continue
         r = run(backend, mesh, args)
         print(f"| {backend} | {mesh} | {parse_mesh(mesh).world_size} | {r['s']:.3f} | {tokens / r['s']:.0f} | "
               f"{r['rss_mb']:.0f} |", flush=True)

@@ -212,6 +212,8 @@ CASES = [
     ("d1p2t2", "tied", {}),  # TP=2 x PP=2
     ("d2p1t2", "untied", {"distributed_optimizer": False}),  # DP=2 x TP=2 (full grads readable on replica 0)
     ("d2p1t2", "untied", {}),  # ... and the distributed optimizer (trajectory only differs if it is wrong)
+    # Interleaved 1F1B: 2 model chunks per PP rank (4 layers = 4 virtual stages), p2p unbatched
+    ("d1p2t1", "tied", {"virtual_pipeline_stages": 2, "batch_p2p_comm": False, "overlap_p2p_comm": True}),
     ("d2p1t1e2", "qwen2_moe", {"distributed_optimizer": False}),  # EP=2: 2 experts per rank, DP=2 for the rest
     ("d1p2t2e2", "mixtral", {"distributed_optimizer": False}),  # EP=2 over the TP ranks, PP=2, SP
 ]

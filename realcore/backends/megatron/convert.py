@@ -140,11 +140,36 @@ def mcore_config_from_hf(hf_config, **overrides):
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(hf_config):
-    """The Megatron layer spec for this architecture: local (non-TransformerEngine) modules."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+def layer_spec(hf_config, *, transformer_engine: bool = False):
+    """The Megatron layer spec: local modules (run anywhere), or TransformerEngine's (GPU; needed
+    for context parallel attention). Both have the same parameter names for these models."""
+    from megatron.core.models.gpt import gpt_layer_specs
 
-    return get_gpt_layer_local_spec(num_experts=num_experts(hf_config), moe_grouped_gemm=False)
+    if transformer_engine:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts(hf_config), moe_grouped_gemm=False)
+    return gpt_layer_specs.get_gpt_layer_local_spec(num_experts=num_experts(hf_config), moe_grouped_gemm=False)
+
+
+# TransformerEngine's spec fuses the pre-attention (and, dense MLP only, pre-MLP) norm into the
+# following linear layer: same tensors, other names.
+_TE_FUSED_NORMS = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+
+
+def to_te_names(state: dict[str, Tensor], *, inverse: bool = False) -> dict[str, Tensor]:
+    """Rename local-spec keys to TransformerEngine-spec keys (or back with `inverse`)."""
+    pairs = [(b, a) for a, b in _TE_FUSED_NORMS.items()] if inverse else list(_TE_FUSED_NORMS.items())
+    out = {}
+    for key, value in state.items():
+        for old, new in pairs:
+            if key.endswith("." + old) and (old != "pre_mlp_layernorm.weight" or key.replace(old, "mlp.linear_fc1.weight") in state):
+                key = key[: -len(old)] + new
+                break
+        out[key] = value
+    return out
 
 
 def _stage_layers(hf_config, pp: int, pp_rank: int) -> range:

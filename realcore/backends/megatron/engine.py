@@ -88,11 +88,11 @@ class MegatronEngine(Engine):
         from megatron.core import parallel_state as ps
         from megatron.core.models.gpt import GPTModel
 
-        from realcore.backends.megatron.convert import layer_spec, rope_base
+        from realcore.backends.megatron.convert import layer_spec, rope_base, to_te_names
 
         vp = v if self.vpp > 1 else None
         model = GPTModel(
-            config=self.config, transformer_layer_spec=layer_spec(self.hf_config),
+            config=self.config, transformer_layer_spec=layer_spec(self.hf_config, transformer_engine=self.dims.cp > 1),
             vocab_size=self.hf_config.vocab_size, max_sequence_length=self.hf_config.max_position_embeddings,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
@@ -101,6 +101,8 @@ class MegatronEngine(Engine):
         )
         shard = load_shard(hf_state, self.hf_config, tp=self.dims.tp, n_stages=self.n_stages, tp_rank=self.tp_rank,
                            stage=self._stage(v), ep=self.dims.ep, ep_rank=_ep_rank())
+        if self.dims.cp > 1:
+            shard = to_te_names(shard)
         missing, unexpected = model.load_state_dict(shard, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
@@ -138,27 +140,33 @@ class MegatronEngine(Engine):
     # ---- forward ----
 
     def _pad_multiple(self) -> int:
-        return self.dims.tp if self.sp else 1
+        # SP splits the row over TP ranks; CP cuts every sequence into 2 * cp chunks.
+        return (self.dims.tp if self.sp else 1) * (2 * self.dims.cp if self.dims.cp > 1 else 1)
 
     def _micro_batches(self, seqs: list[torch.Tensor], budget: int) -> tuple[list[list[int]], int]:
         """Token-budget micro-batches and the common padded length of their packed rows."""
         lens = [int(s.numel()) for s in seqs]
         mbs = split_by_budget(lens, budget) if lens else []
         m = self._pad_multiple()
-        longest = max((sum(lens[i] for i in mb) for mb in mbs), default=m)
+        c = 2 * self.dims.cp if self.dims.cp > 1 else 1  # with CP each sequence is padded on its own
+        longest = max((sum(-(-lens[i] // c) * c for i in mb) for mb in mbs), default=m)
         return mbs, -(-longest // m) * m
 
-    def _align_for_experts(self, batches: list[dict], seq_len: int) -> list[dict]:
-        """With expert parallelism every replica of an EP group must run the same number of
-        micro-batches (the token dispatch is a collective): pad with empty ones."""
-        if self.dims.ep == 1:
-            return batches
-        from megatron.core import parallel_state as ps
+    def _pad_micro_batches(self, batches: list[dict]) -> list[dict]:
+        """Add empty micro-batches where Megatron needs a count: with expert parallelism every
+        replica of an EP group runs as many as the others (the token dispatch is a collective);
+        the interleaved schedule needs a multiple of the PP size."""
+        n = len(batches)
+        if self.dims.ep > 1:
+            from megatron.core import parallel_state as ps
 
-        n = torch.tensor([len(batches)], dtype=torch.int64)
-        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group(with_context_parallel=True))
+            t = torch.tensor([n], dtype=torch.int64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group(with_context_parallel=True))
+            n = int(t)
+        if self.vpp > 1 and n:
+            n = -(-n // self.dims.pp) * self.dims.pp
         dummy = {"ids": torch.zeros(0, dtype=torch.int64), "lens": [], "dummy": True}
-        return batches + [dummy] * (int(n) - len(batches))
+        return batches + [dummy] * (n - len(batches))
 
     def _run(self, batches: list[dict], seq_len: int, loss_func_for, forward_only: bool) -> list[dict]:
         """Megatron's schedule over packed micro-batches; returns the last stage's loss dicts."""
@@ -168,6 +176,8 @@ class MegatronEngine(Engine):
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
+            if self.dims.cp > 1:
+                return self._forward_cp(model, mb, seq_len, loss_func_for)
             ids = mb["ids"]
             pad = seq_len - ids.numel()
             lens = mb["lens"] + ([pad] if pad else [])  # padding is one more "sequence"
@@ -176,16 +186,62 @@ class MegatronEngine(Engine):
             # True = masked in Megatron. Packing is exact with RoPE: scores depend on relative positions only.
             mask = ~block_causal_mask(lens, device)
             output = model(tokens, position_ids, mask, runtime_gather_output=True)
-            return output, loss_func_for(mb, tokens[0], lens)
 
-        data_iterator = iter(batches)
+            def logprob_fn(logits, temperature, with_entropy):
+                return self._token_logprobs(logits, tokens[0], lens, ids.numel(), temperature, with_entropy)
+
+            return output, loss_func_for(mb, logprob_fn)
+
+        # Interleaved schedules run every micro-batch through each model chunk: one iterator each.
+        iterators = [iter(batches) for _ in range(self.vpp)]
         with cuda_to_cpu_mode():
             return get_forward_backward_func()(
                 forward_step_func=forward_step,
-                data_iterator=[data_iterator] * self.vpp if self.vpp > 1 else data_iterator,
+                data_iterator=iterators if self.vpp > 1 else iterators[0],
                 model=self.chunks if self.vpp > 1 else self.chunks[0],
                 num_microbatches=len(batches), seq_length=seq_len, micro_batch_size=1, forward_only=forward_only,
             )
+
+    def _forward_cp(self, model, mb: dict, seq_len: int, loss_func_for):
+        """Forward one micro-batch split over the CP ranks (see context_parallel.py; GPU only)."""
+        import torch.nn.functional as F
+        from megatron.core import parallel_state as ps
+
+        from realcore.backends.megatron.context_parallel import GatherRow, packed_seq_params, unpad, zigzag_layout
+
+        cp, device = self.dims.cp, self.device
+        real = list(mb["lens"])
+        c = 2 * cp
+        used = sum(-(-n // c) * c for n in real)
+        lens = real + ([seq_len - used] if seq_len > used else [])  # a padding sequence fills the row
+        padded, idx = zigzag_layout(lens, cp, ps.get_context_parallel_rank())
+        parts, off = [], 0
+        for n, p in zip(lens, padded):
+            seq = mb["ids"][off:off + n] if off < mb["ids"].numel() else torch.zeros(n, dtype=torch.int64)
+            parts += [seq, torch.zeros(p - n, dtype=torch.int64)]
+            off += n
+        row = torch.cat(parts).to(device)
+        idx = idx.to(device)
+        output = model(row[idx][None], None, None, packed_seq_params=packed_seq_params(lens, padded, device),
+                       runtime_gather_output=True)
+        starts = torch.tensor([0] + padded[:-1], device=device).cumsum(0)
+        group = ps.get_context_parallel_group()
+
+        def shifted(next_values):  # value for x[t] sits at t - 1; 0 at each sequence start
+            out = torch.cat([next_values.new_zeros(1), next_values[:-1]])
+            out[starts] = 0.0
+            return unpad(out, real, padded[: len(real)])
+
+        def logprob_fn(logits, temperature, with_entropy):
+            logp = F.log_softmax(logits[0].float() / temperature, dim=-1)  # this rank's positions
+            labels = torch.roll(row, -1)[idx]
+            lp = GatherRow.apply(logp.gather(-1, labels[:, None]).squeeze(-1), idx, row.numel(), group)
+            ent = None
+            if with_entropy:
+                ent = shifted(GatherRow.apply(-(logp.exp() * logp).sum(-1), idx, row.numel(), group))
+            return shifted(lp), ent
+
+        return output, loss_func_for(mb, logprob_fn)
 
     def _token_logprobs(self, logits, tokens, lens, n_real: int, temperature: float, with_entropy: bool):
         """Per-token log-probs (and entropy) of the real tokens of one packed row."""
@@ -209,11 +265,11 @@ class MegatronEngine(Engine):
         lens = [int(x.numel()) for x in input_ids]
         mbs, seq_len = self._micro_batches(input_ids, self.role.max_tokens_per_mb)
         batches = [{"ids": torch.cat([input_ids[i] for i in mb]).long(), "lens": [lens[i] for i in mb]} for mb in mbs]
-        batches = self._align_for_experts(batches, seq_len)
+        batches = self._pad_micro_batches(batches)
 
-        def loss_func_for(mb, tokens, row_lens):
+        def loss_func_for(mb, logprob_fn):
             def loss_func(logits):
-                lp, _ = self._token_logprobs(logits, tokens, row_lens, mb["ids"].numel(), temperature, False)
+                lp, _ = logprob_fn(logits, temperature, False)
                 return logits.sum() * 0.0, torch.tensor(0, dtype=torch.int), {"lp": lp.detach().float().cpu()}
             return loss_func
 
@@ -255,20 +311,24 @@ class MegatronEngine(Engine):
             packed = {k: torch.cat([v[i] for i in idx]).to(self.device) for k, v in data.items()}
             batches.append({"ids": packed["input_ids"].long(), "lens": [int(data["input_ids"][i].numel()) for i in idx],
                             "data": packed})
-        batches = self._align_for_experts(batches, seq_len)
+        batches = self._pad_micro_batches(batches)
 
-        def loss_func_for(mb, tokens, row_lens):
+        first_cp = ps.get_context_parallel_rank() == 0
+
+        def loss_func_for(mb, logprob_fn):
             def loss_func(logits):
                 if mb.get("dummy"):
                     return logits.sum() * 0.0, torch.tensor(0, dtype=torch.int), {}
-                n = mb["ids"].numel()
-                lp, ent = self._token_logprobs(logits, tokens, row_lens, n, temperature, True)
+                lp, ent = logprob_fn(logits, temperature, True)
                 w = float(loss_weight_fn(mb["data"]))
                 if w == 0:  # contributes nothing; its mean may be 0/0 (the schedule still needs a graph)
                     return logits.sum() * 0.0, torch.tensor(0, dtype=torch.int), {}
                 loss, stats = loss_fn(lp, ent, mb["data"])
                 reported = {k: torch.tensor([float(v) * w, w], dtype=torch.float64) for k, v in stats.items()}
-                return loss * w, torch.tensor(round(w), dtype=torch.int), reported
+                # CP ranks compute the same loss, each back-propagating through its own positions:
+                # count the tokens once (finalize_model_grads sums them over DP x CP).
+                n_tokens = round(w) if first_cp else 0
+                return loss * w, torch.tensor(n_tokens, dtype=torch.int), reported
             return loss_func
 
         if batches:
@@ -279,7 +339,7 @@ class MegatronEngine(Engine):
                 finalize_model_grads(self.chunks, num_tokens=torch.tensor(0, dtype=torch.int))
         sums: dict[str, float] = {}
         weights: dict[str, float] = {}
-        if ps.is_pipeline_last_stage() and self.tp_rank == 0:  # one report per DP replica
+        if ps.is_pipeline_last_stage() and self.tp_rank == 0 and first_cp:  # one report per DP replica
             for d in out:
                 for k, v in d.items():
                     sums[k] = sums.get(k, 0.0) + float(v[0])
@@ -303,13 +363,16 @@ class MegatronEngine(Engine):
     # ---- weights out ----
 
     def _local_shards(self, grads: bool = False) -> dict[int, dict[str, torch.Tensor]]:
+        from realcore.backends.megatron.convert import to_te_names
+
         out = {}
         for v, c in enumerate(self.chunks):
             module = c.module if hasattr(c, "module") else c
             if grads:
-                out[self._stage(v)] = {n: p.main_grad for n, p in module.named_parameters()}
+                state = {n: p.main_grad for n, p in module.named_parameters()}
             else:
-                out[self._stage(v)] = {k: t for k, t in module.state_dict().items() if not k.endswith("_extra_state")}
+                state = {k: t for k, t in module.state_dict().items() if not k.endswith("_extra_state")}
+            out[self._stage(v)] = to_te_names(state, inverse=True) if self.dims.cp > 1 else state
         return out
 
     def hf_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor] | None:
