@@ -163,11 +163,42 @@ class NameResolveConfig(_Strict):
     root: str = "/tmp/realcore/name_resolve"
 
 
+class SlurmConfig(_Strict):
+    """scheduler=slurm: one sbatch allocation, one job step per worker type (realcore/launch/slurm.py)."""
+
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time_limit: str | None = Field(None, description="sbatch --time, e.g. 2-00:00:00")
+    nodes: int | None = Field(None, gt=0, description="sbatch --nodes; None lets Slurm choose")
+    gpus_per_node: int = Field(0, ge=0, description="GPUs per node; model workers and generation servers get one each")
+    cpus_per_task: int = Field(1, gt=0, description="CPUs of every worker process")
+    mem_per_cpu_mb: int | None = Field(None, gt=0, description="sbatch/srun --mem-per-cpu (needed where memory is a consumable)")
+    container_prefix: str = Field("", description="prefix of every worker command, e.g. 'apptainer exec --nv image.sif'")
+    setup: list[str] = Field(default_factory=list, description="shell lines run before the steps (module load, venv activate)")
+    sbatch_args: list[str] = Field(default_factory=list, description="extra #SBATCH directives, e.g. --exclusive")
+    srun_args: list[str] = Field(default_factory=list, description="extra arguments of every srun step")
+    python: str | None = Field(None, description="interpreter on the nodes; None: the launcher's own")
+    poll_interval_s: float = Field(2.0, gt=0, description="how often the launcher asks squeue")
+    cancel_timeout_s: float = Field(60.0, gt=0, description="deadline for a cancelled job to leave squeue")
+
+
+class RayConfig(_Strict):
+    """scheduler=ray: workers are Ray tasks; each model mesh is one placement group (realcore/launch/ray_scheduler.py)."""
+
+    address: str | None = Field(None, description="ray.init address ('auto', 'ray://host:10001'); None starts a local Ray")
+    cpus_per_worker: float = Field(1.0, gt=0, description="CPUs of every worker process (fractions allowed)")
+    gpus_per_worker: int = Field(0, ge=0, description="GPUs of each model worker and generation server")
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    python: str | None = Field(None, description="interpreter on the nodes; None: the launcher's own")
+
+
 class SystemConfig(_Strict):
     """Process, wire and deadline settings."""
 
     threads_per_process: int = Field(1, gt=0, description="torch/OMP threads per process on CPU")
-    host: str = Field("127.0.0.1", description="address workers bind and publish")
+    host: str = Field("127.0.0.1", description="address workers bind and publish; 'auto': this node's address")
+    interface: str | None = Field(None, description="bind on this network interface's IPv4 address (e.g. ib0); overrides host")
     heartbeat_interval_s: float = Field(1.0, gt=0)
     heartbeat_timeout_s: float = Field(30.0, gt=0, description="a worker silent this long is lost")
     startup_timeout_s: float = Field(300.0, gt=0, description="deadline for workers to register and configure")
@@ -182,7 +213,7 @@ class ExperimentConfig(_Strict):
     output_dir: str
     seed: int = 1
     mode: Literal["sync", "async"] = "sync"
-    scheduler: Literal["local"] = "local"
+    scheduler: Literal["local", "slurm", "ray"] = "local"
     allocation_mode: str = Field("d2p1t1", description="AReaL form, e.g. d2p1t1")
     imports: list[str] = Field(default_factory=list, description="user modules loaded before the graph is built")
     model: ModelConfig = ModelConfig()
@@ -196,6 +227,8 @@ class ExperimentConfig(_Strict):
     trainer: TrainerConfig = TrainerConfig()
     mfcs: list[MFCConfig] = Field(default_factory=list)
     system: SystemConfig = SystemConfig()
+    slurm: SlurmConfig = SlurmConfig()
+    ray: RayConfig = RayConfig()
 
     @model_validator(mode="after")
     def _check(self) -> "ExperimentConfig":

@@ -101,6 +101,60 @@ def check_model_layout(cfg: ExperimentConfig, alloc: AllocationMode) -> None:
             raise ConfigError(str(e)) from None
 
 
+def check_slurm(cfg: ExperimentConfig, alloc: AllocationMode, dry_run: bool) -> None:
+    import shutil
+
+    from realcore.launch.slurm import steps
+
+    try:
+        steps(cfg, alloc)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if not dry_run:
+        missing = [b for b in ("sbatch", "squeue", "scontrol", "scancel") if shutil.which(b) is None]
+        if missing:
+            raise ConfigError(f"scheduler=slurm: {', '.join(missing)} not found (is this a Slurm login node?)")
+
+
+def check_ray(cfg: ExperimentConfig, alloc: AllocationMode) -> None:
+    from realcore.launch.ray_scheduler import _worker_specs
+
+    if importlib.util.find_spec("ray") is None:
+        raise ConfigError("scheduler=ray needs Ray: pip install -e '.[ray]'")
+    try:
+        _worker_specs(cfg, alloc)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def run_on_cluster(cfg: ExperimentConfig, dfg: DataFlowGraph, alloc: AllocationMode, dry_run: bool) -> int:
+    """Submit the run as one Slurm job (realcore/launch/slurm.py) or as Ray tasks
+    (realcore/launch/ray_scheduler.py) and follow it."""
+    from realcore.api.config import NameResolveConfig
+
+    nr = cfg.system.name_resolve
+    if nr.type == "fs" and nr.root == NameResolveConfig().root:
+        # /tmp is node-local on clusters: keep the keys next to the outputs (a shared filesystem).
+        nr.root = os.path.join(cfg.output_dir, ".name_resolve")
+    if not dry_run:
+        make_name_resolver(nr).clear(scoped_key(cfg.experiment_name, cfg.trial_name))
+    config_path, secret_path = prepare_output(cfg, dfg)
+    if cfg.scheduler == "ray":
+        if dry_run:
+            print("realcore: config error: --dry-run is for scheduler=slurm", file=sys.stderr)
+            return 2
+        from realcore.launch.ray_scheduler import run_ray
+
+        rc = run_ray(cfg, alloc, config_path, secret_path, child_env(cfg))
+    else:
+        from realcore.launch.slurm import submit_and_watch
+
+        rc = submit_and_watch(cfg, alloc, config_path, secret_path, child_env(cfg), dry_run=dry_run)
+    if rc == 0 and not dry_run:
+        print(f"realcore: done; metrics in {os.path.join(cfg.output_dir, 'metrics.jsonl')}", flush=True)
+    return rc
+
+
 def prepare_output(cfg: ExperimentConfig, dfg: DataFlowGraph) -> tuple[str, str]:
     """Output folders, the resolved config for workers, a fresh per-run secret, dfg.png."""
     from realcore.dfg.draw import draw
@@ -222,9 +276,15 @@ def start_processes(cfg: ExperimentConfig, alloc: AllocationMode, config_path: s
 
 
 def main(argv: list[str]) -> int:
+    dry_run = "--dry-run" in argv
+    argv = [a for a in argv if a != "--dry-run"]
     try:
         cfg = load_config(argv)
         dfg, alloc = validate(cfg)
+        if cfg.scheduler == "slurm":
+            check_slurm(cfg, alloc, dry_run)
+        if cfg.scheduler == "ray":
+            check_ray(cfg, alloc)
         from realcore.backends.models import prepare_model
 
         try:
@@ -235,6 +295,12 @@ def main(argv: list[str]) -> int:
     except (ConfigError, GraphError) as e:
         print(f"realcore: config error: {e}", file=sys.stderr)
         return 2
+    cfg.output_dir = os.path.abspath(cfg.output_dir)
+    if cfg.scheduler in ("slurm", "ray"):
+        return run_on_cluster(cfg, dfg, alloc, dry_run)
+    if dry_run:
+        print("realcore: config error: --dry-run is for cluster schedulers (scheduler=slurm)", file=sys.stderr)
+        return 2
     resolver = make_name_resolver(cfg.system.name_resolve)
     scope = scoped_key(cfg.experiment_name, cfg.trial_name)
     live = live_workers(resolver.find(scope))
@@ -243,7 +309,6 @@ def main(argv: list[str]) -> int:
               f"(pid {live[0]}); stop it or pick another trial_name", file=sys.stderr)
         return 2
     resolver.clear(scope)  # a stale address from an earlier run would send workers to a dead port
-    cfg.output_dir = os.path.abspath(cfg.output_dir)
     config_path, secret_path = prepare_output(cfg, dfg)
     procs = start_processes(cfg, alloc, config_path, secret_path)
     print(f"realcore: {cfg.experiment_name}/{cfg.trial_name}: {', '.join(p.name for p in procs)}; output in {cfg.output_dir}", flush=True)

@@ -59,3 +59,23 @@ def setup_worker_process(name: str, threads: int) -> None:
     set_title(name)
     set_threads(threads)
     exit_on_sigterm()
+
+
+def node_address(host: str, interface: str | None = None) -> str:
+    """The address this process binds and publishes: `interface`'s IPv4 address if given (e.g. the
+    InfiniBand or cluster network), this node's resolvable address for host 'auto', else `host`."""
+    import socket
+
+    if interface:
+        import psutil
+
+        addrs = psutil.net_if_addrs()
+        if interface not in addrs:
+            raise ValueError(f"system.interface: no network interface {interface!r} here (have {sorted(addrs)})")
+        for a in addrs[interface]:
+            if a.family == socket.AF_INET:
+                return a.address
+        raise ValueError(f"system.interface: {interface!r} has no IPv4 address")
+    if host == "auto":
+        return socket.gethostbyname(socket.getfqdn())
+    return host

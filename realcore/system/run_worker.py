@@ -18,14 +18,21 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--type", choices=["master", "model_worker", "gen_server", "gserver_manager", "rollout_worker"], required=True)
     p.add_argument("--index", type=int, default=0)
+    p.add_argument("--index-from", metavar="ENV", help="read the index from this variable (SLURM_PROCID in a job step)")
     p.add_argument("--world", type=int, required=True, help="number of model workers")
     p.add_argument("--config", required=True, help="resolved experiment config (JSON)")
     p.add_argument("--secret-file", required=True)
     p.add_argument("--n-servers", type=int, default=0, help="generation servers (async mode)")
     args = p.parse_args(argv)
 
+    if args.index_from:
+        args.index = int(os.environ[args.index_from])
     with open(args.config) as f:
         cfg = ExperimentConfig.model_validate_json(f.read())
+    from realcore.system.process import node_address
+
+    # Bind and publish this node's address (several nodes under Slurm; loopback by default).
+    cfg.system.host = node_address(cfg.system.host, cfg.system.interface)
     name = args.type if args.type in ("master", "gserver_manager") else f"{args.type}/{args.index}"
     setup_worker_process(f"rc-{name}", cfg.system.threads_per_process)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s", stream=sys.stderr)
@@ -33,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
         handler = logging.FileHandler(os.path.join(cfg.output_dir, "logs", "master.log"))
         handler.setFormatter(logging.getLogger().handlers[0].formatter)
         logging.getLogger().addHandler(handler)
+    if "SLURMD_NODENAME" in os.environ:
+        logging.info("on node %s (job %s), address %s", os.environ["SLURMD_NODENAME"], os.environ.get("SLURM_JOB_ID"), cfg.system.host)
 
     from realcore.system.plugins import load_plugins
     from realcore.system.wire import load_secret
