@@ -48,6 +48,13 @@ def main(argv: list[str] | None = None) -> int:
 
     load_plugins(cfg.imports)
     secret = load_secret(args.secret_file)
+    if cfg.rollout.server_token is None and cfg.system.host not in ("127.0.0.1", "localhost", "::1"):
+        # Generation servers reachable from other nodes need a bearer token: derive one from the
+        # run's secret, which every process of the run (and nobody else) can read.
+        import hashlib
+        import hmac
+
+        cfg.rollout.server_token = hmac.new(secret, b"realcore generation server token", hashlib.sha256).hexdigest()
     if args.type == "master":
         from realcore.system.master import Master
 
