@@ -20,6 +20,7 @@ install_requires = [
     "reasoning-gym==0.1.25",
     "numpy",
     "aiohttp>=3.9",
+    "psutil>=5.9",
 ]
 
 setup(
@@ -30,12 +31,18 @@ setup(
     python_requires=">=3.10",
     install_requires=install_requires,
     extras_require={
-        "dev": ["pytest>=8", "pytest-timeout>=2.3"],
+        # The tests use every optional backend that runs on a CPU machine.
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "redis==8.1.0", "etcd-sdk-python==0.0.7", "protobuf==7.36.2",
+                "ray==2.60.0"],
         # megatron-core 0.17+ needs Python >= 3.12; 0.16.1 is the last for 3.11 (shared notes).
         "megatron": ["megatron-core==0.16.1"],
-        # SGLang / vLLM are installed by the user (GPU builds; see README); Ray comes with issue 5.
+        # SGLang / vLLM are installed by the user (GPU builds; see README).
         "sglang": [],
         "vllm": [],
-        "ray": [],
+        "ray": ["ray==2.60.0"],
+        # Name resolution servers. etcd-sdk-python (module `pyetcd`) needs protobuf but does not
+        # declare it; the old `etcd3` client breaks on protobuf >= 4 (shared notes).
+        "redis": ["redis==8.1.0"],
+        "etcd": ["etcd-sdk-python==0.0.7", "protobuf==7.36.2"],
     },
 )

@@ -159,8 +159,13 @@ class MFCConfig(_Strict):
 
 
 class NameResolveConfig(_Strict):
-    type: Literal["fs"] = "fs"
-    root: str = "/tmp/realcore/name_resolve"
+    """Where workers publish and find each other's addresses."""
+
+    type: Literal["fs", "redis", "etcd"] = Field("fs", description="fs: a (shared) directory; redis or etcd: a server")
+    root: str = Field("/tmp/realcore/name_resolve", description="fs: the directory (shared by all nodes)")
+    address: str | None = Field(None, description="redis/etcd host:port; None: 127.0.0.1:6379 (redis), 127.0.0.1:2379 (etcd)")
+    namespace: str = Field("realcore", description="redis/etcd: prefix of every key on a shared server")
+    timeout_s: float = Field(5.0, gt=0, description="redis/etcd: connect and request deadline")
 
 
 class SlurmConfig(_Strict):

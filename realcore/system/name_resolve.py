@@ -4,7 +4,8 @@ Keys are slash-separated paths, always scoped by experiment and trial (see scope
 run clears its scope at start: cluster.md saw a key left over from an earlier run send workers
 to a dead port and hang them.
 
-The interface (NameResolver) is small on purpose; Redis and etcd backends will implement it.
+The interface (NameResolver) is small on purpose. Backends: a shared filesystem (default; no
+service needed), Redis and etcd (for clusters without a shared filesystem, or many workers).
 """
 
 import abc
@@ -160,8 +161,133 @@ class FileNameResolver(NameResolver):
         shutil.rmtree(self._dir(prefix), onerror=onerror)
 
 
+def _host_port(address: str, backend: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"name_resolve({backend}): address must be host:port, got {address!r}")
+    return host, int(port)
+
+
+def _import(module: str, backend: str, extra: str):
+    try:
+        return __import__(module)
+    except ImportError:
+        raise ImportError(f"name_resolve({backend}) needs the {module!r} package: pip install -e '.[{extra}]'") from None
+
+
+class RedisNameResolver(NameResolver):
+    """Keys in Redis under `<namespace>/`; put(replace=False) is SET NX (atomic)."""
+
+    backend_name = "redis"
+
+    def __init__(self, address: str, namespace: str, timeout_s: float):
+        redis = _import("redis", "redis", "redis")
+        host, port = _host_port(address, "redis")
+        self.ns, self.address = namespace, address
+        self.r = redis.Redis(host=host, port=port, socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
+                             decode_responses=True)
+        try:
+            self.r.ping()
+        except redis.exceptions.RedisError as e:
+            raise ConnectionError(f"name_resolve(redis): cannot reach {address}: {e}") from None
+
+    def _k(self, key: str) -> str:
+        return f"{self.ns}/{check_key(key)}"
+
+    def put(self, key: str, value: str, *, replace: bool = False) -> None:
+        if not isinstance(value, str):
+            raise ValueError(f"name_resolve: value for '{key}' must be str, got {type(value).__name__}")
+        if not self.r.set(self._k(key), value, nx=not replace) and not replace:
+            raise KeyExistsError(f"name_resolve({self.backend_name}): key '{key}' exists")
+
+    def get(self, key: str) -> str:
+        value = self.r.get(self._k(key))
+        if value is None:
+            raise self._missing(key)
+        return value
+
+    def _under(self, prefix: str) -> list[str]:
+        """Stored names of `prefix` and every key under `prefix/` (glob characters escaped)."""
+        full = self._k(prefix)
+        pattern = "".join("\\" + c if c in "*?[]\\" else c for c in full) + "/*"
+        return [full, *self.r.scan_iter(match=pattern, count=1000)]
+
+    def find(self, prefix: str) -> dict[str, str]:
+        names = self._under(prefix)
+        values = self.r.mget(names)
+        return {n[len(self.ns) + 1:]: v for n, v in zip(names, values) if v is not None}
+
+    def delete(self, key: str) -> None:
+        if not self.r.delete(self._k(key)):
+            raise self._missing(key)
+
+    def clear(self, prefix: str) -> None:
+        names = self._under(prefix)
+        for i in range(0, len(names), 1000):
+            self.r.delete(*names[i:i + 1000])
+
+
+class EtcdNameResolver(NameResolver):
+    """Keys in etcd v3 under `<namespace>/` (client: etcd-sdk-python, imported as `pyetcd`; the
+    old `etcd3` package breaks on protobuf >= 4); put(replace=False) is a create-revision txn."""
+
+    backend_name = "etcd"
+
+    def __init__(self, address: str, namespace: str, timeout_s: float):
+        pyetcd = _import("pyetcd", "etcd", "etcd")
+        host, port = _host_port(address, "etcd")
+        self.ns, self.address = namespace, address
+        self.c = pyetcd.client(host=host, port=port, timeout=timeout_s)
+        try:
+            self.c.status()
+        except Exception as e:  # grpc raises many types; the user needs the address
+            raise ConnectionError(f"name_resolve(etcd): cannot reach {address}: {type(e).__name__}") from None
+
+    def _k(self, key: str) -> str:
+        return f"{self.ns}/{check_key(key)}"
+
+    def put(self, key: str, value: str, *, replace: bool = False) -> None:
+        if not isinstance(value, str):
+            raise ValueError(f"name_resolve: value for '{key}' must be str, got {type(value).__name__}")
+        k = self._k(key)
+        if replace:
+            self.c.put(k, value)
+            return
+        t = self.c.transactions
+        created, _ = self.c.transaction(compare=[t.create(k) == 0], success=[t.put(k, value)], failure=[])
+        if not created:
+            raise KeyExistsError(f"name_resolve({self.backend_name}): key '{key}' exists")
+
+    def get(self, key: str) -> str:
+        value, _ = self.c.get(self._k(key))
+        if value is None:
+            raise self._missing(key)
+        return value.decode("utf-8")
+
+    def find(self, prefix: str) -> dict[str, str]:
+        out = {}
+        value, _ = self.c.get(self._k(prefix))
+        if value is not None:
+            out[prefix] = value.decode("utf-8")
+        for value, meta in self.c.get_prefix(self._k(prefix) + "/"):
+            out[meta.key.decode("utf-8")[len(self.ns) + 1:]] = value.decode("utf-8")
+        return out
+
+    def delete(self, key: str) -> None:
+        if not self.c.delete(self._k(key)):
+            raise self._missing(key)
+
+    def clear(self, prefix: str) -> None:
+        self.c.delete(self._k(prefix))
+        self.c.delete_prefix(self._k(prefix) + "/")
+
+
 def make_name_resolver(cfg: NameResolveConfig) -> NameResolver:
     """The resolver the config names."""
     if cfg.type == "fs":
         return FileNameResolver(cfg.root)
-    raise ValueError(f"name_resolve: unknown backend {cfg.type!r} (known: fs)")
+    if cfg.type == "redis":
+        return RedisNameResolver(cfg.address or "127.0.0.1:6379", cfg.namespace, cfg.timeout_s)
+    if cfg.type == "etcd":
+        return EtcdNameResolver(cfg.address or "127.0.0.1:2379", cfg.namespace, cfg.timeout_s)
+    raise ValueError(f"name_resolve: unknown backend {cfg.type!r} (known: fs, redis, etcd)")
