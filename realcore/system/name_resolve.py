@@ -184,8 +184,10 @@ class RedisNameResolver(NameResolver):
         redis = _import("redis", "redis", "redis")
         host, port = _host_port(address, "redis")
         self.ns, self.address = namespace, address
+        # No client retries (redis-py retries 3 times by default): a retried SET NX whose first
+        # reply was lost would report our own key as taken, and retries stretch timeout_s.
         self.r = redis.Redis(host=host, port=port, socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
-                             decode_responses=True)
+                             retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0), decode_responses=True)
         try:
             self.r.ping()
         except redis.exceptions.RedisError as e:
