@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 from realcore.dfg.graph import MFCNode
@@ -68,10 +69,12 @@ def split_balanced(ids: list[int], costs: list[int], n_parts: int) -> list[list[
     """Split ids into n_parts whose counts differ by at most one, balancing total cost (greedy LPT)."""
     cap = -(-len(ids) // n_parts)
     parts: list[list[int]] = [[] for _ in range(n_parts)]
-    loads = [0] * n_parts
+    # A heap of the parts that can take more, least loaded first: O(n log parts), so a 1000-rank
+    # mesh does not cost the master seconds per step (bench/master_scale.py).
+    heap = [(0, 0, p) for p in range(n_parts)]  # (load, count, part)
     for i in sorted(range(len(ids)), key=lambda i: -costs[i]):
-        open_parts = [p for p in range(n_parts) if len(parts[p]) < cap]
-        p = min(open_parts, key=lambda p: (loads[p], len(parts[p])))
+        load, count, p = heapq.heappop(heap)
         parts[p].append(ids[i])
-        loads[p] += costs[i]
+        if count + 1 < cap:
+            heapq.heappush(heap, (load + costs[i], count + 1, p))
     return parts

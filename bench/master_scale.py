@@ -1,0 +1,345 @@
+"""Master scale benchmark: the real Master driving N simulated model workers over the real wire.
+
+    python bench/master_scale.py [--workers 10 100 1000] [--steps K] [--procs P] [--quick]
+
+For each N, P simulator processes (multiprocessing spawn) each bind N/P ROUTER sockets on
+127.0.0.1 and serve them all from ONE thread with a zmq.Poller. Each simulated worker publishes
+its address with the name resolver exactly like a model worker (key `model_worker_key(cfg, i)`)
+and speaks `wire` (msgpack + HMAC, the run's secret): it answers PING with a status dict,
+CONFIGURE/FETCH/RUN_MFC with metadata shaped like a real ModelWorker's replies (sequence
+lengths, no tensors), CLEAR/SAVE/PUBLISH_WEIGHTS with {}, EXIT with {} (then it stops). Replies
+are instant, so a step's time is the master's own scheduling plus the wire.
+
+The benchmark's main process builds the `ppo-math` config (allocation d{N}p1t1, batch_size 2N,
+so every worker gets work in every MFC), constructs `Master`, calls `configure()`, then runs K
+steps of `fetch_batch; run_step; release; MetricsWriter.write` (Master.run's sequence in sync mode
+without generation servers) and `shutdown()`. The first step is a warm-up when K >= 3.
+
+Prints a markdown table per N: median ms per step and its split (fetch / MFC dispatch+collect /
+release / metrics log), Master() + configure() time, the master process's peak RSS during that N
+(VmHWM reset before each N; the baseline includes torch and the registries) and its RSS growth
+from after the first step to after the last (nothing should grow per step), and what is left in
+the master's sample buffer and pending-request map after the last release (should be 0).
+Note: 2 cores shared by the master and the simulators, so the simulators' CPU time competes.
+`--quick` (N in 4, 16; 2 steps) is the smoke test's run.
+"""
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import queue
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
+
+GROUP = 4  # sequences per prompt (generation.n_samples of ppo-math), set from the config
+READY_TIMEOUT_S = 180.0  # spawn + torch import of the simulators, on a loaded 2-core machine
+TIMEOUT_S = 120.0  # the master's request/startup deadlines, and the simulators' idle deadline
+LIFETIME_S = 1800.0  # a simulator never outlives this
+
+
+# --- simulated model workers ----------------------------------------------------------------
+
+
+def _os_threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
+class _SimWorker:
+    __slots__ = ("index", "state", "stored", "exited")
+
+    def __init__(self, index: int):
+        self.index, self.state, self.stored, self.exited = index, "ready", set(), False
+
+
+def _plen(sid: int) -> int:
+    return 12 + sid % 17  # a plausible prompt length, deterministic per sample
+
+
+def _serve(assign: list, secret: bytes, root: str, spec: dict, out_q) -> None:
+    """Host the workers in `assign` [(index, name-resolve key)] on one thread; report when done."""
+    import zmq
+
+    from realcore.system import wire
+    from realcore.system.name_resolve import FileNameResolver
+    from realcore.system.protocol import Cmd, reply
+
+    pid = os.getpid()
+    ctx = zmq.Context(io_threads=1)
+    ctx.set(zmq.MAX_SOCKETS, len(assign) + 64)
+    resolver = FileNameResolver(root)
+    workers: dict = {}
+    poller = zmq.Poller()
+    try:
+        for index, key in assign:
+            s = ctx.socket(zmq.ROUTER)
+            s.setsockopt(zmq.LINGER, 1000)
+            port = s.bind_to_random_port("tcp://127.0.0.1")  # loopback only
+            addr = f"tcp://127.0.0.1:{port}"
+            workers[s] = _SimWorker(index)
+            poller.register(s, zmq.POLLIN)
+            resolver.put(key, json.dumps({"control": addr, "data": addr, "pid": pid}), replace=True)
+        out_q.put(("ready", pid, len(assign)))
+
+        keys, group, mfcs = sorted(spec["dataset_keys"]), spec["group"], spec["mfcs"]
+        dp, size = spec["dp"], spec["dataset_size"]
+        counts: dict[str, int] = {}
+        dropped, live = 0, len(workers)
+        last_msg, end = time.monotonic(), time.monotonic() + LIFETIME_S
+
+        def handle(w: _SimWorker, cmd, body: dict) -> dict:
+            if cmd == Cmd.CONFIGURE:
+                w.state = "running"
+                rows = size // dp + (1 if w.index < size % dp else 0)
+                return {"n_rows": rows, "n_samples": rows, "skipped": {}}
+            if cmd == Cmd.FETCH:
+                ids = list(range(body["first_id"], body["first_id"] + body["n"]))
+                w.stored.update(ids)
+                return {"ids": ids, "seqlens": {k: [[_plen(sid) if k != "answer" else 3] for sid in ids] for k in keys}}
+            if cmd == Cmd.RUN_MFC:
+                node, ids = mfcs[body["mfc"]], body["ids"]
+                w.stored.update(ids)
+                outputs = {
+                    k: [[1 if k == "rewards" else _plen(sid) + 16 + j for j in range(group)] for sid in ids]
+                    for k in node["outputs"]
+                }
+                n = len(ids) * (1 if node["first_input"] in keys else group)
+                return {"ids": ids, "outputs": outputs, "stats": dict(node["stats"]), "n": n}
+            if cmd == Cmd.CLEAR:
+                w.stored.difference_update(body["ids"])
+                return {}
+            if cmd in (Cmd.SAVE, Cmd.PUBLISH_WEIGHTS, Cmd.START, Cmd.PAUSE):
+                return {}
+            raise ValueError(f"unexpected command {cmd.name}")
+
+        while live and time.monotonic() < end:
+            events = poller.poll(200)
+            now = time.monotonic()
+            if not events:
+                if now - last_msg > TIMEOUT_S:
+                    break  # the master is gone
+                continue
+            last_msg = now
+            for s, _ in events:
+                w = workers[s]
+                while True:
+                    try:
+                        frames = s.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    identity = frames[0].bytes
+                    try:
+                        header, _ = wire.decode(frames[1:], secret)
+                        cmd, rid, body = Cmd(header["cmd"]), int(header["rid"]), header.get("body") or {}
+                    except (wire.BadMessage, KeyError, ValueError, TypeError):
+                        dropped += 1
+                        continue
+                    counts[cmd.name] = counts.get(cmd.name, 0) + 1
+                    if cmd == Cmd.PING:
+                        out = reply(rid, {"state": w.state, "pid": pid, "stored": len(w.stored), "dropped": dropped})
+                    elif cmd == Cmd.EXIT:
+                        out = reply(rid, {})
+                        if not w.exited:
+                            w.exited, live = True, live - 1
+                    else:
+                        try:
+                            out = reply(rid, handle(w, cmd, body))
+                        except Exception as e:
+                            out = reply(rid, error=f"{cmd.name}: {type(e).__name__}: {e}")
+                    wire.send(s, out, secret=secret, identity=identity)
+        out_q.put(("done", pid, len(assign), _os_threads(), counts, dropped,
+                   sum(len(w.stored) for w in workers.values())))
+    finally:
+        for s in workers:
+            s.close(linger=1000)  # lets the last EXIT replies out
+        ctx.term()
+
+
+# --- the master side ---------------------------------------------------------------------------
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _reset_peak_rss() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+    except OSError:
+        pass
+
+
+def _wait_msgs(q, procs, kind: str, n: int, timeout_s: float) -> list:
+    got, deadline = [], time.monotonic() + timeout_s
+    while len(got) < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"simulators: {len(got)} of {n} '{kind}' reports within {timeout_s:g} s")
+        try:
+            msg = q.get(timeout=min(0.5, left))
+        except queue.Empty:
+            if kind == "ready" and any(p.exitcode is not None for p in procs):
+                raise RuntimeError(f"a simulator process died: exit codes {[p.exitcode for p in procs]}")
+            continue
+        if msg[0] == kind:
+            got.append(msg)
+    return got
+
+
+def run_one(n: int, steps: int, n_procs: int) -> dict:
+    import multiprocessing as mp
+
+    from realcore.dfg.graph import build_graph
+    from realcore.launch.config_loader import load_config
+    from realcore.system import wire
+    from realcore.system.master import Master, model_worker_key, source_keys
+    from realcore.system.metrics import MetricsWriter
+
+    tmp = tempfile.mkdtemp(prefix="rc-master-scale-")
+    procs: list = []
+    try:
+        cfg = load_config([
+            "experiment=ppo-math", "model=tiny", f"allocation_mode=d{n}p1t1", f"trainer.batch_size={2 * n}",
+            f"trainer.total_steps={steps}", f"trial_name=scale{n}", f"output_dir={tmp}/out",
+            f"system.name_resolve.root={tmp}/name_resolve", f"system.startup_timeout_s={TIMEOUT_S}",
+            f"system.request_timeout_s={TIMEOUT_S}", "system.shutdown_timeout_s=20",
+        ])
+        os.makedirs(cfg.output_dir, exist_ok=True)
+        secret = wire.write_secret(os.path.join(tmp, "secret"))
+        dfg = build_graph(cfg, source_keys(cfg))
+        spec = {
+            "dataset_keys": list(source_keys(cfg)), "group": cfg.generation.n_samples, "dp": n,
+            "dataset_size": cfg.dataset.size,
+            "mfcs": {name: {"outputs": list(node.outputs), "first_input": node.inputs[0],
+                            "stats": ({"loss": 0.1, "ppo/kl": 0.01, "ppo/entropy": 2.0, "ppo/clip_frac": 0.1}
+                                      if node.trains else {"reward/mean": 0.5} if node.type == "reward" else {})}
+                     for name, node in dfg.nodes.items()},
+        }
+        n_procs = min(n_procs, n)
+        assign = [[(i, model_worker_key(cfg, i)) for i in range(p, n, n_procs)] for p in range(n_procs)]
+        mpc = mp.get_context("spawn")
+        out_q = mpc.Queue()
+        procs = [mpc.Process(target=_serve, args=(a, secret, cfg.system.name_resolve.root, spec, out_q), daemon=True)
+                 for a in assign]
+        for p in procs:
+            p.start()
+        _wait_msgs(out_q, procs, "ready", n_procs, READY_TIMEOUT_S)
+
+        _reset_peak_rss()
+        t0 = time.perf_counter()
+        master = Master(cfg, secret, n)
+        try:
+            master.configure()
+            setup_ms = (time.perf_counter() - t0) * 1e3
+            writer = MetricsWriter(cfg.output_dir, steps)
+            split: dict[str, list[float]] = {k: [] for k in ("step", "fetch", "mfc", "release", "log")}
+            rss: list[int] = []
+            try:
+                for step in range(1, steps + 1):
+                    metrics: dict = {"step": step}
+                    t0 = time.perf_counter()
+                    master.fetch_batch(metrics)
+                    t1 = time.perf_counter()
+                    master.run_step(step, metrics, writer)
+                    t2 = time.perf_counter()
+                    master.release()
+                    t3 = time.perf_counter()
+                    metrics["version"] = master.version
+                    metrics["time/step_s"] = t3 - t0
+                    with contextlib.redirect_stdout(io.StringIO()):  # its console line would break the table
+                        writer.write(metrics)
+                    t4 = time.perf_counter()
+                    for k, dt in zip(split, (t4 - t0, t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                        split[k].append(dt * 1e3)
+                    rss.append(_status_kb("VmRSS"))
+            finally:
+                writer.close()
+            left = len(master.buffer) + len(master.pool._pending)
+            master_threads = _os_threads()
+        finally:
+            master.shutdown()
+        peak_kb = _status_kb("VmHWM")
+        done = _wait_msgs(out_q, procs, "done", n_procs, TIMEOUT_S)
+        for p in procs:
+            p.join(timeout=10)
+        timed = slice(1, None) if steps >= 3 else slice(None)
+        med = {k: statistics.median(v[timed]) for k, v in split.items()}
+        counts: dict[str, int] = {}
+        for d in done:
+            for c, k in d[4].items():
+                counts[c] = counts.get(c, 0) + k
+        return {
+            "n": n, **med, "setup": setup_ms, "peak_mb": peak_kb / 1024, "growth_mb": (rss[-1] - rss[0]) / 1024,
+            "left": left + sum(d[6] for d in done), "procs": n_procs, "sim_threads": [d[3] for d in done],
+            "master_threads": master_threads, "msgs_per_step": sum(v for c, v in counts.items() if c not in ("PING", "CONFIGURE", "EXIT")) / steps,
+            "pings": counts.get("PING", 0), "dropped": sum(d[5] for d in done),
+        }
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", type=int, nargs="+", default=[10, 100, 1000])
+    ap.add_argument("--steps", type=int, default=6, help="steps per N (the first is a warm-up when >= 3)")
+    ap.add_argument("--procs", type=int, default=4, help="simulator processes")
+    ap.add_argument("--quick", action="store_true", help="N in 4, 16; 2 steps (smoke test)")
+    args = ap.parse_args()
+    if args.quick:
+        args.workers, args.steps = [4, 16], 2
+    if max(args.workers) > 1000:
+        print("note: the master's ZeroMQ context allows 1023 sockets (one DEALER per worker + 2)", file=sys.stderr)
+
+    import torch
+
+    from realcore.system.plugins import load_plugins
+
+    torch.set_num_threads(1)
+    load_plugins([])
+    t_start = time.perf_counter()
+    rows = [run_one(n, args.steps, args.procs) for n in args.workers]
+
+    timed = args.steps - 1 if args.steps >= 3 else args.steps
+    print(f"master scale benchmark: ppo-math (4 MFCs), d<N>p1t1, batch_size 2N, {args.steps} steps per N "
+          f"(median of {timed}), simulated workers answer instantly over tcp://127.0.0.1, pid {os.getpid()}\n")
+    print("| workers | step ms (median) | fetch ms | MFC dispatch+collect ms | release ms | log ms "
+          "| Master()+configure ms | master peak RSS MB | RSS growth over steps MB | left after release |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['n']} | {r['step']:.1f} | {r['fetch']:.1f} | {r['mfc']:.1f} | {r['release']:.1f} | {r['log']:.1f} "
+              f"| {r['setup']:.1f} | {r['peak_mb']:.1f} | {r['growth_mb']:+.2f} | {r['left']} |")
+    print()
+    for r in rows:
+        print(f"N={r['n']}: simulated workers hosted by {r['procs']} processes, 1 Python thread each "
+              f"(OS threads per process, incl. ZeroMQ's I/O + reaper and the report queue's feeder: {r['sim_threads']}); "
+              f"master process OS threads {r['master_threads']}; {r['msgs_per_step']:.0f} requests/step, "
+              f"{r['pings']} heartbeats in all; "
+              f"{r['dropped']} bad messages")
+    print(f"\ntotal {time.perf_counter() - t_start:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,22 @@
+"""Smoke test of the master scale simulation: `bench/master_scale.py --quick` prints its table."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.timeout(240)
+def test_master_scale_quick():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "master_scale.py"), "--quick"], cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=220)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in proc.stdout.splitlines()
+            if line.startswith("| ") and not line.startswith("| workers")]
+    assert [r[0] for r in rows] == ["4", "16"], proc.stdout
+    for r in rows:
+        assert float(r[1]) > 0 and float(r[7]) > 0, r  # step time, peak RSS
+        assert r[-1] == "0", r  # nothing left in the master's buffer after release
