@@ -222,8 +222,9 @@ class WorkerPool:
             while not self._out.empty():
                 worker, header = self._out.get()
                 wire.send(self.socks[worker], header, secret=self.secret)
-            for s, name in by_sock.items():
-                while s in events and s.poll(0):
+            for s in events:  # only the sockets with replies: a loop over all costs O(workers) per wake-up
+                name = by_sock.get(s)
+                while name is not None and s.poll(0):
                     self._on_reply(name, s.recv_multipart(copy=False))
             now = time.monotonic()
             if now >= next_ping:

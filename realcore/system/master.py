@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import shutil
+import threading
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import Future
 
 from realcore.api.alloc import parse_allocation_mode
 from realcore.api.config import ExperimentConfig
@@ -42,6 +44,24 @@ def manager_key(cfg: ExperimentConfig) -> str:
 def source_keys(cfg: ExperimentConfig) -> tuple[str, ...]:
     """What feeds the graph: the dataset (sync) or the rollout workers' trajectory stream (async)."""
     return STREAM_KEYS if cfg.mode == "async" else dataset_keys(cfg.dataset)
+
+
+def _report_when_done(name: str, futs: dict[str, Future], events: queue.Queue) -> None:
+    """Put (name, None) on `events` when every future is done, or (name, error) at the first failure."""
+    left = [len(futs)]
+    lock = threading.Lock()
+
+    def done(f: Future) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if f.exception() is not None:
+            events.put((name, f.exception()))
+        elif last:
+            events.put((name, None))
+
+    for f in futs.values():
+        f.add_done_callback(done)
 
 
 def merge_stats(replies: list[dict], into: dict) -> None:
@@ -191,37 +211,37 @@ class Master:
 
     def run_step(self, step: int, metrics: dict, writer: MetricsWriter) -> None:
         running: dict[str, tuple[MFCNode, list[int], dict[str, Future], float]] = {}
+        # Each MFC reports once, when all its workers replied (or at the first failure): O(workers)
+        # per MFC, where waking up on every reply and re-scanning every future was O(workers^2).
+        events: queue.Queue = queue.Queue()
         while True:
             for node in self.nodes:
                 if node.name in running:
                     continue
                 ids = self.buffer.ready(node)
                 if ids is not None:
-                    running[node.name] = (node, ids, self.dispatch(node, ids), time.perf_counter())
+                    futs = self.dispatch(node, ids)
+                    running[node.name] = (node, ids, futs, time.perf_counter())
+                    _report_when_done(node.name, futs, events)
             if not running:
                 break
             writer.live(step, "running " + ", ".join(running))
-            all_futs = [f for _, _, futs, _ in running.values() for f in futs.values()]
-            done, _ = wait(all_futs, timeout=self.cfg.system.request_timeout_s, return_when=FIRST_COMPLETED)
-            if not done:
-                raise TimeoutError(f"MFCs {', '.join(running)}: no reply within {self.cfg.system.request_timeout_s:g} s")
-            for f in done:
-                if f.exception() is not None:  # a worker failed or was lost: the run cannot go on
-                    raise f.exception()
-            for name in list(running):
-                node, ids, futs, t0 = running[name]
-                if not all(f.done() for f in futs.values()):
-                    continue
-                del running[name]
-                replies = {w: r for w, r in wait_all(futs, 0, f"MFC {name}").items()
-                           if self.names.index(w) in self.heads}  # the rest of a replica echoes its head
-                for wname, r in replies.items():
-                    self.buffer.add(self.names.index(wname), r["ids"], r["outputs"])
-                self.buffer.finish(node, ids)
-                merge_stats(list(replies.values()), metrics)
-                metrics[f"time/{name}_s"] = metrics.get(f"time/{name}_s", 0.0) + time.perf_counter() - t0
-                if node.trains:
-                    self.version += 1
+            try:
+                name, error = events.get(timeout=self.cfg.system.request_timeout_s)
+            except queue.Empty:
+                raise TimeoutError(f"MFCs {', '.join(running)}: no reply within {self.cfg.system.request_timeout_s:g} s") from None
+            if error is not None:  # a worker failed or was lost: the run cannot go on
+                raise error
+            node, ids, futs, t0 = running.pop(name)
+            replies = {w: r for w, r in wait_all(futs, 0, f"MFC {name}").items()
+                       if self.names.index(w) in self.heads}  # the rest of a replica echoes its head
+            for wname, r in replies.items():
+                self.buffer.add(self.names.index(wname), r["ids"], r["outputs"])
+            self.buffer.finish(node, ids)
+            merge_stats(list(replies.values()), metrics)
+            metrics[f"time/{name}_s"] = metrics.get(f"time/{name}_s", 0.0) + time.perf_counter() - t0
+            if node.trains:
+                self.version += 1
 
     def release(self) -> None:
         ids = self.buffer.completed()
