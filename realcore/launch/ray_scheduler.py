@@ -22,7 +22,7 @@ from realcore.api.alloc import AllocationMode
 from realcore.api.config import ExperimentConfig
 
 
-def _worker_specs(cfg: ExperimentConfig, alloc: AllocationMode) -> list[tuple[str, str, int]]:
+def worker_specs(cfg: ExperimentConfig, alloc: AllocationMode) -> list[tuple[str, str, int]]:
     """(name, type, index) of every worker process, the master last."""
     specs = [(f"model_worker/{i}", "model_worker", i) for i in range(alloc.train.world_size)]
     if alloc.gen is not None:
@@ -84,7 +84,7 @@ def run_ray(cfg: ExperimentConfig, alloc: AllocationMode, config_path: str, secr
                   "--n-servers", str(n_servers)]
         logs = os.path.join(cfg.output_dir, "logs")
         refs = {}
-        for name, kind, index in _worker_specs(cfg, alloc):
+        for name, kind, index in worker_specs(cfg, alloc):
             argv = [r.python or sys.executable, "-m", "realcore.system.run_worker", "--type", kind, "--index", str(index), *common]
             options = {"num_cpus": r.cpus_per_worker, "max_retries": 0, "name": name}
             if kind in groups:
