@@ -174,9 +174,8 @@ def submit_and_watch(cfg: ExperimentConfig, alloc: AllocationMode, config_path: 
     """Exit codes like the local scheduler: 0 done, 1 a worker failed, 130 interrupted."""
     slurm_dir = os.path.join(cfg.output_dir, "slurm")
     os.makedirs(slurm_dir, exist_ok=True)
-    for stale in ("status",):
-        if os.path.exists(os.path.join(slurm_dir, stale)):
-            os.remove(os.path.join(slurm_dir, stale))
+    if os.path.exists(os.path.join(slurm_dir, "status")):  # from an earlier job of this output_dir
+        os.remove(os.path.join(slurm_dir, "status"))
     script = sbatch_script(cfg, alloc, config_path, secret_path)
     path = os.path.join(slurm_dir, "job.sbatch")
     with open(path, "w") as f:
