@@ -4,15 +4,16 @@
 
 For each N, P simulator processes (multiprocessing spawn) each bind N/P ROUTER sockets on
 127.0.0.1 and serve them all from ONE thread with a zmq.Poller. Each simulated worker publishes
-its address with the name resolver exactly like a model worker (key `model_worker_key(cfg, i)`)
-and speaks `wire` (msgpack + HMAC, the run's secret): it answers PING with a status dict,
+its address with the name resolver exactly like a model worker (key `keys.model_worker(cfg, i)`)
+and speaks `wire` (msgpack + HMAC, the run's secret) with the typed messages of
+realcore.system.protocol: it answers PING with a Status,
 CONFIGURE/FETCH/RUN_MFC with metadata shaped like a real ModelWorker's replies (sequence
 lengths, no tensors), CLEAR/SAVE/PUBLISH_WEIGHTS with {}, EXIT with {} (then it stops). Replies
 are instant, so a step's time is the master's own scheduling plus the wire.
 
 The benchmark's main process builds the `ppo-math` config (allocation d{N}p1t1, batch_size 2N,
 so every worker gets work in every MFC), constructs `Master`, calls `configure()`, then runs K
-steps of `fetch_batch; run_step; release; MetricsWriter.write` (Master.run's sequence in sync mode
+steps of `source.fetch; run_step; release; MetricsWriter.write` (Master.run's sequence in sync mode
 without generation servers) and `shutdown()`. The first step is a warm-up when K >= 3.
 
 Prints a markdown table per N: median ms per step and its split (fetch / MFC dispatch+collect /
@@ -73,7 +74,8 @@ def _serve(assign: list, secret: bytes, root: str, spec: dict, out_q) -> None:
 
     from realcore.system import wire
     from realcore.system.name_resolve import FileNameResolver
-    from realcore.system.protocol import Cmd, reply
+    from realcore.system.protocol import (BadBody, Clear, Configure, Configured, Exit, Fetch, Fetched, MFCDone, Ping,
+                                          RunMFC, Status, parse_request, reply)
 
     pid = os.getpid()
     ctx = zmq.Context(io_threads=1)
@@ -98,30 +100,29 @@ def _serve(assign: list, secret: bytes, root: str, spec: dict, out_q) -> None:
         dropped, live = 0, len(workers)
         last_msg, end = time.monotonic(), time.monotonic() + LIFETIME_S
 
-        def handle(w: _SimWorker, cmd, body: dict) -> dict:
-            if cmd == Cmd.CONFIGURE:
+        def handle(w: _SimWorker, msg):
+            if isinstance(msg, Configure):
                 w.state = "running"
                 rows = size // dp + (1 if w.index < size % dp else 0)
-                return {"n_rows": rows, "n_samples": rows, "skipped": {}}
-            if cmd == Cmd.FETCH:
-                ids = list(range(body["first_id"], body["first_id"] + body["n"]))
+                return Configured(rows, rows)
+            if isinstance(msg, Fetch):
+                ids = list(range(msg.first_id, msg.first_id + msg.n))
                 w.stored.update(ids)
-                return {"ids": ids, "seqlens": {k: [[_plen(sid) if k != "answer" else 3] for sid in ids] for k in keys}}
-            if cmd == Cmd.RUN_MFC:
-                node, ids = mfcs[body["mfc"]], body["ids"]
+                return Fetched(ids, {k: [[_plen(sid) if k != "answer" else 3] for sid in ids] for k in keys},
+                               [f"d{w.index}:{sid}" for sid in ids])
+            if isinstance(msg, RunMFC):
+                node, ids = mfcs[msg.mfc], msg.ids
                 w.stored.update(ids)
                 outputs = {
                     k: [[1 if k == "rewards" else _plen(sid) + 16 + j for j in range(group)] for sid in ids]
                     for k in node["outputs"]
                 }
                 n = len(ids) * (1 if node["first_input"] in keys else group)
-                return {"ids": ids, "outputs": outputs, "stats": dict(node["stats"]), "n": n}
-            if cmd == Cmd.CLEAR:
-                w.stored.difference_update(body["ids"])
-                return {}
-            if cmd in (Cmd.SAVE, Cmd.PUBLISH_WEIGHTS, Cmd.START, Cmd.PAUSE):
-                return {}
-            raise ValueError(f"unexpected command {cmd.name}")
+                return MFCDone(ids, outputs, dict(node["stats"]), n)
+            if isinstance(msg, Clear):
+                w.stored.difference_update(msg.ids)
+                return None
+            raise ValueError(f"unexpected command {msg.CMD.name}")
 
         while live and time.monotonic() < end:
             events = poller.poll(200)
@@ -141,22 +142,22 @@ def _serve(assign: list, secret: bytes, root: str, spec: dict, out_q) -> None:
                     identity = frames[0].bytes
                     try:
                         header, _ = wire.decode(frames[1:], secret)
-                        cmd, rid, body = Cmd(header["cmd"]), int(header["rid"]), header.get("body") or {}
-                    except (wire.BadMessage, KeyError, ValueError, TypeError):
+                        rid, msg = parse_request(header)
+                    except (wire.BadMessage, BadBody, KeyError, ValueError, TypeError):
                         dropped += 1
                         continue
-                    counts[cmd.name] = counts.get(cmd.name, 0) + 1
-                    if cmd == Cmd.PING:
-                        out = reply(rid, {"state": w.state, "pid": pid, "stored": len(w.stored), "dropped": dropped})
-                    elif cmd == Cmd.EXIT:
-                        out = reply(rid, {})
+                    counts[msg.CMD.name] = counts.get(msg.CMD.name, 0) + 1
+                    if isinstance(msg, Ping):
+                        out = reply(rid, Status(w.state, pid, dropped, {"stored": len(w.stored)}))
+                    elif isinstance(msg, Exit):
+                        out = reply(rid)
                         if not w.exited:
                             w.exited, live = True, live - 1
                     else:
                         try:
-                            out = reply(rid, handle(w, cmd, body))
+                            out = reply(rid, handle(w, msg))
                         except Exception as e:
-                            out = reply(rid, error=f"{cmd.name}: {type(e).__name__}: {e}")
+                            out = reply(rid, error=f"{msg.CMD.name}: {type(e).__name__}: {e}")
                     wire.send(s, out, secret=secret, identity=identity)
         out_q.put(("done", pid, len(assign), _os_threads(), counts, dropped,
                    sum(len(w.stored) for w in workers.values())))
@@ -208,7 +209,9 @@ def run_one(n: int, steps: int, n_procs: int) -> dict:
     from realcore.dfg.graph import build_graph
     from realcore.launch.config_loader import load_config
     from realcore.system import wire
-    from realcore.system.master import Master, model_worker_key, source_keys
+    from realcore.system import keys as rc_keys
+    from realcore.system.batch_source import source_keys
+    from realcore.system.master import Master
     from realcore.system.metrics import MetricsWriter
 
     tmp = tempfile.mkdtemp(prefix="rc-master-scale-")
@@ -232,7 +235,7 @@ def run_one(n: int, steps: int, n_procs: int) -> dict:
                      for name, node in dfg.nodes.items()},
         }
         n_procs = min(n_procs, n)
-        assign = [[(i, model_worker_key(cfg, i)) for i in range(p, n, n_procs)] for p in range(n_procs)]
+        assign = [[(i, rc_keys.model_worker(cfg, i)) for i in range(p, n, n_procs)] for p in range(n_procs)]
         mpc = mp.get_context("spawn")
         out_q = mpc.Queue()
         procs = [mpc.Process(target=_serve, args=(a, secret, cfg.system.name_resolve.root, spec, out_q), daemon=True)
@@ -254,7 +257,7 @@ def run_one(n: int, steps: int, n_procs: int) -> dict:
                 for step in range(1, steps + 1):
                     metrics: dict = {"step": step}
                     t0 = time.perf_counter()
-                    master.fetch_batch(metrics)
+                    master.source.fetch(metrics)
                     t1 = time.perf_counter()
                     master.run_step(step, metrics, writer)
                     t2 = time.perf_counter()

@@ -10,27 +10,30 @@ from realcore.launch.config_loader import import_user_modules, load_config
 from realcore.system import wire
 from realcore.system.buffer import SampleBuffer, split_balanced
 from realcore.system.control import ControlServer, WorkerPool, wait_all
-from realcore.system.protocol import Cmd, RemoteError, WorkerLost, request
+from realcore.system.protocol import (Clear, Configure, Configured, Exit, Fetch, Fetched, Pause, Ping, RemoteError, Start,
+                                      Status, WorkerLost, request)
 
 SECRET = b"s" * 32
 
 
 def serve(server: ControlServer, stop: threading.Event):
-    """A minimal worker loop: echo the body back, fail on CLEAR."""
+    """A minimal worker loop: FETCH echoes its fields back, CLEAR fails, the rest succeed."""
     while not stop.is_set():
         try:
-            identity, cmd, rid, body = server.requests.get(timeout=0.1)
+            identity, rid, msg = server.requests.get(timeout=0.1)
         except Exception:
             continue
-        if cmd == Cmd.CLEAR:
+        if isinstance(msg, Clear):
             server.send_reply(identity, rid, error="no such samples")
+        elif isinstance(msg, Fetch):
+            server.send_reply(identity, rid, Fetched([msg.first_id], {}, [f"n={msg.n}"]))
         else:
-            server.send_reply(identity, rid, {"echo": body, "cmd": int(cmd)})
+            server.send_reply(identity, rid)
 
 
 @pytest.fixture
 def pair():
-    server = ControlServer("127.0.0.1", SECRET, status=lambda: {"state": "running"})
+    server = ControlServer("127.0.0.1", SECRET, status=lambda: Status("running", 1))
     stop = threading.Event()
     t = threading.Thread(target=serve, args=(server, stop), daemon=True)
     t.start()
@@ -43,16 +46,33 @@ def pair():
 
 def test_request_reply_and_remote_error(pair):
     server, pool = pair
-    assert pool.request("w0", Cmd.FETCH, {"n": 3}).result(5) == {"echo": {"n": 3}, "cmd": int(Cmd.FETCH)}
+    assert pool.request("w0", Fetch(7, 3)).result(5) == Fetched([7], {}, ["n=3"])
     with pytest.raises(RemoteError, match="w0: no such samples"):
-        pool.request("w0", Cmd.CLEAR, {"ids": [1]}).result(5)
+        pool.request("w0", Clear([1])).result(5)
+
+
+def test_malformed_bodies_are_dropped_and_counted(pair):
+    """A body that does not fit its command's dataclass (missing, unknown or mistyped field) is
+    dropped at the I/O thread, like a forged message; the worker keeps serving."""
+    server, pool = pair
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(server.address)
+    for body in ({"first_id": 1}, {"first_id": 1, "n": 2, "evil": 3}, {"first_id": "x", "n": 2}):
+        wire.send(sock, {"cmd": int(Fetch.CMD), "rid": 5, "body": body}, secret=SECRET)
+    wire.send(sock, {"cmd": 999, "rid": 5, "body": {}}, secret=SECRET)
+    sock.close(linger=1000)
+    deadline = time.time() + 5
+    while server.dropped < 4 and time.time() < deadline:
+        time.sleep(0.02)
+    assert server.dropped == 4 and server.requests.empty()
+    assert pool.request("w0", Fetch(1, 1)).result(5).ids == [1]
 
 
 def test_forged_message_dropped_and_counted(pair):
     server, pool = pair
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.connect(server.address)
-    wire.send(sock, request(Cmd.EXIT, 7, {}), secret=b"x" * 32)
+    wire.send(sock, request(Exit(), 7), secret=b"x" * 32)
     sock.send_multipart([b"garbage"])
     sock.close(linger=1000)
     deadline = time.time() + 5
@@ -60,19 +80,40 @@ def test_forged_message_dropped_and_counted(pair):
         time.sleep(0.02)
     assert server.dropped == 2
     assert server.requests.empty()  # the forged EXIT never reached the worker's loop
-    assert pool.request("w0", Cmd.START).result(5)["cmd"] == int(Cmd.START)
+    pool.request("w0", Start()).result(5)
     time.sleep(0.3)
-    assert pool.status["w0"]["dropped"] == 2 and pool.status["w0"]["state"] == "running"
+    assert pool.status["w0"].dropped == 2 and pool.status["w0"].state == "running"
 
 
 def test_lost_worker_fails_pending_requests(pair):
     server, pool = pair
     server.close()  # stops answering, including pings
-    fut = pool.request("w0", Cmd.FETCH, {})
+    fut = pool.request("w0", Fetch(0, 1))
     with pytest.raises(WorkerLost, match="w0: no heartbeat for 1 s"):
         fut.result(5)
     with pytest.raises(WorkerLost):
-        pool.request("w0", Cmd.FETCH, {}).result(1)
+        pool.request("w0", Fetch(0, 1)).result(1)
+
+
+def test_reconnect_to_a_restarted_worker(pair):
+    """A worker restarted at a new address: pending requests fail (the caller retries), the pool
+    then talks to the new one and its heartbeats count again."""
+    server, pool = pair
+    server.close()
+    fut = pool.request("w0", Fetch(0, 1))
+    again = ControlServer("127.0.0.1", SECRET, status=lambda: Status("running", 2))
+    stop = threading.Event()
+    threading.Thread(target=serve, args=(again, stop), daemon=True).start()
+    try:
+        pool.reconnect("w0", again.address)
+        with pytest.raises(WorkerLost, match="restarted"):
+            fut.result(5)
+        assert pool.request("w0", Fetch(3, 1)).result(5).ids == [3]
+        time.sleep(1.5)  # longer than the heartbeat deadline: the new process answers them
+        assert "w0" not in pool.lost and pool.status["w0"].pid == 2
+    finally:
+        stop.set()
+        again.close()
 
 
 def test_wait_all_deadline_names_late_workers(pair):
@@ -92,15 +133,15 @@ def test_model_worker_pause_holds_requests(tmp_path):
     t.start()
     pool = WorkerPool({"mw0": worker.control.address}, SECRET, heartbeat_interval_s=0.1, heartbeat_timeout_s=5)
     try:
-        assert pool.request("mw0", Cmd.PAUSE).result(5) == {}
-        held = pool.request("mw0", Cmd.CLEAR, {"ids": [1]})
+        pool.request("mw0", Pause()).result(5)
+        held = pool.request("mw0", Clear([1]))
         time.sleep(0.5)
         assert not held.done()  # paused: queued, not executed
         time.sleep(0.2)
-        assert pool.status["mw0"]["state"] == "paused"  # pings still answered
-        pool.request("mw0", Cmd.START).result(5)
-        assert held.result(5) == {}
-        assert pool.request("mw0", Cmd.EXIT).result(5) == {}
+        assert pool.status["mw0"].state == "paused"  # pings still answered
+        pool.request("mw0", Start()).result(5)
+        held.result(5)
+        pool.request("mw0", Exit()).result(5)
         t.join(5)
         assert not t.is_alive()
     finally:

@@ -85,14 +85,14 @@ def _forge_and_ping(out):
     dropped, counted, and the worker must keep answering."""
     from realcore.system import wire
     from realcore.system.name_resolve import FileNameResolver, scoped_key
-    from realcore.system.protocol import Cmd, request
+    from realcore.system.protocol import Exit, Ping, request
 
     addr = json.loads(FileNameResolver(f"{out}/nr").get(scoped_key("ppo-math", "trial0", "model_worker", "0")))["control"]
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(addr)
-    wire.send(sock, request(Cmd.EXIT, 1, {}), secret=b"not-the-secret" * 3)
-    wire.send(sock, request(Cmd.PING, -99, {}), secret=wire.load_secret(os.path.join(out, ".secret")))
+    wire.send(sock, request(Exit(), 1), secret=b"not-the-secret" * 3)
+    wire.send(sock, request(Ping(), -99), secret=wire.load_secret(os.path.join(out, ".secret")))
     _, header, _ = wire.recv(sock, secret=wire.load_secret(os.path.join(out, ".secret")), timeout_s=10)
     sock.close()
     return header

@@ -2,7 +2,35 @@
 
 import pytest
 
-from realcore.system.staleness import StalenessController, admit, is_stale
+from realcore.system.protocol import ManagerState
+from realcore.system.staleness import Admission, admit, is_stale
+
+
+class Ctl:
+    """Admission driven as one rollout worker would: seqs in, FINISH out (the order given)."""
+
+    def __init__(self, batch_size, eta, max_concurrent_rollouts, journal=None):
+        self.a = Admission(batch_size, eta, max_concurrent_rollouts, journal)
+        if not self.a.restored:
+            self.a.restore(ManagerState(), None)
+        self.seqs = []
+
+    def try_allocate(self, worker=0):
+        seq = self.a.allocate(worker)
+        if seq is not None:
+            self.seqs.append(seq)
+        return seq is not None
+
+    def finish(self, accepted, worker=0):
+        self.a.finish(worker, self.seqs.pop(0), accepted, {})
+
+    @property
+    def version(self):
+        return self.a.state.version
+
+    @version.setter
+    def version(self, v):
+        self.a.set_version(v, None)
 
 
 @pytest.mark.parametrize("eta", [0, 1, 2, 4])
@@ -11,22 +39,98 @@ def test_admitted_rollouts_at_version_0(eta, clients):
     # Every client keeps asking; nothing finishes yet. AReaL's form of the bound:
     # admitted = min(batch_size * clients, (1 + eta) * batch_size).
     batch_size = 4
-    ctl = StalenessController(batch_size, eta, max_concurrent_rollouts=batch_size * clients)
+    ctl = Ctl(batch_size, eta, max_concurrent_rollouts=batch_size * clients)
     admitted = sum(ctl.try_allocate() for _ in range(1000))
     assert admitted == min(batch_size * clients, (1 + eta) * batch_size)
 
 
 def test_versions_release_capacity_and_filtered_rollouts_do_not_count():
-    ctl = StalenessController(batch_size=2, max_head_offpolicyness=0, max_concurrent_rollouts=100)
+    ctl = Ctl(batch_size=2, eta=0, max_concurrent_rollouts=100)
     assert [ctl.try_allocate() for _ in range(3)] == [True, True, False]
     ctl.finish(accepted=True)
     ctl.finish(accepted=False)  # filtered: frees its slot, counts nothing
-    assert (ctl.trained, ctl.running) == (1, 0)
+    assert (ctl.a.trained, ctl.a.running) == (1, 0)
     assert [ctl.try_allocate() for _ in range(2)] == [True, False]  # batch 0 needs one more sample
     ctl.finish(accepted=True)
     assert not ctl.try_allocate()  # batch 0 is full; batch 1 must wait for version 1
     ctl.version = 1
     assert [ctl.try_allocate() for _ in range(3)] == [True, True, False]
+
+
+def test_nothing_is_admitted_before_the_master_restores():
+    a = Admission(4, 1, 8)
+    assert a.allocate(0) is None
+    a.restore(ManagerState(), None)
+    assert a.allocate(0) == 0
+
+
+def test_a_dead_workers_rollouts_run_again_and_count_once():
+    """Worker 0 dies with seqs 1 and 2 in flight; its successor registers with nothing running:
+    they are handed out again first, and the running count never held them twice."""
+    ctl = Ctl(batch_size=100, eta=0, max_concurrent_rollouts=100)
+    for _ in range(3):
+        ctl.try_allocate()
+    ctl.a.finish(0, 0, True, {})
+    assert (ctl.a.running, ctl.a.trained) == (2, 1)
+    ctl.a.register(0, [])  # the restarted worker
+    assert ctl.a.running == 0 and ctl.a.state.redo[0] == [1, 2]
+    assert [ctl.a.allocate(0) for _ in range(3)] == [1, 2, 3]
+    assert ctl.a.running == 3
+    ctl.a.finish(0, 1, True, {})
+    ctl.a.finish(0, 1, True, {})  # a FINISH sent twice counts once
+    assert (ctl.a.running, ctl.a.trained) == (2, 2)
+
+
+def test_registration_after_a_manager_restart_keeps_live_rollouts():
+    """A rollout worker re-registers with what it still runs: those stay running; a grant the
+    dead manager recorded but the worker never received runs again."""
+    ctl = Ctl(batch_size=100, eta=0, max_concurrent_rollouts=100)
+    for _ in range(3):
+        ctl.try_allocate()
+    ctl.a.register(0, [0, 2])  # seq 1's grant was lost with the old manager
+    assert ctl.a.state.running[0] == [0, 2] and ctl.a.state.redo[0] == [1]
+    assert ctl.a.allocate(0) == 1
+
+
+def test_restore_moves_running_rollouts_to_redo_once():
+    state = ManagerState(version=3, accepted=10, dropped=1, cursor={0: 7, 1: 5}, running={0: [5, 6], 1: [4]},
+                         redo={1: [2]}, counters={"reward/errors": 2})
+    a = Admission(4, 2, 16)
+    a.restore(state, "/w/v3")
+    assert a.running == 0 and a.state.redo == {0: [5, 6], 1: [2, 4]} and a.trained == 9
+    a.restore(ManagerState(), None)  # a retried RESTORE: the first holds
+    assert a.state.version == 3 and a.weights_path == "/w/v3"
+    assert a.allocate(1) == 2 and a.allocate(1) == 4 and a.allocate(1) == 5
+
+
+def test_journal_replay_rebuilds_the_same_state(tmp_path):
+    """Every change is journaled before it takes effect; a manager started on the journal (after
+    a kill at any point) has exactly the state the dead one had, also across a compaction."""
+    import random
+
+    rng = random.Random(0)
+    path = str(tmp_path / "journal.jsonl")
+    live = Ctl(batch_size=4, eta=1, max_concurrent_rollouts=6, journal=path)
+    for i in range(400):
+        op = rng.random()
+        if op < 0.5:
+            live.try_allocate(worker=rng.randrange(2))
+        elif op < 0.8 and any(live.a.state.running.values()):
+            w = rng.choice([w for w, v in live.a.state.running.items() if v])
+            live.a.finish(w, rng.choice(live.a.state.running[w]), rng.random() < 0.8, {"reward/errors": 1})
+        elif op < 0.85:
+            live.a.register(rng.randrange(2), [])
+        elif op < 0.9:
+            live.a.drop(live.a.state.dropped + 1)
+        else:
+            live.a.set_version(live.a.state.version + 1, f"/w/v{live.a.state.version + 1}")
+        if i % 37 == 0:
+            with open(path, "a") as f:
+                f.write('{"op": "alloc", "w"')  # a line torn by a kill is ignored
+            replayed = Admission(4, 1, 6, path)
+            assert replayed.restored and replayed.state == live.a.state and replayed.weights_path == live.a.weights_path
+            replayed.close()
+            live.a._journal.write("\n")  # the torn line ends; the live journal goes on
 
 
 def test_concurrency_cap():
@@ -43,7 +147,7 @@ def test_staleness_never_exceeds_eta_in_a_simulation():
     rng = random.Random(0)
     for eta in (0, 1, 3):
         B = 4
-        ctl = StalenessController(B, eta, max_concurrent_rollouts=12)
+        ctl = Ctl(B, eta, max_concurrent_rollouts=12)
         running, arrived, worst, dropped, steps = [], [], 0, 0, 0
         for _ in range(2000):
             while ctl.try_allocate():
@@ -53,8 +157,8 @@ def test_staleness_never_exceeds_eta_in_a_simulation():
             ctl.finish(accepted=True)
             stale = [v for v in arrived if is_stale(v, current_version=ctl.version, max_head_offpolicyness=eta)]
             arrived = [v for v in arrived if not is_stale(v, current_version=ctl.version, max_head_offpolicyness=eta)]
-            ctl.drop(len(stale))
             dropped += len(stale)
+            ctl.a.drop(dropped)
             if len(arrived) >= B:  # the trainer takes a batch and publishes a new version
                 batch, arrived = arrived[:B], arrived[B:]
                 worst = max(worst, max(ctl.version - v for v in batch))
@@ -79,8 +183,8 @@ def test_dynamic_filtering_and_trajectory_layout():
     assert sample["loss_mask"][0].tolist() == [0, 0, 0, 1, 1]
     assert sample["behav_logprobs"][0].tolist() == [0, 0, 0, -0.5, -0.25]
     assert (int(sample["version_start"][0]), int(sample["version_end"][0]), float(sample["rewards"][0])) == (0, 1, 1.0)
-    back = decode_group(*encode_group(sample))
-    assert all(torch_equal(back[k], sample[k]) for k in sample)
+    uid, back = decode_group(*encode_group("r0:3", sample))
+    assert uid == "r0:3" and all(torch_equal(back[k], sample[k]) for k in sample)
 
 
 def torch_equal(a, b):

@@ -135,13 +135,18 @@ class RolloutConfig(_Strict):
     weight_update: Literal["disk", "memory"] = Field("disk", description="disk: HF safetensors; memory: tensors over the wire (built-in servers)")
     filter_equal_reward_groups: bool = Field(False, description="dynamic filtering: drop groups whose rewards are all equal")
     request_timeout_s: float = Field(600.0, gt=0, description="deadline for one generation request")
+    request_retries: int = Field(3, ge=0, description="a request whose server fails or goes silent runs again on another server, this many times")
+    episode_retries: int = Field(2, ge=0, description="a failing agent episode is retried this many times, then its group is dropped and counted")
     server_token: str | None = Field(None, description="bearer token; required when a server binds a non-loopback address")
 
 
 class TrainerConfig(_Strict):
     total_steps: int = Field(10, gt=0)
     batch_size: int = Field(8, gt=0, description="prompts per step")
-    save_freq_steps: int | None = Field(None, gt=0, description="None: save at the last step only")
+    save_freq_steps: int | None = Field(None, gt=0, description="HF checkpoints (checkpoints/step_N); None: at the last step only")
+    recover_freq_steps: int | None = Field(
+        None, gt=0, description="recover checkpoints (recover/step_N: everything to continue exactly) every N steps; "
+        "also at preemption, and at the last step when recover_mode is not disabled")
 
 
 class MFCConfig(_Strict):
@@ -205,10 +210,13 @@ class SystemConfig(_Strict):
     host: str = Field("127.0.0.1", description="address workers bind and publish; 'auto': this node's address")
     interface: str | None = Field(None, description="bind on this network interface's IPv4 address (e.g. ib0); overrides host")
     heartbeat_interval_s: float = Field(1.0, gt=0)
-    heartbeat_timeout_s: float = Field(30.0, gt=0, description="a worker silent this long is lost")
+    heartbeat_timeout_s: float = Field(30.0, gt=0, description="a worker silent this long is lost (hung): its stacks are dumped, then it is killed")
     startup_timeout_s: float = Field(300.0, gt=0, description="deadline for workers to register and configure")
     request_timeout_s: float = Field(1800.0, gt=0, description="deadline for one MFC call")
     shutdown_timeout_s: float = Field(10.0, gt=0, description="grace before SIGKILL at exit")
+    preempt_timeout_s: float = Field(
+        120.0, gt=0, description="SIGTERM to the launcher: the step in progress finishes and a recover checkpoint is "
+        "written within this, then the run exits 75; past it, everything is killed")
     name_resolve: NameResolveConfig = NameResolveConfig()
 
 
@@ -218,6 +226,11 @@ class ExperimentConfig(_Strict):
     output_dir: str
     seed: int = 1
     mode: Literal["sync", "async"] = "sync"
+    recover_mode: Literal["disabled", "resume", "auto"] = Field(
+        "disabled", description="disabled: a failure ends the run; resume: a launch with the same output_dir continues from "
+        "its last recover checkpoint; auto: resume, and after a failure the launcher restarts the run (up to recover_retries)")
+    recover_retries: int = Field(3, ge=0, description="recover_mode=auto: whole-run restarts before giving up (exit 1)")
+    recover_delay_s: float = Field(5.0, ge=0, description="recover_mode=auto: wait before restarting after a failure")
     scheduler: Literal["local", "slurm", "ray"] = "local"
     allocation_mode: str = Field("d2p1t1", description="AReaL form, e.g. d2p1t1")
     imports: list[str] = Field(default_factory=list, description="user modules loaded before the graph is built")

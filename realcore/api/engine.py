@@ -59,3 +59,12 @@ class Engine(ABC):
     @abstractmethod
     def save_hf(self, path: str) -> None:
         """Save weights and tokenizer in HF format (safetensors), loadable by transformers as is."""
+
+    def save_state(self, path: str) -> None:
+        """Everything a trainable role needs to continue exactly (weights, optimizer and schedule,
+        step counter, random state), written under the existing, empty folder `path`."""
+        raise NotImplementedError(f"{type(self).__name__} cannot write recover checkpoints yet")
+
+    def load_state(self, path: str) -> None:
+        """Restore what save_state wrote, on an engine freshly built from the same model and mesh."""
+        raise NotImplementedError(f"{type(self).__name__} cannot read recover checkpoints yet")

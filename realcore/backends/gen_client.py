@@ -120,10 +120,10 @@ class GenClient:
     async def server_info(self) -> dict:
         return await self._request("GET", "/get_server_info", None, CONTROL_TIMEOUT_S)
 
-    async def health(self) -> bool:
+    async def health(self, timeout_s: float = CONTROL_TIMEOUT_S) -> bool:
         try:
             async with (await self._sess()).get(
-                self.base_url + "/health", timeout=aiohttp.ClientTimeout(total=CONTROL_TIMEOUT_S)
+                self.base_url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)
             ) as r:
                 return r.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):

@@ -72,7 +72,7 @@ class GenerationEngine:
         # _merge/_retire edit cached keys/values in place, which is only right for plain full-attention layers.
         if any(type(layer) is not DynamicLayer for layer in DynamicCache(config=model.config).layers):
             raise ValueError("generation: the built-in engine supports full-attention models only (no sliding window)")
-        self._next_rid = 0
+        self.next_rid = 0  # request ids seed the samplers: part of the engine's random state
         self._waiting: collections.deque[_Request] = collections.deque()
         # The running batch: row i of the cache and mask belongs to self._running[i].
         self._running: list[_Request] = []
@@ -90,8 +90,8 @@ class GenerationEngine:
                 f"generation: prompt of {len(prompt_ids)} tokens + max_new_tokens={gconfig.max_new_tokens} "
                 f"exceeds the model's {self.max_positions} positions"
             )
-        rid = self._next_rid
-        self._next_rid += 1
+        rid = self.next_rid
+        self.next_rid += 1
         eos = {self.eos_token_id} if self.eos_token_id is not None and not gconfig.ignore_eos else set()
         stop = set(gconfig.stop_token_ids) | eos
         # Seed from (engine seed, request id): reproducible, and distinct across a GRPO group.

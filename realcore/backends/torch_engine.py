@@ -195,6 +195,35 @@ class TorchEngine(Engine):
         shutil.rmtree(old, ignore_errors=True)
 
 
+    def save_state(self, path: str) -> None:
+        """One file per rank (DP replicas hold identical weights and optimizer state, but each
+        keeps its own random state and generation counter)."""
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "version": self.version,
+            "rng": torch.get_rng_state(),
+            # Generation seeds each request from (seed, request counter): the counter is random state.
+            "gen_next_rid": self._gen_engine.next_rid if self._gen_engine is not None else 0,
+        }
+        torch.save(state, os.path.join(path, "engine.pt"))
+
+    def load_state(self, path: str) -> None:
+        state = torch.load(os.path.join(path, "engine.pt"), map_location=self.device, weights_only=True)
+        self.model.load_state_dict(state["model"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.version = state["version"]
+        torch.set_rng_state(state["rng"])
+        if state["gen_next_rid"]:
+            from realcore.backends.generation import GenerationEngine
+
+            self._gen_engine = GenerationEngine(self.model, self.tokenizer, seed=self.seed)
+            self._gen_engine.next_rid = state["gen_next_rid"]
+
+
 def _load_tokenizer(model_path: str):
     """The directory's tokenizer, or None when it has no tokenizer files (e.g. a tiny test model)."""
     if os.path.isdir(model_path) and not any(os.path.exists(os.path.join(model_path, f)) for f in _TOKENIZER_FILES):

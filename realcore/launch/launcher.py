@@ -124,7 +124,7 @@ def start_engine_servers(cfg: ExperimentConfig, alloc: AllocationMode, env: dict
     import socket
 
     from realcore.backends.server_launch import server_command
-    from realcore.system.gserver_manager import gen_server_key
+    from realcore.system import keys
 
     resolver = make_name_resolver(cfg.system.name_resolve)
     procs = []
@@ -138,7 +138,7 @@ def start_engine_servers(cfg: ExperimentConfig, alloc: AllocationMode, env: dict
                                          max_batch_size=cfg.generation.max_batch_size, extra_args=extra)
         procs.append(spawn_command(f"gen_server/{i}", argv, env={**env, **extra_env},
                                    log_path=os.path.join(logs, f"gen_server-{i}.log")))
-        resolver.put(gen_server_key(cfg, i), json.dumps({"http": f"http://{cfg.system.host}:{port}", "weights": None}), replace=True)
+        resolver.put(keys.gen_server(cfg, i), json.dumps({"http": f"http://{cfg.system.host}:{port}", "weights": None}), replace=True)
     return procs
 
 

@@ -9,7 +9,7 @@ from realcore.api.config import ExperimentConfig
 from realcore.api.registry import lookup
 from realcore.dfg.graph import DataFlowGraph, build_graph
 from realcore.launch.config_loader import ConfigError, import_user_modules
-from realcore.system.master import source_keys
+from realcore.system.batch_source import source_keys
 
 
 def validate(cfg: ExperimentConfig) -> tuple[DataFlowGraph, AllocationMode]:

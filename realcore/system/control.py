@@ -18,7 +18,7 @@ from typing import Callable
 import zmq
 
 from realcore.system import wire
-from realcore.system.protocol import Cmd, RemoteError, WorkerLost, reply, request
+from realcore.system.protocol import BadBody, Ping, RemoteError, Status, WorkerLost, parse, parse_request, reply, request
 
 log = logging.getLogger("realcore.control")
 
@@ -50,9 +50,10 @@ class _Waker:
 
 
 class ControlServer:
-    """Worker side: a ROUTER socket; requests go to `self.requests` as (identity, header)."""
+    """Worker side: a ROUTER socket; requests go to `self.requests` as (identity, rid, body), the
+    body a typed message of realcore.system.protocol."""
 
-    def __init__(self, host: str, secret: bytes, status: Callable[[], dict]):
+    def __init__(self, host: str, secret: bytes, status: Callable[[], Status]):
         self.ctx = zmq.Context.instance()
         self.secret = secret
         self.status = status
@@ -70,12 +71,12 @@ class ControlServer:
         self._thread = threading.Thread(target=self._loop, name="control-io", daemon=True)
         self._thread.start()
 
-    def send_reply(self, identity: bytes, rid: int, body: dict | None = None, error: str | None = None) -> None:
+    def send_reply(self, identity: bytes, rid: int, body=None, error: str | None = None) -> None:
         self._out.put((identity, reply(rid, body, error)))
         self._waker.wake()
 
     def next_request(self, *, startup_timeout_s: float, heartbeat_timeout_s: float, who: str):
-        """The next request (identity, cmd, rid, body), or None after a short poll. Exits the
+        """The next request (identity, rid, body), or None after a short poll. Exits the
         process when nothing authenticated arrived for the deadline (startup until the first
         request, heartbeat after): the master is gone."""
         try:
@@ -95,18 +96,18 @@ class ControlServer:
         identity = frames[0].bytes
         try:
             header, _ = wire.decode(frames[1:], self.secret)
-            cmd = Cmd(header["cmd"])
-            rid = int(header["rid"])
-            body = header.get("body") or {}
-        except (wire.BadMessage, KeyError, ValueError, TypeError) as e:
+            rid, body = parse_request(header)
+        except (wire.BadMessage, BadBody, KeyError, ValueError, TypeError) as e:
             self.dropped += 1
             log.warning("dropped a bad control message (%s); %d so far", e, self.dropped)
             return
         self.last_seen = time.monotonic()
-        if cmd == Cmd.PING:
-            wire.send(self.sock, reply(rid, {**self.status(), "dropped": self.dropped}), secret=self.secret, identity=identity)
+        if isinstance(body, Ping):
+            status = self.status()
+            status.dropped = self.dropped
+            wire.send(self.sock, reply(rid, status), secret=self.secret, identity=identity)
         else:
-            self.requests.put((identity, cmd, rid, body))
+            self.requests.put((identity, rid, body))
 
     def _loop(self) -> None:
         poller = zmq.Poller()
@@ -140,20 +141,17 @@ class WorkerPool:
         self.ctx = zmq.Context.instance()
         self.secret = secret
         self.names = list(addresses)
-        self.socks: dict[str, zmq.Socket] = {}
-        for name, addr in addresses.items():
-            s = self.ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.connect(addr)
-            self.socks[name] = s
+        self.addresses = dict(addresses)
+        self.socks: dict[str, zmq.Socket] = {name: self._connect(addr) for name, addr in addresses.items()}
         self.interval = heartbeat_interval_s
         self.timeout = heartbeat_timeout_s
         self.last_reply = {n: time.monotonic() for n in self.names}
-        self.status: dict[str, dict] = {n: {} for n in self.names}
+        self.status: dict[str, Status | None] = {n: None for n in self.names}
         self.lost: dict[str, str] = {}
         self.dropped = 0
         self._rids = itertools.count(1)
-        self._pending: dict[int, tuple[str, Future]] = {}
+        self._pending: dict[int, tuple[str, Future, type]] = {}
+        self._reconnects: queue.Queue = queue.Queue()
         self._out: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._waker = _Waker(self.ctx)
@@ -161,20 +159,34 @@ class WorkerPool:
         self._thread = threading.Thread(target=self._loop, name="pool-io", daemon=True)
         self._thread.start()
 
-    def request(self, worker: str, cmd: Cmd, body: dict | None = None) -> Future:
+    def _connect(self, address: str) -> zmq.Socket:
+        s = self.ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(address)
+        return s
+
+    def request(self, worker: str, msg) -> Future:
+        """Send a typed message; the future resolves to its typed reply (msg.REPLY)."""
         fut: Future = Future()
         rid = next(self._rids)
         with self._lock:
             if worker in self.lost:
                 fut.set_exception(WorkerLost(f"{worker}: {self.lost[worker]}"))
                 return fut
-            self._pending[rid] = (worker, fut)
-        self._out.put((worker, request(cmd, rid, body or {})))
+            self._pending[rid] = (worker, fut, msg.REPLY)
+        self._out.put((worker, request(msg, rid)))
         self._waker.wake()
         return fut
 
-    def broadcast(self, cmd: Cmd, body: dict | None = None) -> dict[str, Future]:
-        return {n: self.request(n, cmd, body) for n in self.names}
+    def reconnect(self, worker: str, address: str) -> None:
+        """`worker` was restarted at a new address: talk to it there from now on. Requests still
+        pending on the old process fail with WorkerLost (the caller retries them)."""
+        self._mark_lost(worker, "restarted")
+        done = threading.Event()
+        self._reconnects.put((worker, address, done))
+        self._waker.wake()
+        if not done.wait(10):
+            raise TimeoutError(f"reconnect {worker}: the pool's I/O thread did not answer")
 
     def _on_reply(self, worker: str, frames) -> None:
         try:
@@ -190,19 +202,25 @@ class WorkerPool:
         self.last_reply[worker] = time.monotonic()
         with self._lock:
             entry = self._pending.pop(rid, None)
-        if rid < 0:  # a heartbeat reply
-            self.status[worker] = header.get("body", {})
-        elif entry is not None:
-            _, fut = entry
-            if header.get("ok"):
-                fut.set_result(header.get("body", {}))
-            else:
-                fut.set_exception(RemoteError(f"{worker}: {header.get('error')}"))
+        try:
+            if rid < 0:  # a heartbeat reply
+                self.status[worker] = parse(Status, header.get("body"))
+            elif entry is not None:
+                _, fut, reply_type = entry
+                if header.get("ok"):
+                    fut.set_result(parse(reply_type, header.get("body")))
+                else:
+                    fut.set_exception(RemoteError(f"{worker}: {header.get('error')}"))
+        except BadBody as e:
+            self.dropped += 1
+            log.error("a malformed reply from %s: %s", worker, e)
+            if entry is not None:
+                entry[1].set_exception(RemoteError(f"{worker}: malformed reply: {e}"))
 
     def _mark_lost(self, worker: str, why: str) -> None:
         with self._lock:
             self.lost[worker] = why
-            mine = [rid for rid, (w, _) in self._pending.items() if w == worker]
+            mine = [rid for rid, (w, _, _) in self._pending.items() if w == worker]
             futs = [self._pending.pop(rid)[1] for rid in mine]
         for f in futs:
             f.set_exception(WorkerLost(f"{worker}: {why}"))
@@ -219,6 +237,20 @@ class WorkerPool:
             events = dict(poller.poll(100))
             if self._waker.recv_sock in events:
                 self._waker.drain()
+            while not self._reconnects.empty():  # sockets are this thread's: swap them here
+                name, address, done = self._reconnects.get()
+                old = self.socks[name]
+                poller.unregister(old)
+                del by_sock[old]
+                old.close(0)
+                self.socks[name] = self._connect(address)
+                self.addresses[name] = address
+                poller.register(self.socks[name], zmq.POLLIN)
+                by_sock[self.socks[name]] = name
+                self.last_reply[name] = time.monotonic()
+                with self._lock:
+                    self.lost.pop(name, None)
+                done.set()
             while not self._out.empty():
                 worker, header = self._out.get()
                 wire.send(self.socks[worker], header, secret=self.secret)
@@ -235,7 +267,7 @@ class WorkerPool:
                     if now - self.last_reply[name] > self.timeout:
                         self._mark_lost(name, f"no heartbeat for {self.timeout:g} s")
                         continue
-                    wire.send(s, request(Cmd.PING, next(ping_ids), {}), secret=self.secret)
+                    wire.send(s, request(Ping(), next(ping_ids)), secret=self.secret)
 
     def close(self) -> None:
         self._stop.set()
@@ -245,7 +277,7 @@ class WorkerPool:
         self._waker.close()
 
 
-def wait_all(futures: dict[str, Future], timeout_s: float, what: str) -> dict[str, dict]:
+def wait_all(futures: dict[str, Future], timeout_s: float, what: str) -> dict:
     """Results of every future, or an error naming what timed out and on which workers."""
     deadline = time.monotonic() + timeout_s
     out = {}

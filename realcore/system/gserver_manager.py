@@ -1,126 +1,315 @@
-"""The generation-server manager: admits rollouts under the staleness bound, routes them to
-servers, and moves every server onto each new policy version with interruption.
+"""The generation-server manager: admits rollouts under the staleness bound (staleness.py), routes
+them to healthy servers, and moves every server onto each new policy version with interruption.
 
-Rollout workers ask ALLOCATE before a rollout and say FINISH after it; the master says
-UPDATE_WEIGHTS after each training step. A weight update pauses every server with `abort` (running
-requests return their partial output; rollout workers resubmit prefix + output, which the servers
-hold until they continue), loads the new weights, and continues.
+Rollout workers ask ALLOCATE before a rollout (the grant names the prompt, by seq, and the server)
+and say FINISH after it; the master says UPDATE_WEIGHTS after each training step. A weight update
+pauses every ready server with `abort` (running requests return their partial output; rollout
+workers resubmit prefix + output, which the servers hold until they continue), loads the new
+weights, and continues.
+
+Servers come and go: a monitor thread follows each server's published address and health. A
+server that stops answering for `system.heartbeat_timeout_s` leaves the routing; one that
+(re)starts is caught up to the current weights before it gets work (disk: the manager loads the
+current version's folder; memory: it is listed as `behind`, and the master pushes the weights).
+A server is ready when it is healthy and holds the current version.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
 import os
+import threading
 import time
 import traceback
+from dataclasses import dataclass
 
 from realcore.api.alloc import parse_allocation_mode
 from realcore.api.config import ExperimentConfig
+from realcore.system import keys
 from realcore.system.control import ControlServer
-from realcore.system.name_resolve import make_name_resolver, scoped_key
-from realcore.system.protocol import Cmd
-from realcore.system.staleness import StalenessController
+from realcore.system.name_resolve import make_name_resolver
+from realcore.system.protocol import (Allocate, Drop, Exit, Finish, Grant, Pause, Register, Registered, Reroute, Rerouted,
+                                      Restore, Snapshot, Status, Updated, UpdateWeights)
+from realcore.system.staleness import Admission
 
 log = logging.getLogger("realcore.gserver_manager")
 
 
-def gen_server_key(cfg: ExperimentConfig, index: int) -> str:
-    return scoped_key(cfg.experiment_name, cfg.trial_name, "gen_server", str(index))
+@dataclass
+class Server:
+    index: int
+    url: str
+    holds: int | None = None  # the weight version it holds; None: not known yet
+    healthy: bool = False
+    failing_since: float | None = None
+    load: int = 0  # rollouts in flight on it
+
+
+def journal_path(cfg: ExperimentConfig, attempt: int) -> str:
+    """One journal per run attempt: a manager restarted in place replays it; a whole-run restart
+    starts a new one (the master restores the state from the recover checkpoint instead)."""
+    folder = os.path.join(cfg.output_dir, ".manager")
+    os.makedirs(folder, exist_ok=True)
+    return os.path.join(folder, f"journal-{attempt}.jsonl")
 
 
 class GServerManager:
-    def __init__(self, cfg: ExperimentConfig, secret: bytes, n_servers: int):
-        from realcore.system.master import manager_key
-
+    def __init__(self, cfg: ExperimentConfig, secret: bytes, n_servers: int, attempt: int = 0):
         self.cfg = cfg
-        resolver = make_name_resolver(cfg.system.name_resolve)
-        self.servers = [json.loads(resolver.wait(gen_server_key(cfg, i), timeout_s=cfg.system.startup_timeout_s))["http"]
-                        for i in range(n_servers)]
+        self.n_servers = n_servers
         self.engine = parse_allocation_mode(cfg.allocation_mode).backend
-        asyncio.run(self._on_all(lambda c: c.wait_ready(cfg.system.startup_timeout_s)))
-        self.load = {s: 0 for s in self.servers}  # rollouts in flight per server
-        self._rr = itertools.cycle(self.servers)
+        self.resolver = make_name_resolver(cfg.system.name_resolve)
         r = cfg.rollout
-        self.staleness = StalenessController(cfg.trainer.batch_size, r.max_head_offpolicyness, r.max_concurrent_rollouts)
+        self.admission = Admission(cfg.trainer.batch_size, r.max_head_offpolicyness, r.max_concurrent_rollouts,
+                                   journal_path(cfg, attempt))
+        self.servers: dict[int, Server] = {}
+        self.lock = threading.Lock()  # the server table, shared with the monitor thread
+        self._rr = 0
+        self._stop = threading.Event()
         self.control = ControlServer(cfg.system.host, secret, self._status)
-        resolver.put(manager_key(cfg), self.control.address, replace=True)
-        log.info("managing %d servers: %s", n_servers, ", ".join(self.servers))
+        self.resolver.put(keys.manager(cfg), json.dumps({"control": self.control.address, "pid": os.getpid()}), replace=True)
+        self.monitor = threading.Thread(target=self._monitor, name="server-monitor", daemon=True)
+        self.monitor.start()
+        log.info("manager for %d servers at %s%s", n_servers, self.control.address,
+                 " (state replayed from the journal)" if self.admission.restored else "")
 
-    def _status(self) -> dict:
-        s = self.staleness
-        return {"state": "running", "pid": os.getpid(), "version": s.version, "running": s.running, "trained": s.trained}
+    def _status(self) -> Status:
+        a = self.admission
+        with self.lock:
+            behind = [s.index for s in self.servers.values() if s.healthy and s.holds != a.state.version]
+        behind_str = ",".join(map(str, behind)) if self.cfg.rollout.weight_update == "memory" else ""
+        return Status("running" if a.restored else "waiting", os.getpid(),
+                      info={"version": a.state.version, "running": a.running, "trained": a.trained, "behind": behind_str})
 
-    def route(self) -> str:
-        if self.cfg.rollout.routing == "round_robin":
-            return next(self._rr)
-        return min(self.servers, key=lambda s: self.load[s])
+    def _ready(self) -> list[Server]:
+        version = self.admission.state.version
+        return [s for s in self.servers.values() if s.healthy and s.holds == version]
 
-    def allocate(self, body: dict) -> dict:
-        if not self.staleness.try_allocate():
-            return {"ok": False, "version": self.staleness.version}
+    def route(self, exclude: str | None = None) -> Server | None:
+        """A ready server for one more rollout (its load counted), or None."""
+        with self.lock:
+            ready = [s for s in self._ready() if s.url != exclude]
+            if not ready:
+                return None
+            if self.cfg.rollout.routing == "round_robin":
+                self._rr += 1
+                server = ready[self._rr % len(ready)]
+            else:
+                server = min(ready, key=lambda s: s.load)
+            server.load += 1
+            return server
+
+    # --- rollout workers ----------------------------------------------------------------------
+
+    def allocate(self, msg: Allocate) -> Grant:
+        version = self.admission.state.version
         server = self.route()
-        self.load[server] += 1
-        return {"ok": True, "server": server, "version": self.staleness.version}
+        if server is None:
+            return Grant(False, version)
+        seq = self.admission.allocate(msg.worker)
+        if seq is None:
+            with self.lock:
+                server.load -= 1
+            return Grant(False, version)
+        return Grant(True, version, server.url, seq)
 
-    def finish(self, body: dict) -> dict:
-        self.staleness.finish(bool(body["accepted"]))
-        self.load[body["server"]] -= 1
-        return {}
+    def finish(self, msg: Finish) -> None:
+        self.admission.finish(msg.worker, msg.seq, msg.accepted, msg.counters)
+        with self.lock:
+            for s in self.servers.values():
+                if s.url == msg.server and s.load > 0:
+                    s.load -= 1
 
-    def drop(self, body: dict) -> dict:
-        self.staleness.drop(int(body["n"]))
-        return {}
+    def register(self, msg: Register) -> Registered:
+        if not self.admission.restored:
+            return Registered(False)
+        self.admission.register(msg.worker, msg.running)
+        log.info("rollout worker %d registered (%d rollouts still running)", msg.worker, len(msg.running))
+        return Registered(True)
 
-    def pause(self, body: dict) -> dict:
-        """Interrupt every server (running requests return; new ones wait) before an in-memory push."""
-        asyncio.run(self._on_all(lambda c: c.pause("abort")))
-        return {}
+    def reroute(self, msg: Reroute) -> Rerouted:
+        """A request to `failed` went unanswered: take that server out of the routing until the
+        monitor sees it healthy (and current) again, and hand out another."""
+        with self.lock:
+            for s in self.servers.values():
+                if s.url == msg.failed:
+                    if s.healthy:
+                        log.warning("server %d (%s) failed a request; out of the routing until it answers again", s.index, s.url)
+                    s.healthy, s.load = False, max(0, s.load - 1)
+        server = self.route(exclude=msg.failed)
+        return Rerouted(server.url if server is not None else None)
 
-    def update_weights(self, body: dict) -> dict:
+    # --- the master ---------------------------------------------------------------------------
+
+    def restore(self, msg: Restore) -> None:
+        self.admission.restore(msg.state, msg.weights_path)
+        log.info("admitting from version %d (%d accepted, %d dropped, %d rollouts to run again)", msg.state.version,
+                 msg.state.accepted, msg.state.dropped, sum(len(v) for v in self.admission.state.redo.values()))
+
+    def drop(self, msg: Drop) -> None:
+        self.admission.drop(msg.total)
+
+    def pause(self, msg: Pause) -> None:
+        """Interrupt every ready server (running requests return; new ones wait) before an in-memory push."""
+        with self.lock:
+            targets = list(self._ready())
+        self._on(targets, lambda c: c.pause("abort"))
+
+    def update_weights(self, msg: UpdateWeights) -> Updated:
         """Disk: pause, load `path`, continue. In memory (`path` None): the trainer has pushed the
-        tensors to the paused servers already; continue."""
+        tensors to the paused servers already; continue. A server that fails leaves the routing
+        (the monitor catches it up later); the update goes on for the others."""
         t0 = time.perf_counter()
-        path, version = body.get("path"), str(body["version"])
-        if path is not None:
-            asyncio.run(self._on_all(lambda c: c.pause("abort")))
-            asyncio.run(self._on_all(lambda c: c.update_weights_from_disk(path, version)))
-        asyncio.run(self._on_all(lambda c: c.resume()))
-        self.staleness.version = int(body["version"])
-        return {"seconds": time.perf_counter() - t0}
+        with self.lock:
+            targets = [s for s in self.servers.values() if s.healthy]
+        if msg.path is not None:
+            self._on(targets, lambda c: c.pause("abort"))
+            ok = self._on(targets, lambda c: c.update_weights_from_disk(msg.path, msg.version))
+        else:
+            ok = targets
+        self._on(targets, lambda c: c.resume())
+        with self.lock:
+            for s in ok:
+                s.holds = msg.version
+            self.admission.set_version(msg.version, msg.path)
+        return Updated(time.perf_counter() - t0, dict(self.admission.state.counters))
 
-    async def _on_all(self, call) -> None:
+    def snapshot(self, msg: Snapshot):
+        return self.admission.state
+
+    def _on(self, servers: list[Server], call) -> list[Server]:
+        """Run `call(client)` on every server at once; those that fail are marked unhealthy.
+        Returns the servers it succeeded on."""
+        async def run() -> list:
+            clients = [self._client(s.url) for s in servers]
+            try:
+                return await asyncio.gather(*(call(c) for c in clients), return_exceptions=True)
+            finally:
+                await asyncio.gather(*(c.close() for c in clients))
+
+        results = asyncio.run(run()) if servers else []
+        ok = []
+        with self.lock:
+            for s, r in zip(servers, results):
+                if isinstance(r, BaseException):
+                    log.warning("server %d (%s): %s; out of the routing", s.index, s.url, r)
+                    s.healthy = False
+                else:
+                    ok.append(s)
+        return ok
+
+    def _client(self, url: str):
         from realcore.backends.server_launch import client_for
 
         r = self.cfg.rollout
-        clients = [client_for(self.engine, s, token=r.server_token, timeout_s=r.request_timeout_s) for s in self.servers]
+        return client_for(self.engine, url, token=r.server_token, timeout_s=r.request_timeout_s)
+
+    # --- the monitor thread -------------------------------------------------------------------
+
+    def _monitor(self) -> None:
+        asyncio.run(self._monitor_loop())
+
+    async def _monitor_loop(self) -> None:
+        sys_cfg = self.cfg.system
+        replayed = self.admission.restored
+        while not self._stop.is_set():
+            try:
+                await self._check_servers(resume_all=replayed)
+                replayed = False
+            except Exception:  # the monitor must not die silently: log and go on
+                log.error("server monitor:\n%s", traceback.format_exc())
+            await asyncio.sleep(sys_cfg.heartbeat_interval_s)
+
+    async def _check_servers(self, *, resume_all: bool) -> None:
+        found = self.resolver.find(keys.gen_servers(self.cfg))
+        with self.lock:
+            for key, value in found.items():
+                index, url = int(key.rsplit("/", 1)[1]), json.loads(value)["http"]
+                if index not in self.servers or self.servers[index].url != url:
+                    if index in self.servers:
+                        log.warning("server %d restarted at %s", index, url)
+                    self.servers[index] = Server(index, url)
+            servers = list(self.servers.values())
+        timeout = min(5.0, self.cfg.system.heartbeat_timeout_s)
+        clients = {s.index: self._client(s.url) for s in servers}
         try:
-            await asyncio.gather(*(call(c) for c in clients))
+            if resume_all:  # a manager restarted in place: its predecessor may have left servers paused
+                await asyncio.gather(*(c.resume() for c in clients.values()), return_exceptions=True)
+            health = await asyncio.gather(*(clients[s.index].health(timeout_s=timeout) for s in servers))
+            now = time.monotonic()
+            for s, ok in zip(servers, health):
+                self._mark(s, ok, now)
+            version = self.admission.state.version
+            for s in [s for s in servers if s.healthy and s.holds != version]:
+                await self._catch_up(s, clients[s.index], version)
         finally:
-            await asyncio.gather(*(c.close() for c in clients))
+            await asyncio.gather(*(c.close() for c in clients.values()))
+
+    def _mark(self, s: Server, ok: bool, now: float) -> None:
+        with self.lock:
+            if ok:
+                if not s.healthy and s.failing_since is not None:
+                    log.info("server %d (%s) answers again", s.index, s.url)
+                s.failing_since = None
+                s.healthy = True
+                return
+            s.failing_since = s.failing_since or now
+            if s.healthy and now - s.failing_since > self.cfg.system.heartbeat_timeout_s:
+                log.warning("server %d (%s) silent for %g s; out of the routing", s.index, s.url, self.cfg.system.heartbeat_timeout_s)
+                s.healthy = False
+
+    async def _catch_up(self, s: Server, client, version: int) -> None:
+        """Bring a healthy server that does not hold `version` onto it (see the module docstring)."""
+        from realcore.backends.gen_client import version_number
+
+        holds = None
+        try:
+            holds = version_number((await client.server_info()).get("weight_version"))
+        except Exception:  # vLLM has no server_info: unknown
+            pass
+        path = self.admission.weights_path
+        if holds != version and version > 0 and path is not None and self.cfg.rollout.weight_update == "disk":
+            try:
+                await client.update_weights_from_disk(path, version)
+                holds = version
+                log.info("server %d caught up to version %d from %s", s.index, version, path)
+            except Exception as e:
+                log.warning("server %d: loading %s failed (%s); trying again", s.index, path, e)
+                return
+        if holds is None and version == 0:
+            holds = 0  # a server that started from the initial weights
+        with self.lock:
+            if holds == self.admission.state.version:
+                s.holds = holds
+
+    # --- loop ---------------------------------------------------------------------------------
 
     def run(self) -> None:
-        handlers = {Cmd.ALLOCATE: self.allocate, Cmd.FINISH: self.finish, Cmd.UPDATE_WEIGHTS: self.update_weights, Cmd.PAUSE: self.pause,
-                    Cmd.DROP: self.drop}
+        handlers = {Allocate: self.allocate, Finish: self.finish, Register: self.register, Reroute: self.reroute,
+                    Restore: self.restore, Drop: self.drop, Pause: self.pause, UpdateWeights: self.update_weights,
+                    Snapshot: self.snapshot}
         sys_cfg = self.cfg.system
         while True:
             req = self.control.next_request(startup_timeout_s=sys_cfg.startup_timeout_s,
                                             heartbeat_timeout_s=sys_cfg.heartbeat_timeout_s, who="gserver_manager")
             if req is None:
                 continue
-            identity, cmd, rid, body = req
-            if cmd == Cmd.EXIT:
-                self.control.send_reply(identity, rid, {})
+            identity, rid, msg = req
+            if isinstance(msg, Exit):
+                self.control.send_reply(identity, rid)
                 return
             try:
-                if cmd not in handlers:
-                    raise ValueError(f"unexpected command {cmd.name}")
-                self.control.send_reply(identity, rid, handlers[cmd](body))
+                if type(msg) not in handlers:
+                    raise ValueError(f"unexpected command {msg.CMD.name}")
+                self.control.send_reply(identity, rid, handlers[type(msg)](msg))
             except Exception as e:
-                log.error("%s failed:\n%s", cmd.name, traceback.format_exc())
-                self.control.send_reply(identity, rid, error=f"{cmd.name}: {type(e).__name__}: {e}")
+                log.error("%s failed:\n%s", msg.CMD.name, traceback.format_exc())
+                self.control.send_reply(identity, rid, error=f"{msg.CMD.name}: {type(e).__name__}: {e}")
 
     def close(self) -> None:
+        self._stop.set()
+        self.monitor.join(timeout=10)
         self.control.close()
+        self.admission.close()

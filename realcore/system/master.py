@@ -1,8 +1,10 @@
 """The master worker: schedules the dataflow graph's MFCs onto model workers, moves only metadata.
 
-One step: take `batch_size` new samples from the dataset shards, then run every MFC whose inputs
-are ready on `n_seqs` samples (independent MFCs concurrently; each worker executes requests in
-arrival order, so collectives line up), then release the samples, log, and checkpoint.
+One step: take `batch_size` new samples from the batch source (dataset shards or the trajectory
+stream), then run every MFC whose inputs are ready on `n_seqs` samples (independent MFCs
+concurrently; each worker executes requests in arrival order, so collectives line up), then
+release the samples, publish the new weights to the generation servers, log, and checkpoint.
+A recover checkpoint (recover.py) lets a restarted run continue from the step it was written at.
 """
 
 from __future__ import annotations
@@ -11,39 +13,34 @@ import json
 import logging
 import os
 import queue
-import shutil
+import signal
 import threading
 import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 
 from realcore.api.alloc import parse_allocation_mode
 from realcore.api.config import ExperimentConfig
-from realcore.api.registry import dataset_keys, lookup
+from realcore.api.registry import lookup
 from realcore.dfg.graph import DataFlowGraph, MFCNode, build_graph
+from realcore.system import keys, recover
+from realcore.system.batch_source import DatasetSource, Group, StreamSource, source_keys
 from realcore.system.buffer import SampleBuffer, split_balanced
 from realcore.system.control import WorkerPool, wait_all
+from realcore.system.ledger import Ledger
 from realcore.system.metrics import MetricsWriter
-from realcore.system.name_resolve import make_name_resolver, scoped_key
-from realcore.system.protocol import Cmd
-from realcore.system.stream import STREAM_KEYS
+from realcore.system.name_resolve import make_name_resolver
+from realcore.system.process import PREEMPTED_EXIT
+from realcore.system.protocol import (Clear, Configure, Exit, ManagerState, Restore, RunMFC, Save, SaveState, Snapshot,
+                                      WorkerLost, parse)
+from realcore.system.weight_sync import make_weight_sync
 
 log = logging.getLogger("realcore.master")
+MANAGER = keys.MANAGER
 
 
-def model_worker_key(cfg: ExperimentConfig, index: int) -> str:
-    return scoped_key(cfg.experiment_name, cfg.trial_name, "model_worker", str(index))
-
-
-MANAGER = "gserver_manager"
-
-
-def manager_key(cfg: ExperimentConfig) -> str:
-    return scoped_key(cfg.experiment_name, cfg.trial_name, MANAGER)
-
-
-def source_keys(cfg: ExperimentConfig) -> tuple[str, ...]:
-    """What feeds the graph: the dataset (sync) or the rollout workers' trajectory stream (async)."""
-    return STREAM_KEYS if cfg.mode == "async" else dataset_keys(cfg.dataset)
+class Preempted(Exception):
+    """SIGTERM arrived: a recover checkpoint was written; the run should be started again later."""
 
 
 def _report_when_done(name: str, futs: dict[str, Future], events: queue.Queue) -> None:
@@ -64,18 +61,23 @@ def _report_when_done(name: str, futs: dict[str, Future], events: queue.Queue) -
         f.add_done_callback(done)
 
 
-def merge_stats(replies: list[dict], into: dict) -> None:
-    """Average each stat over workers, weighted by how many sequences each processed."""
-    total = sum(r.get("n", 0) for r in replies) or 1
-    keys = {k for r in replies for k in r.get("stats", {})}
-    for k in keys:
-        into[k] = sum(r["stats"].get(k, 0.0) * r.get("n", 0) for r in replies) / total
+def merge_stats(replies: list, into: dict) -> None:
+    """Counts (int stats) are summed over workers; means are averaged, weighted by how many
+    sequences each worker processed."""
+    total = sum(r.n for r in replies) or 1
+    for k in {k for r in replies for k in r.stats}:
+        values = [r.stats[k] for r in replies if k in r.stats]
+        if all(isinstance(v, int) for v in values):
+            into[k] = sum(values)
+        else:
+            into[k] = sum(r.stats.get(k, 0.0) * r.n for r in replies) / total
 
 
 class Master:
     def __init__(self, cfg: ExperimentConfig, secret: bytes, n_workers: int):
         self.cfg = cfg
         self.n_workers = n_workers
+        self.async_mode = cfg.mode == "async"
         self.dfg: DataFlowGraph = build_graph(cfg, source_keys(cfg))
         self.nodes = [self.dfg.nodes[n] for n in self.dfg.order()]
         self.buffer = SampleBuffer(self.nodes)
@@ -84,112 +86,76 @@ class Master:
         self.mesh = self.alloc.train
         # One head per data-parallel replica holds the replica's samples and answers for it.
         self.heads = [self.mesh.dp_head(d) for d in range(self.mesh.dp)]
-        resolver = make_name_resolver(cfg.system.name_resolve)
+        self.resolver = make_name_resolver(cfg.system.name_resolve)
         timeout = cfg.system.startup_timeout_s
-        addrs = {n: json.loads(resolver.wait(model_worker_key(cfg, i), timeout_s=timeout))["control"]
+        addrs = {n: json.loads(self.resolver.wait(keys.model_worker(cfg, i), timeout_s=timeout))["control"]
                  for i, n in enumerate(self.names)}
-        if cfg.mode == "async":
-            addrs[MANAGER] = resolver.wait(manager_key(cfg), timeout_s=timeout)
+        if self.async_mode:
+            addrs[MANAGER] = json.loads(self.resolver.wait(keys.manager(cfg), timeout_s=timeout))["control"]
         self.pool = WorkerPool(
             addrs, secret,
             heartbeat_interval_s=cfg.system.heartbeat_interval_s, heartbeat_timeout_s=cfg.system.heartbeat_timeout_s,
         )
         self.next_id = 0
         self.version = 0
+        self.step = 0
+        self.weights = make_weight_sync(self) if self.alloc.gen is not None else None
+        self.source = StreamSource(self) if self.async_mode else DatasetSource(self)
+        self.preempt_requested = False
 
-    def to_workers(self, cmd: Cmd, body: dict | None = None) -> dict[str, Future]:
-        return {n: self.pool.request(n, cmd, body) for n in self.names}
+    # --- calls --------------------------------------------------------------------------------
 
-    def configure(self) -> None:
-        replies = wait_all(self.to_workers(Cmd.CONFIGURE), self.cfg.system.startup_timeout_s, "configure")
-        if self.cfg.mode == "async":
-            return
-        rows = sum(r["n_rows"] for r in replies.values())
-        skipped: dict[str, int] = {}
-        for r in replies.values():
-            for why, n in r["skipped"].items():
-                skipped[why] = skipped.get(why, 0) + n
-        log.info("dataset: %d rows, %d usable, skipped %s", rows, sum(r["n_samples"] for r in replies.values()), skipped or "none")
+    def wait(self, futs: dict[str, Future], what: str, timeout_s: float | None = None) -> dict:
+        return wait_all(futs, timeout_s or self.cfg.system.request_timeout_s, what)
 
-    def fetch_batch(self, metrics: dict) -> None:
-        """New samples: batch_size split evenly over the dataset shards (sync), or the first
-        batch_size trajectories the rollout workers streamed to any model worker (async)."""
-        n, w, timeout = self.cfg.trainer.batch_size, len(self.heads), self.cfg.system.request_timeout_s
-        if self.cfg.mode == "sync":
-            futs = {}
-            for d, head in enumerate(self.heads):
-                name = self.names[head]
-                k = n // w + (1 if d < n % w else 0)
-                if k:
-                    futs[name] = self.pool.request(name, Cmd.FETCH, {"first_id": self.next_id, "n": k})
-                    self.next_id += k
-            for name, r in wait_all(futs, timeout, "dataset fetch").items():
-                self.buffer.add(self.names.index(name), r["ids"], r["seqlens"])
-            return
-        got, versions, rewards, dropped, t0 = 0, [], [], 0, time.monotonic()
-        deadline = t0 + timeout
-        while got < n:
-            for i in self.heads:
-                name = self.names[i]
-                body = {"first_id": self.next_id, "n": n - got, "version": self.version}
-                r = wait_all({name: self.pool.request(name, Cmd.FETCH, body)}, timeout, "stream fetch")[name]
-                if r["dropped"]:  # the manager must stop counting them, or admission would stall
-                    wait_all({MANAGER: self.pool.request(MANAGER, Cmd.DROP, {"n": r["dropped"]})}, timeout, "drop")
-                    dropped += r["dropped"]
-                self.buffer.add(i, r["ids"], r["seqlens"])
-                self.next_id += len(r["ids"])
-                got += len(r["ids"])
-                versions += r["versions"]
-                rewards += r["rewards"]  # scalars: metadata, like lengths
-                if got == n:
+    def call_all(self, msg, what: str, timeout_s: float | None = None) -> dict:
+        return self.wait({n: self.pool.request(n, msg) for n in self.names}, what, timeout_s)
+
+    def clear_on(self, index: int, ids: list[int]) -> None:
+        self.wait({self.names[index]: self.pool.request(self.names[index], Clear(ids))}, "clear")
+
+    def call_manager(self, msg, what: str):
+        """One request to the gserver manager, surviving its restart: when it publishes a new
+        address (the launcher restarted it; it replayed its journal), reconnect and send again.
+        Every manager command is idempotent, so a command that reached the old one is harmless."""
+        deadline = time.monotonic() + self.cfg.system.request_timeout_s
+        while True:
+            fut = self.pool.request(MANAGER, msg)
+            while True:
+                try:
+                    return fut.result(timeout=1.0)
+                except FutureTimeout:
+                    if self._manager_moved():
+                        break
+                except WorkerLost:
+                    while not self._manager_moved():
+                        if time.monotonic() > deadline:
+                            raise TimeoutError(f"manager {what}: the gserver manager is gone and did not come back") from None
+                        time.sleep(0.5)
                     break
-            if got < n:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"stream: {got} of {n} trajectories within {timeout:g} s; are the rollout workers and servers alive?")
-                time.sleep(0.05)
-        metrics["time/stream_wait_s"] = time.monotonic() - t0
-        metrics["staleness/dropped"] = dropped
-        metrics["reward/mean"] = sum(rewards) / len(rewards)
-        # Staleness of this batch against the policy that trains on it (AReaL's head/tail offpolicyness).
-        metrics["staleness/head"] = self.version - min(v[0] for v in versions)
-        metrics["staleness/tail"] = self.version - max(v[0] for v in versions)
-        metrics["staleness/interrupted_frac"] = sum(v[0] != v[1] for v in versions) / len(versions)
+                    raise TimeoutError(f"manager {what}: no reply within {self.cfg.system.request_timeout_s:g} s")
+            log.warning("the gserver manager restarted; sending %s again", what)
 
-    def publish_weights(self) -> None:
-        """Move every generation server onto the new version (async: interrupting generation)."""
-        timeout = self.cfg.system.request_timeout_s
-        if self.cfg.mode == "sync":  # no manager: the trainer updates the idle servers itself
-            return self.publish_weights_sync(timeout)
-        manager = lambda cmd, body: wait_all({MANAGER: self.pool.request(MANAGER, cmd, body)}, timeout, f"manager {cmd.name}")
-        if self.cfg.rollout.weight_update == "memory":
-            manager(Cmd.PAUSE, {})
-            body = {"servers": self.server_weight_addresses(), "version": self.version}
-            wait_all(self.to_workers(Cmd.PUBLISH_WEIGHTS, body), timeout, "push weights")
-            manager(Cmd.UPDATE_WEIGHTS, {"path": None, "version": self.version})
-            return
-        path = os.path.join(self.cfg.output_dir, "weights", f"v{self.version}")
-        wait_all(self.to_workers(Cmd.PUBLISH_WEIGHTS, {"path": path}), timeout, "publish weights")
-        manager(Cmd.UPDATE_WEIGHTS, {"path": path, "version": self.version})
-        shutil.rmtree(os.path.join(self.cfg.output_dir, "weights", f"v{self.version - 2}"), ignore_errors=True)
+    def _manager_moved(self) -> bool:
+        try:
+            address = json.loads(self.resolver.get(keys.manager(self.cfg)))["control"]
+        except KeyError:
+            return False
+        if address == self.pool.addresses[MANAGER]:
+            return False
+        self.pool.reconnect(MANAGER, address)
+        return True
 
-    def publish_weights_sync(self, timeout: float) -> None:
-        if self.cfg.rollout.weight_update == "memory":
-            body = {"servers": self.server_addresses("weights"), "version": self.version}
-        else:
-            path = os.path.join(self.cfg.output_dir, "weights", f"v{self.version}")
-            body = {"path": path, "http": self.server_addresses("http"), "version": self.version}
-        wait_all(self.to_workers(Cmd.PUBLISH_WEIGHTS, body), timeout, "publish weights")
-        shutil.rmtree(os.path.join(self.cfg.output_dir, "weights", f"v{self.version - 2}"), ignore_errors=True)
+    def while_waiting(self) -> None:
+        """Called while the master waits for trajectories: servers that restarted get the
+        current weights (in memory mode only the trainer can give them)."""
+        status = self.pool.status.get(MANAGER)
+        behind = status.info.get("behind", "") if status is not None else ""
+        if behind and self.weights is not None:
+            self.weights.catch_up([int(i) for i in str(behind).split(",")])
 
-    def server_weight_addresses(self) -> list[str]:
-        return self.server_addresses("weights")
-
-    def server_addresses(self, kind: str) -> list[str]:
-        """Every generation server's `http` or in-memory `weights` address, as it published them."""
-        from realcore.system.gserver_manager import gen_server_key
-
-        resolver = make_name_resolver(self.cfg.system.name_resolve)
-        return [json.loads(resolver.get(gen_server_key(self.cfg, i)))[kind] for i in range(self.alloc.gen.dp)]
+    # --- the step -----------------------------------------------------------------------------
 
     def collective(self, node: MFCNode) -> bool:
         """Runs on every rank of each replica (a Megatron role's forward/backward), or on heads only."""
@@ -203,9 +169,8 @@ class Master:
         self.buffer.start(node, ids)
         ranks = range(self.n_workers) if self.collective(node) else self.heads
         return {
-            self.names[i]: self.pool.request(self.names[i], Cmd.RUN_MFC, {
-                "mfc": node.name, "ids": parts[self.mesh.dp_rank(i)],
-                "owners": self.buffer.owners(parts[self.mesh.dp_rank(i)], node.inputs)})
+            self.names[i]: self.pool.request(self.names[i], RunMFC(
+                node.name, parts[self.mesh.dp_rank(i)], self.buffer.owners(parts[self.mesh.dp_rank(i)], node.inputs)))
             for i in ranks
         }
 
@@ -236,7 +201,7 @@ class Master:
             replies = {w: r for w, r in wait_all(futs, 0, f"MFC {name}").items()
                        if self.names.index(w) in self.heads}  # the rest of a replica echoes its head
             for wname, r in replies.items():
-                self.buffer.add(self.names.index(wname), r["ids"], r["outputs"])
+                self.buffer.add(self.names.index(wname), r.ids, r.outputs)
             self.buffer.finish(node, ids)
             merge_stats(list(replies.values()), metrics)
             metrics[f"time/{name}_s"] = metrics.get(f"time/{name}_s", 0.0) + time.perf_counter() - t0
@@ -245,51 +210,155 @@ class Master:
 
     def release(self) -> None:
         ids = self.buffer.completed()
-        wait_all(self.to_workers(Cmd.CLEAR, {"ids": ids}), self.cfg.system.request_timeout_s, "release")
+        self.call_all(Clear(ids), "release")
         self.buffer.release(ids)
+
+    def ledger_rows(self, groups: list[Group], trained_version: int) -> list[tuple[str, int, list[int], list[int]]]:
+        rows = []
+        for g in groups:
+            n = len(self.buffer.samples[g.sid].keys["input_ids"][1]) if "input_ids" in self.buffer.samples[g.sid].keys else 1
+            starts = g.version_start if g.version_start is not None else [trained_version] * n
+            ends = g.version_end if g.version_end is not None else [trained_version] * n
+            rows.append((g.uid, n, starts, ends))
+        return rows
 
     def save(self, step: int) -> None:
         path = os.path.join(self.cfg.output_dir, "checkpoints", f"step_{step}")
-        wait_all(self.to_workers(Cmd.SAVE, {"path": path}), self.cfg.system.request_timeout_s, "checkpoint")
+        self.call_all(Save(path), "checkpoint")
         log.info("saved %s", path)
+
+    # --- recovery -----------------------------------------------------------------------------
+
+    def save_recover(self, step: int) -> None:
+        """A recover checkpoint of the state after `step`. The manager's admission state is taken
+        before the streams' waiting trajectories: a rollout that finishes in between is then both
+        "running" (it will run again) and waiting in a stream, a duplicate the stream source
+        discards, where the other order could lose it."""
+        t0 = time.perf_counter()
+        out = self.cfg.output_dir
+        tmp = recover.begin(out, step)
+        if self.async_mode:
+            recover.write_json(os.path.join(tmp, "manager.json"), self.call_manager(Snapshot(), "snapshot"))
+        self.call_all(SaveState(tmp), "recover checkpoint")
+        recover.write_json(os.path.join(tmp, "master.json"),
+                           recover.MasterState(step, self.version, self.next_id, self.source.state()))
+        path = recover.commit(tmp, out, step)
+        log.info("recover checkpoint %s (%.1f s)", path, time.perf_counter() - t0)
+
+    def recover_on(self) -> bool:
+        return self.cfg.recover_mode != "disabled" or self.cfg.trainer.recover_freq_steps is not None
+
+    def resume_from(self) -> tuple[recover.MasterState, str] | None:
+        """The recover checkpoint to continue from (recover_mode resume/auto), or None."""
+        if self.cfg.recover_mode == "disabled":
+            return None
+        found = recover.latest(self.cfg.output_dir)
+        if found is None:
+            return None
+        _, path = found
+        state = recover.MasterState(**recover.read_json(os.path.join(path, "master.json")))
+        saved = len([d for d in os.listdir(path) if d.startswith("model_worker-")])
+        if saved != self.n_workers:
+            raise ValueError(f"recover checkpoint {path} holds {saved} model workers, this run has {self.n_workers}: "
+                             "resume with the allocation_mode it was written with")
+        return state, path
+
+    def _on_sigterm(self, signum, frame) -> None:
+        if self.preempt_requested:  # a second SIGTERM: stop now
+            raise SystemExit(128 + signum)
+        log.warning("SIGTERM: finishing step %d, then writing a recover checkpoint and stopping", self.step + 1)
+        self.preempt_requested = True
+
+    # --- main ---------------------------------------------------------------------------------
+
+    def configure(self, recover_from: str | None = None) -> None:
+        replies = self.call_all(Configure(recover_from=recover_from), "configure", self.cfg.system.startup_timeout_s)
+        if not self.async_mode:
+            skipped: dict[str, int] = {}
+            for r in replies.values():
+                for why, n in r.skipped.items():
+                    skipped[why] = skipped.get(why, 0) + n
+            log.info("dataset: %d rows, %d usable, skipped %s", sum(r.n_rows for r in replies.values()),
+                     sum(r.n_samples for r in replies.values()), skipped or "none")
 
     def run(self) -> None:
         cfg = self.cfg
-        self.configure()
-        writer = MetricsWriter(cfg.output_dir, cfg.trainer.total_steps)
-        rewards: list[float] = []
+        signal.signal(signal.SIGTERM, self._on_sigterm)  # preemption: checkpoint at the step's end
+        resumed = self.resume_from()
+        path = None
+        if resumed is not None:
+            state, path = resumed
+            self.step, self.version, self.next_id = state.step, state.version, state.next_id
+            print(f"realcore: resuming from step {self.step} (recover checkpoint {path})", flush=True)
+        self.configure(path)
+        writer = MetricsWriter(cfg.output_dir, cfg.trainer.total_steps, resume_step=self.step)
+        ledger = Ledger(cfg.output_dir, resume_step=self.step)
+        if resumed is not None:
+            self.source.load_state(resumed[0].source, ledger)
         try:
-            for step in range(1, cfg.trainer.total_steps + 1):
-                t0 = time.perf_counter()
-                metrics: dict = {"step": step}
-                self.fetch_batch(metrics)
-                version = self.version
-                self.run_step(step, metrics, writer)
-                self.release()
-                if self.alloc.gen is not None and self.version != version:
-                    t1 = time.perf_counter()
-                    self.publish_weights()
-                    metrics["time/weight_update_s"] = time.perf_counter() - t1
-                metrics["version"] = self.version
-                metrics["time/step_s"] = time.perf_counter() - t0
-                writer.write(metrics)
-                if "reward/mean" in metrics:
-                    rewards.append(metrics["reward/mean"])
-                freq = cfg.trainer.save_freq_steps
-                if step == cfg.trainer.total_steps or (freq and step % freq == 0):
-                    self.save(step)
+            self.start_generation(path)
+            self.loop(writer, ledger)
         finally:
             writer.close()
+            ledger.close()
+
+    def start_generation(self, path: str | None) -> None:
+        """Servers start with the initial weights: give them the current version, then (async) let
+        the manager admit rollouts, from the checkpoint's admission state if resuming."""
+        if self.weights is not None and self.version > 0:
+            self.weights.publish(self.version)
+        if self.async_mode:
+            state = ManagerState()
+            if path is not None:
+                state = parse(ManagerState, recover.read_json(os.path.join(path, "manager.json")))
+            self.call_manager(Restore(state, getattr(self.weights, "path", None)), "restore")
+
+    def loop(self, writer: MetricsWriter, ledger: Ledger) -> None:
+        cfg = self.cfg
+        rewards: list[float] = []
+        for step in range(self.step + 1, cfg.trainer.total_steps + 1):
+            t0 = time.perf_counter()
+            metrics: dict = {"step": step}
+            groups = self.source.fetch(metrics)
+            version = self.version
+            self.run_step(step, metrics, writer)
+            ledger.write(step, version, self.ledger_rows(groups, version))
+            self.release()
+            if self.weights is not None and self.version != version:
+                t1 = time.perf_counter()
+                reply = self.weights.publish(self.version)
+                metrics["time/weight_update_s"] = time.perf_counter() - t1
+                for k, v in getattr(reply, "counters", {}).items():
+                    metrics[k] = v
+            metrics["version"] = self.version
+            metrics["time/step_s"] = time.perf_counter() - t0
+            writer.write(metrics)
+            self.step = step
+            if "reward/mean" in metrics:
+                rewards.append(metrics["reward/mean"])
+            freq = cfg.trainer.save_freq_steps
+            last = step == cfg.trainer.total_steps
+            if last or (freq and step % freq == 0):
+                self.save(step)
+            rfreq = cfg.trainer.recover_freq_steps
+            if self.preempt_requested or (rfreq and step % rfreq == 0) or (last and self.recover_on()):
+                self.save_recover(step)
+            if self.preempt_requested and not last:
+                raise Preempted(f"preempted after step {step}")
         if rewards:
             k = max(1, min(5, len(rewards) // 2))
-            first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
-            print(f"reward/mean: first {k} steps {first:.3f}, last {k} steps {last:.3f} ({last - first:+.3f})", flush=True)
+            first, last_ = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+            print(f"reward/mean: first {k} steps {first:.3f}, last {k} steps {last_:.3f} ({last_ - first:+.3f})", flush=True)
 
     def shutdown(self) -> None:
         """Ask every live worker to exit (best effort, bounded), then close sockets."""
         try:
-            futs = {n: self.pool.request(n, Cmd.EXIT) for n in self.pool.names if n not in self.pool.lost}
+            futs = {n: self.pool.request(n, Exit()) for n in self.pool.names if n not in self.pool.lost}
             wait_all(futs, self.cfg.system.shutdown_timeout_s, "exit")
         except Exception as e:  # workers may already be gone; the launcher kills leftovers
             log.warning("shutdown: %s", e)
         self.pool.close()
+
+
+def exit_code_of(error: BaseException) -> int:
+    return PREEMPTED_EXIT if isinstance(error, Preempted) else 1

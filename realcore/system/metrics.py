@@ -8,13 +8,21 @@ import sys
 
 
 class MetricsWriter:
-    def __init__(self, output_dir: str, total_steps: int):
+    def __init__(self, output_dir: str, total_steps: int, *, resume_step: int = 0):
+        """A new run starts a new record; a resumed one continues after `resume_step`: rows of
+        later steps (written by the attempt that failed) are dropped, and TensorBoard hides its
+        events from those steps (purge_step), so every step appears once."""
+        from realcore.system.recover import truncate_jsonl
+
         self.total = total_steps
         self.path = os.path.join(output_dir, "metrics.jsonl")
-        self._file = open(self.path, "w", buffering=1)  # a new run starts a new record (no resume yet)
+        if resume_step == 0 and os.path.exists(self.path):
+            os.remove(self.path)
+        truncate_jsonl(self.path, resume_step)
+        self._file = open(self.path, "a", buffering=1)
         from torch.utils.tensorboard import SummaryWriter
 
-        self._tb = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+        self._tb = SummaryWriter(os.path.join(output_dir, "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
         self._live = sys.stdout.isatty()
 
     def live(self, step: int, what: str) -> None:

@@ -23,13 +23,16 @@ from realcore.api.config import ExperimentConfig
 from realcore.api.data import SequenceSample
 from realcore.api.registry import dataset_keys, lookup
 from realcore.dfg.graph import build_graph
+from realcore.system import keys
+from realcore.system.batch_source import source_keys
 from realcore.system.control import ControlServer
 from realcore.system.data_plane import DataClient, DataServer, Storage
-from realcore.system.master import model_worker_key, source_keys
-from realcore.system.name_resolve import make_name_resolver, scoped_key
-from realcore.system.protocol import Cmd
+from realcore.system.name_resolve import make_name_resolver
+from realcore.system.protocol import (Clear, Configure, Configured, Exit, Fetch, Fetched, MFCDone, Pause, PublishWeights,
+                                      RunMFC, Save, SaveState, Start, Status)
+from realcore.system import recover_state
 from realcore.system.sampler import EpochSampler
-from realcore.system.stream import TrajectoryStream
+from realcore.system.stream import STREAM_KEYS, TrajectoryStream
 
 log = logging.getLogger("realcore.model_worker")
 
@@ -60,15 +63,15 @@ class ModelWorker:
         info = {"control": self.control.address, "data": self.data.address, "pid": os.getpid()}
         if self.stream is not None:
             info["stream"] = self.stream.address
-        self.resolver.put(model_worker_key(cfg, index), json.dumps(info), replace=True)
+        self.resolver.put(keys.model_worker(cfg, index), json.dumps(info), replace=True)
         self.state = "ready"
 
-    def _status(self) -> dict:
-        return {"state": self.state, "pid": os.getpid(), "stored": len(self.storage)}
+    def _status(self) -> Status:
+        return Status(self.state, os.getpid(), info={"stored": len(self.storage)})
 
     # --- commands -------------------------------------------------------------------------
 
-    def configure(self, body: dict) -> dict:
+    def configure(self, msg: Configure) -> Configured:
         cfg = self.cfg
         self._init_process_group()
         from realcore.backends.models import load_tokenizer
@@ -85,35 +88,35 @@ class ModelWorker:
                 self.engines[role] = TorchEngine(cfg.model.path, rcfg, total_steps=cfg.trainer.total_steps, seed=cfg.seed)
         tokenizer = self.engines["actor"].tokenizer or load_tokenizer(cfg.model.path)
         self.no_model = SimpleNamespace(tokenizer=tokenizer)
-        counts = {"n_rows": 0, "n_samples": 0, "skipped": {}}
+        counts = Configured()
         if cfg.mode == "sync" and self.head:  # in async mode the rollout workers hold the dataset
             loaded = lookup("dataset", cfg.dataset.type)(
                 cfg.dataset, tokenizer, rank=self.dp_rank, world=self.mesh.dp, use_chat_template=cfg.model.use_chat_template
             )
             self.dataset = loaded.samples
             self.sampler = EpochSampler(len(self.dataset), cfg.dataset.seed, self.dp_rank)
-            counts = {"n_rows": loaded.n_rows, "n_samples": len(self.dataset), "skipped": loaded.skipped}
+            counts = Configured(loaded.n_rows, len(self.dataset), loaded.skipped)
         if cfg.mode == "sync" and self.alloc.gen is not None and self.head:
             self.generator = self._server_generation(tokenizer)
         for i in range(self.world):
             if i != self.index:
-                self.peers[i] = json.loads(self.resolver.get(model_worker_key(cfg, i)))["data"]
+                self.peers[i] = json.loads(self.resolver.get(keys.model_worker(cfg, i)))["data"]
+        if msg.recover_from is not None:
+            recover_state.load(self, msg.recover_from)
         self.state = "running"
         return counts
 
     def _server_generation(self, tokenizer):
         from realcore.backends.server_generation import ServerGeneration
-        from realcore.system.gserver_manager import gen_server_key
-
         timeout = self.cfg.system.startup_timeout_s
-        addrs = json.loads(self.resolver.wait(gen_server_key(self.cfg, self.dp_rank % self.alloc.gen.dp), timeout_s=timeout))
+        addrs = json.loads(self.resolver.wait(keys.gen_server(self.cfg, self.dp_rank % self.alloc.gen.dp), timeout_s=timeout))
         r = self.cfg.rollout
         return ServerGeneration(self.alloc.backend, addrs["http"], tokenizer, token=r.server_token,
                                 timeout_s=r.request_timeout_s, ready_timeout_s=timeout)
 
     def _init_process_group(self) -> None:
         cfg = self.cfg
-        key = scoped_key(cfg.experiment_name, cfg.trial_name, "dist_init")
+        key = keys.dist_init(cfg)
         if self.index == 0:
             import socket
 
@@ -126,26 +129,45 @@ class ModelWorker:
         dist.init_process_group(backend, init_method=addr, rank=self.index, world_size=self.world,
                                 timeout=timedelta(seconds=cfg.system.request_timeout_s))
 
-    def fetch(self, body: dict) -> dict:
+    def fetch(self, msg: Fetch) -> Fetched:
         """Samples for the master's ids: the next of this dataset shard (sync), or up to `n`
-        trajectories that rollout workers streamed here (async; possibly none yet)."""
+        trajectories that rollout workers streamed here (async; possibly none yet). A sample's uid
+        names its prompt across restarts: "d{shard}:{seq}" (dataset) or "r{worker}:{seq}" (stream)."""
         if self.stream is not None:
-            return self.stream.take(body["first_id"], body["n"], self.storage, current_version=body["version"],
-                                    max_head_offpolicyness=self.cfg.rollout.max_head_offpolicyness)
-        ids = list(range(body["first_id"], body["first_id"] + body["n"]))
-        keys = sorted(dataset_keys(self.cfg.dataset))
-        seqlens: dict[str, list] = {k: [] for k in keys}
+            return self._take_stream(msg)
+        ids = list(range(msg.first_id, msg.first_id + msg.n))
+        names = sorted(dataset_keys(self.cfg.dataset))
+        seqlens: dict[str, list] = {k: [] for k in names}
+        uids = []
         for sid in ids:
-            sample = self.dataset[self.sampler.next()]
-            for k in keys:
+            seq, index = self.sampler.next()
+            sample = self.dataset[index]
+            uids.append(f"d{self.dp_rank}:{seq}")
+            for k in names:
                 self.storage.put(sid, k, sample[k])
                 seqlens[k].append([int(t.numel()) for t in sample[k]])
-        return {"ids": ids, "seqlens": seqlens}
+        return Fetched(ids, seqlens, uids)
 
-    def run_mfc(self, body: dict) -> dict:
-        node = self.dfg.nodes[body["mfc"]]
-        ids: list[int] = body["ids"]
-        samples = self._gather(ids, node.inputs, body["owners"])
+    def _take_stream(self, msg: Fetch) -> Fetched:
+        groups, dropped = self.stream.take(msg.n, current_version=msg.version,
+                                           max_head_offpolicyness=self.cfg.rollout.max_head_offpolicyness)
+        out = Fetched([], {k: [] for k in STREAM_KEYS}, [], dropped=dropped)
+        for k, (uid, sample) in enumerate(groups):
+            sid = msg.first_id + k
+            for key in STREAM_KEYS:
+                self.storage.put(sid, key, sample[key])
+                out.seqlens[key].append([int(t.numel()) for t in sample[key]])
+            out.ids.append(sid)
+            out.uids.append(uid)
+            out.version_start.append([int(t) for t in sample["version_start"]])
+            out.version_end.append([int(t) for t in sample["version_end"]])
+            out.rewards.append([float(r) for r in sample["rewards"]])
+        return out
+
+    def run_mfc(self, msg: RunMFC) -> MFCDone:
+        node = self.dfg.nodes[msg.mfc]
+        ids = msg.ids
+        samples = self._gather(ids, node.inputs, msg.owners)
         batch = SequenceSample(ids, [{node.input_remap.get(k, k): s[k] for k in node.inputs} for s in samples])
         model = self.engines[node.model] if node.model else self.no_model
         if self.generator is not None and getattr(self.mfcs[node.name], "generates", False):
@@ -167,7 +189,9 @@ class ModelWorker:
                     self.storage.put(sid, key, s[name])
                     outputs[key].append([int(t.numel()) for t in s[name]])
         n = sum(len(s[node.input_remap.get(k, k)]) for s in batch.samples for k in node.inputs[:1])
-        return {"ids": ids, "outputs": outputs, "stats": {k: float(v) for k, v in stats.items()}, "n": n}
+        # An int stat is a count (the master sums it over workers); anything else is a mean.
+        stats = {k: v if isinstance(v, int) else float(v) for k, v in stats.items()}
+        return MFCDone(ids, outputs, stats, n)
 
     def _gather(self, ids: list[int], keys: tuple[str, ...], owners: dict[str, list[int]]) -> list[dict]:
         """Inputs of the call: local ones from storage, the rest fetched from their owners."""
@@ -186,33 +210,34 @@ class ModelWorker:
         """A Megatron role: every rank takes part in gathering its weights (rank 0 writes)."""
         return self.cfg.roles()[role].backend == "megatron"
 
-    def save(self, body: dict) -> dict:
+    def save(self, msg: Save) -> None:
         """Each trainable role in HF format (the actor at the path itself), written by rank 0."""
         for role, engine in self.engines.items():
             if self.cfg.roles()[role].trainable and (self.index == 0 or self._sharded(role)):
-                engine.save_hf(body["path"] if role == "actor" else os.path.join(body["path"], role))
-        return {}
+                engine.save_hf(msg.path if role == "actor" else os.path.join(msg.path, role))
 
-    def publish_weights(self, body: dict) -> dict:
+    def save_state(self, msg: SaveState) -> None:
+        recover_state.save(self, msg.path)
+
+    def publish_weights(self, msg: PublishWeights) -> None:
         """Hand the actor's weights to the generation servers: as an HF directory they load
         (`path`; in sync mode rank 0 then tells the servers in `http`), or pushed over the
         authenticated wire to their update sockets (`servers`)."""
         engine, sharded = self.engines["actor"], self._sharded("actor")
-        if body.get("servers"):
+        if msg.servers:
             from realcore.backends.gen_client import push_weights
 
             if sharded:
                 state = engine.hf_state_dict()
             else:
                 state = engine.model.state_dict() if self.index == 0 else None
-            for address in body["servers"] if self.index == 0 else []:
-                push_weights(address, self.control.secret, str(body["version"]), state, self.cfg.system.request_timeout_s)
-            return {}
+            for address in msg.servers if self.index == 0 else []:
+                push_weights(address, self.control.secret, str(msg.version), state, self.cfg.system.request_timeout_s)
+            return
         if self.index == 0 or sharded:
-            engine.save_hf(body["path"])
-        if self.index == 0 and body.get("http"):
-            asyncio.run(self._servers_load(body["http"], body["path"], body["version"]))
-        return {}
+            engine.save_hf(msg.path)
+        if self.index == 0 and msg.http:
+            asyncio.run(self._servers_load(msg.http, msg.path, msg.version))
 
     async def _servers_load(self, urls: list[str], path: str, version: int) -> None:
         from realcore.backends.server_launch import client_for
@@ -226,51 +251,43 @@ class ModelWorker:
 
     # --- loop -----------------------------------------------------------------------------
 
-    def handle(self, cmd: Cmd, body: dict) -> dict:
-        if cmd == Cmd.CONFIGURE:
-            return self.configure(body)
-        if cmd == Cmd.FETCH:
-            return self.fetch(body)
-        if cmd == Cmd.RUN_MFC:
-            return self.run_mfc(body)
-        if cmd == Cmd.CLEAR:
-            self.storage.drop(body["ids"])
-            return {}
-        if cmd == Cmd.SAVE:
-            return self.save(body)
-        if cmd == Cmd.PUBLISH_WEIGHTS:
-            return self.publish_weights(body)
-        raise ValueError(f"unexpected command {cmd.name}")
+    def handle(self, msg):
+        handlers = {Configure: self.configure, Fetch: self.fetch, RunMFC: self.run_mfc, Save: self.save,
+                    SaveState: self.save_state, PublishWeights: self.publish_weights,
+                    Clear: lambda m: self.storage.drop(m.ids)}
+        if type(msg) not in handlers:
+            raise ValueError(f"unexpected command {msg.CMD.name}")
+        return handlers[type(msg)](msg)
 
     def run(self) -> None:
         held: list = []  # requests that arrived while paused, replayed in order on START
         sys_cfg = self.cfg.system
         while True:
             if held and self.state != "paused":
-                identity, cmd, rid, body = held.pop(0)
+                identity, rid, msg = held.pop(0)
             else:
                 req = self.control.next_request(startup_timeout_s=sys_cfg.startup_timeout_s,
                                                 heartbeat_timeout_s=sys_cfg.heartbeat_timeout_s, who=f"model_worker/{self.index}")
                 if req is None:
                     continue
-                identity, cmd, rid, body = req
-            if cmd == Cmd.EXIT:
-                self.control.send_reply(identity, rid, {})
+                identity, rid, msg = req
+            if isinstance(msg, Exit):
+                self.control.send_reply(identity, rid)
                 return
-            if cmd in (Cmd.PAUSE, Cmd.START):
-                self.state = "paused" if cmd == Cmd.PAUSE else "running"
-                self.control.send_reply(identity, rid, {})
+            if isinstance(msg, (Pause, Start)):
+                self.state = "paused" if isinstance(msg, Pause) else "running"
+                self.control.send_reply(identity, rid)
             elif self.state == "paused":
-                held.append((identity, cmd, rid, body))
+                held.append((identity, rid, msg))
             else:
-                self._execute(identity, cmd, rid, body)
+                self._execute(identity, rid, msg)
 
-    def _execute(self, identity: bytes, cmd: Cmd, rid: int, body: dict) -> None:
+    def _execute(self, identity: bytes, rid: int, msg) -> None:
         try:
-            self.control.send_reply(identity, rid, self.handle(cmd, body))
+            self.control.send_reply(identity, rid, self.handle(msg))
         except Exception as e:
-            log.error("%s failed:\n%s", cmd.name, traceback.format_exc())
-            self.control.send_reply(identity, rid, error=f"{cmd.name}: {type(e).__name__}: {e}")
+            log.error("%s failed:\n%s", msg.CMD.name, traceback.format_exc())
+            self.control.send_reply(identity, rid, error=f"{msg.CMD.name}: {type(e).__name__}: {e}")
 
     def close(self) -> None:
         self.control.close()

@@ -10,6 +10,9 @@ import sys
 
 _PR_SET_NAME = 15
 _PR_SET_PDEATHSIG = 1
+# The master (and then the launcher) exits with this after a preemption (SIGTERM) once a recover
+# checkpoint holds the run: sysexits' EX_TEMPFAIL, "try again later".
+PREEMPTED_EXIT = 75
 
 
 def _prctl(option: int, arg) -> None:

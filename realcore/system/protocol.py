@@ -1,33 +1,47 @@
-"""Control-plane messages: a typed command enum and the request/reply header layout (msgpack maps)."""
+"""Control-plane messages: one dataclass per command body and per reply, mapped to msgpack.
+
+A request on the wire is `{"cmd": int, "rid": int, "body": {...}}`; a reply is `{"rid", "ok",
+"body", "error"}`. `body` is a dataclass's fields; the receiver rebuilds the dataclass with
+pydantic, so a missing, unknown or mistyped field is a `BadBody` (dropped and counted by the
+control server, never a crash deep in a handler). The reply type of each command is fixed here,
+so both sides agree on it in one place.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass, field
 from enum import IntEnum
+from functools import cache
+from typing import Any
+
+import pydantic
 
 
 class Cmd(IntEnum):
-    CONFIGURE = 1  # build models, join the process group, load the dataset shard
+    CONFIGURE = 1  # build models, join the process group, load the dataset shard (and recover state)
     START = 2  # resume executing requests after PAUSE
-    PAUSE = 3  # hold requests (queued) until START
+    PAUSE = 3  # hold requests (queued) until START; manager: interrupt every server
     EXIT = 4  # reply, then leave the main loop
     PING = 5  # answered by the I/O thread even while the worker computes
-    FETCH = 6  # take the next samples of this worker's dataset shard into its storage
+    FETCH = 6  # take the next samples of this worker's dataset shard or stream into its storage
     RUN_MFC = 7  # run one MFC on the given sample ids
     CLEAR = 8  # drop the given sample ids from storage
     SAVE = 9  # write an HF checkpoint of the trainable roles
     ALLOCATE = 10  # rollout worker -> manager: may I start a rollout? (staleness admission)
-    FINISH = 11  # rollout worker -> manager: a rollout ended (accepted into the stream or filtered)
+    FINISH = 11  # rollout worker -> manager: a rollout ended (accepted into the stream or not)
     UPDATE_WEIGHTS = 12  # master -> manager: interrupt generation, load version N, resume
     PUBLISH_WEIGHTS = 13  # master -> model worker: write the trainable weights for the servers
-    DROP = 14  # master -> manager: n accepted samples arrived too stale and were dropped
+    DROP = 14  # master -> manager: this many accepted samples in all arrived too stale and were dropped
+    SAVE_STATE = 15  # master -> model worker: write this worker's part of a recover checkpoint
+    SNAPSHOT = 16  # master -> manager: the admission state, for a recover checkpoint
+    RESTORE = 17  # master -> manager: start admitting, from this state (or from scratch)
+    REGISTER = 18  # rollout worker -> manager: I (re)started; what must I run first?
+    REROUTE = 19  # rollout worker -> manager: a server stopped answering; give me another one
 
 
-def request(cmd: Cmd, rid: int, body: dict) -> dict:
-    return {"cmd": int(cmd), "rid": rid, "body": body}
-
-
-def reply(rid: int, body: dict | None = None, error: str | None = None) -> dict:
-    return {"rid": rid, "ok": error is None, "body": body or {}, "error": error}
+class BadBody(ValueError):
+    """A message body that does not match its command's dataclass."""
 
 
 class RemoteError(RuntimeError):
@@ -36,3 +50,260 @@ class RemoteError(RuntimeError):
 
 class WorkerLost(RuntimeError):
     """A worker stopped answering heartbeats."""
+
+
+_REQUESTS: dict[Cmd, type] = {}
+
+
+def body(cls):
+    """A dataclass that travels as a message body: unknown fields are refused when parsed."""
+    cls.__pydantic_config__ = pydantic.ConfigDict(extra="forbid")
+    return dataclass(cls)
+
+
+def message(cmd: Cmd, reply: type | None = None):
+    """Register a dataclass as the body of `cmd`, with `reply` (default Empty) as its reply body."""
+
+    def deco(cls):
+        cls = body(cls)
+        cls.CMD, cls.REPLY = cmd, reply or Empty
+        _REQUESTS[cmd] = cls
+        return cls
+
+    return deco
+
+
+@cache
+def _adapter(cls: type) -> pydantic.TypeAdapter:
+    return pydantic.TypeAdapter(cls)
+
+
+def parse(cls: type, body: Any):
+    """Rebuild a dataclass from a decoded msgpack body; BadBody (one line) if it does not fit."""
+    try:
+        return _adapter(cls).validate_python(body)
+    except pydantic.ValidationError as e:
+        first = e.errors()[0]
+        raise BadBody(f"{cls.__name__}.{'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+
+
+def to_body(msg) -> dict:
+    return dataclasses.asdict(msg)
+
+
+def request(msg, rid: int) -> dict:
+    return {"cmd": int(msg.CMD), "rid": rid, "body": to_body(msg)}
+
+
+def parse_request(header: dict):
+    """A request header -> (rid, typed body); BadBody / KeyError / ValueError when malformed."""
+    cmd = Cmd(header["cmd"])
+    rid = header["rid"]
+    if type(rid) is not int:
+        raise BadBody(f"rid must be an int, got {type(rid).__name__}")
+    return rid, parse(_REQUESTS[cmd], header.get("body") or {})
+
+
+def reply(rid: int, body=None, error: str | None = None) -> dict:
+    return {"rid": rid, "ok": error is None, "body": to_body(body) if body is not None else {}, "error": error}
+
+
+# --- bodies ---------------------------------------------------------------------------------------
+
+
+@body
+class Empty:
+    """The reply of commands that answer nothing but success."""
+
+
+@body
+class Status:
+    """A PING reply: what a worker is doing, and how many bad messages it dropped."""
+
+    state: str
+    pid: int
+    dropped: int = 0
+    info: dict[str, int | float | str] = field(default_factory=dict)
+
+
+@message(Cmd.PING, Status)
+class Ping:
+    pass
+
+
+@message(Cmd.EXIT)
+class Exit:
+    pass
+
+
+@message(Cmd.START)
+class Start:
+    pass
+
+
+@message(Cmd.PAUSE)
+class Pause:
+    pass
+
+
+@body
+class Configured:
+    n_rows: int = 0
+    n_samples: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+
+
+@message(Cmd.CONFIGURE, Configured)
+class Configure:
+    recover_from: str | None = None  # a recover checkpoint to load this worker's state from
+
+
+@body
+class Fetched:
+    """New samples now stored on the worker: one id per sample (a prompt's group), with what the
+    master needs: sequence lengths per key, a stable name per sample (`uids`), and in async mode
+    the versions that generated it and its rewards (scalars: metadata, like lengths)."""
+
+    ids: list[int]
+    seqlens: dict[str, list[list[int]]]
+    uids: list[str]
+    version_start: list[list[int]] = field(default_factory=list)  # per sample, per sequence (async)
+    version_end: list[list[int]] = field(default_factory=list)
+    rewards: list[list[float]] = field(default_factory=list)  # per sample, per sequence (async)
+    dropped: list[str] = field(default_factory=list)  # uids that arrived too stale to train on
+
+
+@message(Cmd.FETCH, Fetched)
+class Fetch:
+    first_id: int
+    n: int
+    version: int = 0
+
+
+@body
+class MFCDone:
+    ids: list[int]
+    outputs: dict[str, list[list[int]]]
+    stats: dict[str, int | float]  # an int is a count (summed over workers), a float a mean
+    n: int
+
+
+@message(Cmd.RUN_MFC, MFCDone)
+class RunMFC:
+    mfc: str
+    ids: list[int]
+    owners: dict[str, list[int]]
+
+
+@message(Cmd.CLEAR)
+class Clear:
+    ids: list[int]
+
+
+@message(Cmd.SAVE)
+class Save:
+    path: str
+
+
+@message(Cmd.SAVE_STATE)
+class SaveState:
+    path: str  # the recover checkpoint's (temporary) directory; each worker writes its own files
+
+
+@message(Cmd.PUBLISH_WEIGHTS)
+class PublishWeights:
+    """Disk: write HF weights to `path` (sync mode: then rank 0 tells the servers at `http`).
+    Memory: push the tensors to the servers' update sockets `servers`."""
+
+    version: int
+    path: str | None = None
+    http: list[str] = field(default_factory=list)
+    servers: list[str] = field(default_factory=list)
+
+
+@body
+class Grant:
+    ok: bool
+    version: int
+    server: str | None = None
+    seq: int = -1  # which prompt of the worker's shard: its position in the worker's sample order
+
+
+@message(Cmd.ALLOCATE, Grant)
+class Allocate:
+    worker: int
+
+
+@message(Cmd.FINISH)
+class Finish:
+    worker: int
+    seq: int
+    accepted: bool
+    server: str
+    counters: dict[str, int] = field(default_factory=dict)  # e.g. reward errors of this rollout
+
+
+@body
+class Updated:
+    seconds: float
+    counters: dict[str, int] = field(default_factory=dict)  # totals reported by rollout workers so far
+
+
+@message(Cmd.UPDATE_WEIGHTS, Updated)
+class UpdateWeights:
+    version: int
+    path: str | None = None  # None: the trainer pushed the tensors already (in memory)
+
+
+@message(Cmd.DROP)
+class Drop:
+    total: int  # all samples dropped so far (absolute, so a retried message counts once)
+
+
+@body
+class ManagerState:
+    """What admission needs to continue exactly: the version, the rollouts accepted, dropped as
+    too stale and running, where each rollout worker is in its prompt order, and the prompts
+    whose rollouts were lost (their worker died) and must run again first."""
+
+    version: int = 0
+    accepted: int = 0
+    dropped: int = 0
+    cursor: dict[int, int] = field(default_factory=dict)  # worker -> next seq
+    running: dict[int, list[int]] = field(default_factory=dict)  # worker -> seqs in flight
+    redo: dict[int, list[int]] = field(default_factory=dict)  # worker -> seqs to run again
+    counters: dict[str, int] = field(default_factory=dict)  # totals reported by FINISH
+
+
+@message(Cmd.SNAPSHOT, ManagerState)
+class Snapshot:
+    pass
+
+
+@message(Cmd.RESTORE)
+class Restore:
+    state: ManagerState
+    weights_path: str | None = None  # the current version's weights (disk), for servers that restart
+
+
+@body
+class Registered:
+    ok: bool  # False: the manager is not admitting yet (waiting for the master); ask again
+
+
+@message(Cmd.REGISTER, Registered)
+class Register:
+    worker: int
+    running: list[int] = field(default_factory=list)  # seqs this worker is still running (a manager restart)
+
+
+@body
+class Rerouted:
+    server: str | None  # None: no healthy server right now; ask again
+
+
+@message(Cmd.REROUTE, Rerouted)
+class Reroute:
+    worker: int
+    seq: int
+    failed: str

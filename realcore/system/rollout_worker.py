@@ -2,7 +2,14 @@
 generation servers, and pushes finished groups into the model workers' trajectory stream.
 
 The event loop: while the manager admits, start a rollout; each rollout is one task (agent ->
-push -> FINISH). A failed rollout fails the worker loudly (the launcher stops the run).
+push -> FINISH). The manager's grant names the prompt (`seq`: the position in this shard's
+deterministic order), so a restarted worker picks up exactly where the dead one was: the manager
+hands it the rollouts that died with its predecessor first.
+
+Failures stay small: a request to a server that stops answering (an error, or no health answer
+for `system.heartbeat_timeout_s`) runs again on another server; an agent episode that fails is
+retried `rollout.episode_retries` times, then its group is dropped and counted; a manager that
+restarts is found again at its new address and told what this worker is still running.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ import asyncio
 import itertools
 import json
 import logging
+import time
 
 import torch
 import zmq
@@ -20,39 +28,106 @@ from realcore.api.alloc import parse_allocation_mode
 from realcore.api.config import ExperimentConfig
 from realcore.api.data import tensor_to_text
 from realcore.api.registry import lookup
-from realcore.system import wire
-from realcore.system.master import manager_key, model_worker_key
+from realcore.system import keys, wire
 from realcore.system.name_resolve import make_name_resolver
-from realcore.system.protocol import Cmd, RemoteError, request
+from realcore.system.protocol import Allocate, Finish, Register, RemoteError, Reroute, parse, request
 from realcore.system.sampler import EpochSampler
-from realcore.system.stream import encode_group
+from realcore.system.stream import StreamPusher
 
 log = logging.getLogger("realcore.rollout_worker")
 
 
 class ManagerClient:
-    """Request/reply to the gserver manager from asyncio (one DEALER, replies matched by id)."""
+    """Request/reply to the gserver manager from asyncio (one DEALER, replies matched by id). When
+    the manager stops answering and has published a new address (it was restarted), reconnect,
+    re-register (`on_reconnect`) and send again; every manager command is idempotent."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, address: str, secret: bytes, timeout_s: float):
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(address)
-        self.secret, self.timeout_s = secret, timeout_s
+    def __init__(self, cfg: ExperimentConfig, secret: bytes, on_reconnect):
+        self.cfg, self.secret, self.on_reconnect = cfg, secret, on_reconnect
+        self.resolver = make_name_resolver(cfg.system.name_resolve)
+        self.ctx = zmq.asyncio.Context.instance()
+        self.address = None
+        self.sock = None
         self._rids = itertools.count(1)
         self._lock = asyncio.Lock()
 
-    async def call(self, cmd: Cmd, body: dict | None = None) -> dict:
+    def _published(self) -> str | None:
+        try:
+            return json.loads(self.resolver.get(keys.manager(self.cfg)))["control"]
+        except KeyError:
+            return None
+
+    def connect(self, address: str) -> None:
+        if self.sock is not None:
+            self.sock.close(0)
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+        self.address = address
+
+    async def call(self, msg):
+        sys_cfg = self.cfg.system
+        deadline = time.monotonic() + sys_cfg.request_timeout_s
+        while True:
+            try:
+                return await self._call_once(msg, sys_cfg.heartbeat_timeout_s)
+            except TimeoutError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"gserver manager: no answer to {msg.CMD.name} within {sys_cfg.request_timeout_s:g} s") from None
+            published = self._published()
+            if published is not None and published != self.address:
+                log.warning("the gserver manager moved to %s; reconnecting", published)
+                self.connect(published)
+                await self.on_reconnect()
+
+    async def _call_once(self, msg, timeout_s: float):
         async with self._lock:  # one request in flight: replies come back in order
             rid = next(self._rids)
-            await self.sock.send_multipart(wire.encode(request(cmd, rid, body or {}), [], self.secret))
+            await self.sock.send_multipart(wire.encode(request(msg, rid), [], self.secret))
+            end = time.monotonic() + timeout_s
             while True:
-                frames = await asyncio.wait_for(self.sock.recv_multipart(copy=False), self.timeout_s)
+                try:
+                    frames = await asyncio.wait_for(self.sock.recv_multipart(copy=False), max(0.0, end - time.monotonic()))
+                except asyncio.TimeoutError:
+                    raise TimeoutError from None
                 header, _ = wire.decode(frames, self.secret)
                 if header.get("rid") == rid:
                     break
         if not header.get("ok"):
             raise RemoteError(f"gserver_manager: {header.get('error')}")
-        return header["body"]
+        return parse(msg.REPLY, header["body"])
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close(0)
+
+
+class ServerLost(RuntimeError):
+    """A generation server failed a request or stopped answering."""
+
+
+class RoutedClient:
+    """The agent's generation client for one rollout: SGLang's `generate` on the server the
+    manager chose, moved to another server (by the manager) when that one fails or goes silent.
+    The request that failed runs again from the same prefix, so the trajectory loses nothing."""
+
+    def __init__(self, worker: "RolloutWorker", seq: int, server: str):
+        self.worker, self.seq, self.server = worker, seq, server
+
+    async def generate(self, input_ids, sampling_params, *, rid: str, return_logprob: bool = True):
+        w = self.worker
+        for attempt in itertools.count():
+            try:
+                return await w.watched(self.server, w.client(self.server).generate(
+                    input_ids, sampling_params, rid=f"{rid}~{attempt}" if attempt else rid, return_logprob=return_logprob))
+            except (RuntimeError, TimeoutError, OSError) as e:
+                if attempt >= w.cfg.rollout.request_retries:
+                    raise
+                log.warning("rollout %d: %s (%s); asking for another server", self.seq, self.server, e)
+                self.server = await w.reroute(self.seq, self.server)
+
+    def __getattr__(self, name):  # anything else (abort, server_info, ...) goes to the current server
+        return getattr(self.worker.client(self.server), name)
 
 
 def keep_group(rewards: list[float], filter_equal_rewards: bool) -> bool:
@@ -86,18 +161,20 @@ class RolloutWorker:
             cfg.dataset, self.tokenizer, rank=index, world=cfg.rollout.n_workers, use_chat_template=cfg.model.use_chat_template
         )
         self.samples = loaded.samples
-        self.sampler = EpochSampler(len(self.samples), cfg.dataset.seed, index)
+        self.order = EpochSampler(len(self.samples), cfg.dataset.seed, index)
         self.agent = lookup("agent", cfg.rollout.agent)
         self.reward_fn = lookup("reward", cfg.reward.type)
         resolver = make_name_resolver(cfg.system.name_resolve)
         timeout = cfg.system.startup_timeout_s
-        self.manager_address = resolver.wait(manager_key(cfg), timeout_s=timeout)
+        self.manager_address = json.loads(resolver.wait(keys.manager(cfg), timeout_s=timeout))["control"]
         # Trajectories go to the head of each data-parallel replica of the training mesh.
         mesh = parse_allocation_mode(cfg.allocation_mode).train
-        self.streams = [json.loads(resolver.wait(model_worker_key(cfg, mesh.dp_head(d)), timeout_s=timeout))["stream"]
+        self.streams = [json.loads(resolver.wait(keys.model_worker(cfg, mesh.dp_head(d)), timeout_s=timeout))["stream"]
                         for d in range(mesh.dp)]
         self.clients: dict = {}
-        self._count = itertools.count()
+        self.running: set[int] = set()  # seqs of the rollouts in flight
+        self.last_ok: dict[str, float] = {}  # server -> when it last answered /health
+        self.manager: ManagerClient | None = None
         log.info("rollout worker %d: %d prompts (skipped %s)", index, len(self.samples), loaded.skipped or "none")
 
     def client(self, server: str):
@@ -108,34 +185,106 @@ class RolloutWorker:
             self.clients[server] = client_for(engine, server, token=r.server_token, timeout_s=r.request_timeout_s)
         return self.clients[server]
 
-    async def rollout(self, manager: ManagerClient, push: zmq.asyncio.Socket, server: str) -> None:
-        sample = self.samples[self.sampler.next()]
+    async def watched(self, server: str, call):
+        """Await a request to `server`, giving up (ServerLost) when the server has not answered
+        /health for system.heartbeat_timeout_s (a stopped or hung process never replies)."""
+        task = asyncio.ensure_future(call)
+        sys_cfg = self.cfg.system
+        self.last_ok.setdefault(server, time.monotonic())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=sys_cfg.heartbeat_interval_s)
+                if done:
+                    return task.result()
+                if time.monotonic() - self.last_ok[server] > sys_cfg.heartbeat_timeout_s:
+                    raise ServerLost(f"{server} did not answer /health for {sys_cfg.heartbeat_timeout_s:g} s")
+        finally:
+            if not task.done():
+                task.cancel()
+
+    async def watch_health(self) -> None:
+        """One probe per heartbeat interval of every server this worker has requests on."""
+        sys_cfg = self.cfg.system
+        while True:
+            servers = list(self.last_ok)
+            oks = await asyncio.gather(*(self.client(s).health(timeout_s=sys_cfg.heartbeat_interval_s) for s in servers))
+            now = time.monotonic()
+            for s, ok in zip(servers, oks):
+                if ok:
+                    self.last_ok[s] = now
+            await asyncio.sleep(sys_cfg.heartbeat_interval_s)
+
+    async def reroute(self, seq: int, failed: str) -> str:
+        deadline = time.monotonic() + self.cfg.system.request_timeout_s
+        while True:
+            r = await self.manager.call(Reroute(self.index, seq, failed))
+            if r.server is not None:
+                return r.server
+            if time.monotonic() > deadline:
+                raise TimeoutError("no healthy generation server")
+            await asyncio.sleep(0.5)
+
+    async def register(self) -> None:
+        """Tell the manager which rollouts this worker runs (none after a restart: the manager then
+        admits the dead worker's rollouts again); waits while the manager is not admitting yet."""
+        while not (await self.manager._call_once(Register(self.index, sorted(self.running)), self.cfg.system.request_timeout_s)).ok:
+            await asyncio.sleep(0.2)
+
+    async def episode(self, seq: int, server: str):
+        """The agent's group for prompt `seq`; failures retried, then None (the group is dropped)."""
+        sample = self.samples[self.order.index(seq)]
         prompt_ids = sample["prompt_ids"][0].tolist()
-        results = await self.agent(
-            prompt_ids, tensor_to_text(sample["answer"][0]), client=self.client(server), gconfig=self.cfg.generation,
-            tokenizer=self.tokenizer, reward_fn=self.reward_fn, rid=f"r{self.index}-{next(self._count)}",
-        )
-        accepted = keep_group([r for _, r in results], self.cfg.rollout.filter_equal_reward_groups)
+        client = RoutedClient(self, seq, server)
+        for attempt in range(self.cfg.rollout.episode_retries + 1):
+            try:
+                results = await self.agent(
+                    prompt_ids, tensor_to_text(sample["answer"][0]), client=client, gconfig=self.cfg.generation,
+                    tokenizer=self.tokenizer, reward_fn=self.reward_fn, rid=f"r{self.index}-{seq}-{attempt}",
+                )
+                return prompt_ids, results, client.server
+            except Exception as e:  # a user agent may raise anything: it must not take the worker down
+                log.warning("rollout %d: episode failed (attempt %d of %d): %s: %s", seq, attempt + 1,
+                            self.cfg.rollout.episode_retries + 1, type(e).__name__, e)
+        return None, None, client.server
+
+    async def rollout(self, push: StreamPusher, seq: int, server: str) -> None:
+        self.running.add(seq)
+        prompt_ids, results, server = await self.episode(seq, server)
+        counters = {}
+        if results is None:
+            accepted, counters["rollout/failed_episodes"] = False, 1
+        else:
+            accepted = keep_group([r for _, r in results], self.cfg.rollout.filter_equal_reward_groups)
         if accepted:
-            header, tensors = encode_group(trajectory_sample(prompt_ids, results))
-            await push.send_multipart(wire.encode(header, tensors, self.secret))
-        await manager.call(Cmd.FINISH, {"accepted": accepted, "server": server})
+            await push.push(f"r{self.index}:{seq}", trajectory_sample(prompt_ids, results))
+        await self.manager.call(Finish(self.index, seq, accepted, server, counters))
+        self.running.discard(seq)
 
     async def main(self) -> None:
         ctx = zmq.asyncio.Context.instance()
-        manager = ManagerClient(ctx, self.manager_address, self.secret, self.cfg.system.request_timeout_s)
-        push = ctx.socket(zmq.PUSH)  # round robin over the model workers' streams
-        push.setsockopt(zmq.LINGER, 0)
-        for address in self.streams:
-            push.connect(address)
+        self.manager = ManagerClient(self.cfg, self.secret, self.register)
+        self.manager.connect(self.manager_address)
+        push = StreamPusher(ctx, self.streams, self.secret, self.cfg.system.request_timeout_s)
+        await self.register()
+        health = asyncio.create_task(self.watch_health())
         tasks: set[asyncio.Task] = set()
-        while True:
-            for t in [t for t in tasks if t.done()]:
-                tasks.discard(t)
-                t.result()  # a failed rollout fails the worker
-            if len(tasks) < self.cfg.rollout.max_concurrent_rollouts:
-                grant = await manager.call(Cmd.ALLOCATE)
-                if grant["ok"]:
-                    tasks.add(asyncio.create_task(self.rollout(manager, push, grant["server"])))
-                    continue
-            await asyncio.wait(tasks, timeout=0.05) if tasks else await asyncio.sleep(0.05)
+        try:
+            while True:
+                for t in [t for t in tasks if t.done()]:
+                    tasks.discard(t)
+                    t.result()  # only a broken stream or manager gets here: fail the worker (it is restarted)
+                if health.done():
+                    health.result()
+                if len(tasks) < self.cfg.rollout.max_concurrent_rollouts:
+                    grant = await self.manager.call(Allocate(self.index))
+                    if grant.ok:
+                        tasks.add(asyncio.create_task(self.rollout(push, grant.seq, grant.server)))
+                        continue
+                await asyncio.wait(tasks, timeout=0.05) if tasks else await asyncio.sleep(0.05)
+        finally:
+            health.cancel()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*(c.close() for c in self.clients.values()), return_exceptions=True)
+            push.close()
+            self.manager.close()

@@ -11,7 +11,7 @@ import os
 import sys
 
 from realcore.api.config import ExperimentConfig
-from realcore.system.process import setup_worker_process
+from realcore.system.process import PREEMPTED_EXIT, setup_worker_process
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", required=True, help="resolved experiment config (JSON)")
     p.add_argument("--secret-file", required=True)
     p.add_argument("--n-servers", type=int, default=0, help="generation servers (async mode)")
+    p.add_argument("--attempt", type=int, default=0, help="how many times the launcher restarted the whole run")
     args = p.parse_args(argv)
 
     if args.index_from:
@@ -56,11 +57,14 @@ def main(argv: list[str] | None = None) -> int:
 
         cfg.rollout.server_token = hmac.new(secret, b"realcore generation server token", hashlib.sha256).hexdigest()
     if args.type == "master":
-        from realcore.system.master import Master
+        from realcore.system.master import Master, Preempted
 
         master = Master(cfg, secret, args.world)
         try:
             master.run()
+        except Preempted as e:
+            logging.warning("%s: a recover checkpoint holds the run; start it again to continue", e)
+            return PREEMPTED_EXIT
         finally:
             master.shutdown()
         return 0
@@ -81,17 +85,17 @@ def run(args, cfg: ExperimentConfig, secret: bytes) -> int:
         import json
 
         from realcore.backends.gen_server import run_server
-        from realcore.system.gserver_manager import gen_server_key
+        from realcore.system import keys
         from realcore.system.name_resolve import make_name_resolver
 
         resolver = make_name_resolver(cfg.system.name_resolve)
         run_server(cfg.model.path, host=cfg.system.host, port=0, seed=cfg.seed + 1000 * args.index,
                    max_batch_size=cfg.generation.max_batch_size, token=cfg.rollout.server_token, secret=secret,
-                   on_ready=lambda addrs: resolver.put(gen_server_key(cfg, args.index), json.dumps(addrs), replace=True))
+                   on_ready=lambda addrs: resolver.put(keys.gen_server(cfg, args.index), json.dumps(addrs), replace=True))
     elif args.type == "gserver_manager":
         from realcore.system.gserver_manager import GServerManager
 
-        manager = GServerManager(cfg, secret, args.n_servers)
+        manager = GServerManager(cfg, secret, args.n_servers, args.attempt)
         try:
             manager.run()
         finally:

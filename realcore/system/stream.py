@@ -1,9 +1,12 @@
-"""The trajectory stream: rollout workers PUSH finished groups to the model workers (round robin),
-which keep them until the master FETCHes them into a training batch. Tensors never pass through
-the master; it learns ids, lengths and versions only.
+"""The trajectory stream: rollout workers send finished groups to the model workers (round robin
+over the data-parallel heads), which keep them until the master FETCHes them into a training
+batch. Tensors never pass through the master; it learns ids, names, lengths and versions only.
 
-A group (one prompt's `n` sequences) is one authenticated message: header {"group": n,
-"keys": STREAM_KEYS} and, key after key, one tensor per sequence.
+A group (one prompt's `n` sequences) is one authenticated message: header {"group": n, "keys":
+STREAM_KEYS, "uid": the prompt's stable name} and, key after key, one tensor per sequence. The
+model worker acknowledges a group once it is in its queue, and only then does the rollout worker
+report the rollout finished: so a rollout the manager counts as finished is never lost, whatever
+process dies next (cluster notes: never rely on ZeroMQ linger at exit).
 """
 
 from __future__ import annotations
@@ -26,32 +29,33 @@ log = logging.getLogger("realcore.stream")
 STREAM_KEYS = ("input_ids", "loss_mask", "behav_logprobs", "rewards", "version_start", "version_end")
 
 
-def encode_group(sample: Sample) -> tuple[dict, list[torch.Tensor]]:
+def encode_group(uid: str, sample: Sample) -> tuple[dict, list[torch.Tensor]]:
     n = len(sample["input_ids"])
     for k in STREAM_KEYS:
         if len(sample[k]) != n:
             raise ValueError(f"trajectory key {k!r} has {len(sample[k])} sequences, input_ids has {n}")
-    return {"group": n, "keys": list(STREAM_KEYS)}, [t for k in STREAM_KEYS for t in sample[k]]
+    return {"group": n, "keys": list(STREAM_KEYS), "uid": uid}, [t for k in STREAM_KEYS for t in sample[k]]
 
 
-def decode_group(header: dict, tensors: list[torch.Tensor]) -> Sample:
-    n, keys = int(header["group"]), list(header["keys"])
-    if keys != list(STREAM_KEYS) or len(tensors) != n * len(keys):
+def decode_group(header: dict, tensors: list[torch.Tensor]) -> tuple[str, Sample]:
+    n, keys, uid = int(header["group"]), list(header["keys"]), header["uid"]
+    if keys != list(STREAM_KEYS) or len(tensors) != n * len(keys) or not isinstance(uid, str):
         raise ValueError(f"trajectory with keys {keys} and {len(tensors)} tensors for a group of {n}")
     # clone: received tensors are views of ZeroMQ frames; storage keeps them for a while
-    return {k: [t.clone() for t in tensors[i * n : (i + 1) * n]] for i, k in enumerate(keys)}
+    return uid, {k: [t.clone() for t in tensors[i * n : (i + 1) * n]] for i, k in enumerate(keys)}
 
 
 class TrajectoryStream:
-    """Model-worker side: a PULL socket read by its own thread into a queue of samples."""
+    """Model-worker side: a ROUTER socket read by its own thread into a queue of (uid, sample)."""
 
     def __init__(self, host: str, secret: bytes):
         self.secret = secret
-        self.sock = zmq.Context.instance().socket(zmq.PULL)
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         port = self.sock.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
-        self.pending: collections.deque[Sample] = collections.deque()
+        self.pending: collections.deque[tuple[str, Sample]] = collections.deque()
+        self._lock = threading.Lock()  # pending is read by save() on the main thread
         self.received = 0
         self.dropped = 0
         self._stop = threading.Event()
@@ -63,34 +67,87 @@ class TrajectoryStream:
             if not self.sock.poll(200):
                 continue
             try:
-                _, header, tensors = wire.recv(self.sock, secret=self.secret)
-                sample = decode_group(header, tensors)
+                identity, header, tensors = wire.recv(self.sock, secret=self.secret, router=True)
+                uid, sample = decode_group(header, tensors)
             except (wire.BadMessage, KeyError, TypeError, ValueError) as e:
                 self.dropped += 1
                 log.warning("dropped a bad trajectory (%s)", e)
                 continue
-            self.pending.append(sample)
-            self.received += 1
+            with self._lock:
+                self.pending.append((uid, sample))
+                self.received += 1
+            wire.send(self.sock, {"uid": uid}, secret=self.secret, identity=identity)
 
-    def take(self, first_id: int, n: int, storage, *, current_version: int, max_head_offpolicyness: int) -> dict:
-        """Move up to n pending trajectories into storage under ids first_id...; their metadata.
-        Trajectories too stale for the current version are dropped and counted (a hard bound)."""
-        ids, seqlens, versions, dropped, rewards = [], {k: [] for k in STREAM_KEYS}, [], 0, []
-        while len(ids) < n and self.pending:
-            sample, sid = self.pending.popleft(), first_id + len(ids)
-            start = min(int(t) for t in sample["version_start"])
-            if is_stale(start, current_version=current_version, max_head_offpolicyness=max_head_offpolicyness):
-                dropped += 1
-                continue
-            for k in STREAM_KEYS:
-                storage.put(sid, k, sample[k])
-                seqlens[k].append([int(t.numel()) for t in sample[k]])
-            versions.append([start, max(int(t) for t in sample["version_end"])])
-            rewards += [float(r) for r in sample["rewards"]]
-            ids.append(sid)
-        return {"ids": ids, "seqlens": seqlens, "versions": versions, "dropped": dropped, "rewards": rewards}
+    def take(self, n: int, *, current_version: int, max_head_offpolicyness: int):
+        """Up to n pending groups that are fresh enough for the current version, and the uids of
+        those that arrived too stale (dropped: a hard staleness bound)."""
+        out, dropped = [], []
+        with self._lock:
+            while len(out) < n and self.pending:
+                uid, sample = self.pending.popleft()
+                start = min(int(t) for t in sample["version_start"])
+                if is_stale(start, current_version=current_version, max_head_offpolicyness=max_head_offpolicyness):
+                    dropped.append(uid)
+                else:
+                    out.append((uid, sample))
+        return out, dropped
+
+    def snapshot(self) -> list[tuple[str, Sample]]:
+        """The groups waiting now (for a recover checkpoint)."""
+        with self._lock:
+            return list(self.pending)
+
+    def restore(self, groups: list[tuple[str, Sample]]) -> None:
+        with self._lock:
+            self.pending.extendleft(reversed(groups))
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
         self.sock.close()
+
+
+class StreamPusher:
+    """Rollout-worker side (asyncio): one DEALER per data-parallel head, groups sent round robin,
+    each send waiting for its acknowledgement (one at a time per head, so acks never cross)."""
+
+    def __init__(self, ctx, addresses: list[str], secret: bytes, timeout_s: float):
+        import asyncio
+        import itertools
+
+        self.secret, self.timeout_s = secret, timeout_s
+        self.socks = []
+        for address in addresses:
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+            self.socks.append((sock, asyncio.Lock()))
+        self._next = itertools.cycle(range(len(self.socks)))
+
+    async def push(self, uid: str, sample: Sample) -> None:
+        import asyncio
+
+        sock, lock = self.socks[next(self._next)]
+        header, tensors = encode_group(uid, sample)
+        async with lock:
+            await sock.send_multipart(wire.encode(header, tensors, self.secret))
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.timeout_s
+            while True:  # an ack of an earlier, timed-out push may come first: skip it
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise TimeoutError(f"trajectory {uid}: no acknowledgement within {self.timeout_s:g} s")
+                try:
+                    frames = await asyncio.wait_for(sock.recv_multipart(copy=False), left)
+                except asyncio.TimeoutError:
+                    continue
+                try:
+                    ack, _ = wire.decode(frames, self.secret)
+                except wire.BadMessage:
+                    continue
+                if ack.get("uid") == uid:
+                    return
+
+    def close(self) -> None:
+        for sock, _ in self.socks:
+            sock.close(0)

@@ -1,0 +1,73 @@
+"""How new weights reach the generation servers after a training step: as an HF folder the servers
+load (disk: what SGLang and vLLM read), or as tensors pushed over the authenticated wire to the
+built-in servers' update sockets (memory). With a gserver manager (async mode) the manager pauses
+and resumes generation around the update; without one (sync mode) the servers are idle and rank 0
+of the trainer tells them itself.
+
+Neither keeps recovery state: after a restart the master publishes the current version again
+before any rollout starts (the servers restarted with the initial weights).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+from realcore.system import keys
+from realcore.system.name_resolve import make_name_resolver
+from realcore.system.protocol import Pause, PublishWeights, UpdateWeights
+
+
+def server_addresses(cfg, n_servers: int, kind: str) -> list[str]:
+    """Every generation server's `http` or in-memory `weights` address, as it published them."""
+    resolver = make_name_resolver(cfg.system.name_resolve)
+    return [json.loads(resolver.get(keys.gen_server(cfg, i)))[kind] for i in range(n_servers)]
+
+
+class DiskWeights:
+    def __init__(self, master):
+        self.m = master
+        self.path: str | None = None  # the current version's folder (a restarted server loads it)
+
+    def publish(self, version: int) -> dict:
+        m = self.m
+        path = os.path.join(m.cfg.output_dir, "weights", f"v{version}")
+        reply = {}
+        if m.async_mode:
+            m.call_all(PublishWeights(version, path=path), "publish weights")
+            reply = m.call_manager(UpdateWeights(version, path=path), "update weights")
+        else:  # no manager: the trainer's rank 0 tells the idle servers
+            http = server_addresses(m.cfg, m.alloc.gen.dp, "http")
+            m.call_all(PublishWeights(version, path=path, http=http), "publish weights")
+        self.path = path
+        shutil.rmtree(os.path.join(m.cfg.output_dir, "weights", f"v{version - 2}"), ignore_errors=True)
+        return reply
+
+    def catch_up(self, servers: list[int]) -> None:
+        """Nothing to do: the manager loads `path` into a restarted server itself."""
+
+
+class MemoryWeights:
+    def __init__(self, master):
+        self.m = master
+
+    def publish(self, version: int) -> dict:
+        m = self.m
+        servers = server_addresses(m.cfg, m.alloc.gen.dp, "weights")
+        if not m.async_mode:
+            m.call_all(PublishWeights(version, servers=servers), "push weights")
+            return {}
+        m.call_manager(Pause(), "pause")
+        m.call_all(PublishWeights(version, servers=servers), "push weights")
+        return m.call_manager(UpdateWeights(version), "update weights")
+
+    def catch_up(self, servers: list[int]) -> None:
+        """Push the current weights to servers that restarted (only the trainer holds them)."""
+        m = self.m
+        addresses = server_addresses(m.cfg, m.alloc.gen.dp, "weights")
+        m.call_all(PublishWeights(m.version, servers=[addresses[i] for i in servers]), "push weights")
+
+
+def make_weight_sync(master):
+    return MemoryWeights(master) if master.cfg.rollout.weight_update == "memory" else DiskWeights(master)
