@@ -119,9 +119,11 @@ class PPOConfig(_Strict):
 
 
 class RewardConfig(_Strict):
-    """The `reward` MFC's scoring function."""
+    """The scoring function of the `reward` MFC (sync) and of the rollout workers' agents (async)."""
 
     type: str = Field("math", description="a registered reward: fn(response_text, answer_text) -> float")
+    timeout_s: float = Field(30.0, gt=0, description="a reward call running longer is stopped (its process killed): reward 0, counted in reward/timeouts")
+    n_procs: int = Field(1, gt=0, description="processes per worker that run reward calls (in parallel)")
 
 
 class RolloutConfig(_Strict):

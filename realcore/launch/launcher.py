@@ -1,13 +1,15 @@
 """`python -m realcore.launch key=value ...`: validate, prepare, start the workers, watch them.
 
-Exit codes: 0 done; 1 a worker failed; 2 bad config (one line, no traceback); 130 interrupted.
+Exit codes: 0 done; 1 a worker failed (recover_mode=auto: once the restarts are used up); 2 bad
+config (one line, no traceback); 75 preempted (a recover checkpoint holds the run: launch the same
+command again with recover_mode=resume or auto); 130 interrupted.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
+import shutil
 import sys
 import time
 
@@ -15,9 +17,12 @@ from realcore.api.alloc import AllocationMode
 from realcore.api.config import ExperimentConfig
 from realcore.dfg.graph import DataFlowGraph, GraphError
 from realcore.launch.config_loader import ConfigError, load_config
-from realcore.launch.local import Proc, describe_exit, spawn, spawn_command, stop_all, tail
+from realcore.launch.local import Proc, spawn, spawn_command, tail
+from realcore.launch.supervise import Supervisor, record, write_pids
 from realcore.launch.validate import check_model_layout, check_ray, check_slurm, validate
-from realcore.system.name_resolve import make_name_resolver, scoped_key
+from realcore.system import keys
+from realcore.system.name_resolve import make_name_resolver
+from realcore.system.process import PREEMPTED_EXIT
 
 
 def run_on_cluster(cfg: ExperimentConfig, dfg: DataFlowGraph, alloc: AllocationMode, dry_run: bool) -> int:
@@ -30,7 +35,7 @@ def run_on_cluster(cfg: ExperimentConfig, dfg: DataFlowGraph, alloc: AllocationM
         # /tmp is node-local on clusters: keep the keys next to the outputs (a shared filesystem).
         nr.root = os.path.join(cfg.output_dir, ".name_resolve")
     if not dry_run:
-        make_name_resolver(nr).clear(scoped_key(cfg.experiment_name, cfg.trial_name))
+        make_name_resolver(nr).clear(keys.scope(cfg))
     config_path, secret_path = prepare_output(cfg, dfg)
     if cfg.scheduler == "ray":
         if dry_run:
@@ -88,36 +93,6 @@ def live_workers(entries: dict[str, str]) -> list[int]:
     return pids
 
 
-def watch(procs: list[Proc], grace_s: float) -> int:
-    interrupted: list[int] = []
-
-    def on_signal(signum, frame):
-        interrupted.append(signum)
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        while True:
-            if interrupted:
-                print(f"realcore: {signal.Signals(interrupted[0]).name}: stopping all workers", file=sys.stderr)
-                return 130
-            for p in procs:
-                rc = p.popen.poll()
-                if rc is None:
-                    continue
-                if p.name == "master" and rc == 0:
-                    return 0
-                if rc != 0:
-                    print(f"realcore: {p.name} died ({describe_exit(rc)}); stopping all workers", file=sys.stderr)
-                    if p.log_path:
-                        print(f"realcore: last lines of {p.log_path}:\n{tail(p.log_path)}", file=sys.stderr)
-                    return 1
-            time.sleep(0.2)
-    finally:
-        stop_all(procs, grace_s)
-        for s, h in old.items():
-            signal.signal(s, h)
-
-
 def start_engine_servers(cfg: ExperimentConfig, alloc: AllocationMode, env: dict, logs: str) -> list[Proc]:
     """SGLang or vLLM servers: started here on free ports and published; the manager waits for
     each to answer before any rollout starts."""
@@ -127,8 +102,9 @@ def start_engine_servers(cfg: ExperimentConfig, alloc: AllocationMode, env: dict
     from realcore.system import keys
 
     resolver = make_name_resolver(cfg.system.name_resolve)
-    procs = []
-    for i in range(alloc.gen.dp):
+
+    def server(i: int) -> Proc:
+        # A restart gets a new port: the manager tells a restarted server (to catch up) by its address.
         with socket.socket() as s:
             s.bind((cfg.system.host, 0))
             port = s.getsockname()[1]
@@ -136,20 +112,26 @@ def start_engine_servers(cfg: ExperimentConfig, alloc: AllocationMode, env: dict
         argv, extra_env = server_command(alloc.backend, model_path=cfg.model.path, host=cfg.system.host, port=port,
                                          tp=alloc.gen.tp, seed=cfg.seed + 1000 * i,
                                          max_batch_size=cfg.generation.max_batch_size, extra_args=extra)
-        procs.append(spawn_command(f"gen_server/{i}", argv, env={**env, **extra_env},
-                                   log_path=os.path.join(logs, f"gen_server-{i}.log")))
+        proc = spawn_command(f"gen_server/{i}", argv, env={**env, **extra_env}, log_path=os.path.join(logs, f"gen_server-{i}.log"))
         resolver.put(keys.gen_server(cfg, i), json.dumps({"http": f"http://{cfg.system.host}:{port}", "weights": None}), replace=True)
+        return proc
+
+    procs = [server(i) for i in range(alloc.gen.dp)]
+    for i, p in enumerate(procs):
+        p.start = lambda i=i: server(i).popen
     return procs
 
 
-def start_processes(cfg: ExperimentConfig, alloc: AllocationMode, config_path: str, secret_path: str) -> list[Proc]:
+def start_processes(cfg: ExperimentConfig, alloc: AllocationMode, config_path: str, secret_path: str,
+                    attempt: int = 0) -> list[Proc]:
     """Model workers (the training mesh), generation servers if the allocation has them, in async
-    mode their manager and rollout workers; the master last (it waits for the others anyway)."""
+    mode their manager and rollout workers; the master first in the list (it is started last: it
+    waits for the others anyway)."""
     env = child_env(cfg)
     logs = os.path.join(cfg.output_dir, "logs")
     n_servers = alloc.gen.dp if alloc.gen is not None else 0
     common = ["--world", str(alloc.train.world_size), "--config", config_path, "--secret-file", secret_path,
-              "--n-servers", str(n_servers)]
+              "--n-servers", str(n_servers), "--attempt", str(attempt)]
     kinds = [("model_worker", alloc.train.world_size)]
     procs = []
     if alloc.gen is not None:
@@ -198,21 +180,54 @@ def main(argv: list[str]) -> int:
     if dry_run:
         print("realcore: config error: --dry-run is for cluster schedulers (scheduler=slurm)", file=sys.stderr)
         return 2
+    return run_local(cfg, dfg, alloc)
+
+
+def run_local(cfg: ExperimentConfig, dfg: DataFlowGraph, alloc: AllocationMode) -> int:
+    """Start every process here and supervise them (supervise.py); with recover_mode=auto, a failed
+    run is stopped and started again (it resumes from its last recover checkpoint), up to
+    recover_retries times."""
     resolver = make_name_resolver(cfg.system.name_resolve)
-    scope = scoped_key(cfg.experiment_name, cfg.trial_name)
+    scope = keys.scope(cfg)
     live = live_workers(resolver.find(scope))
     if live:
         print(f"realcore: {cfg.experiment_name}/{cfg.trial_name} is already running here "
               f"(pid {live[0]}); stop it or pick another trial_name", file=sys.stderr)
         return 2
-    resolver.clear(scope)  # a stale address from an earlier run would send workers to a dead port
     config_path, secret_path = prepare_output(cfg, dfg)
-    procs = start_processes(cfg, alloc, config_path, secret_path)
-    print(f"realcore: {cfg.experiment_name}/{cfg.trial_name}: {', '.join(p.name for p in procs)}; output in {cfg.output_dir}", flush=True)
-    print(dfg.describe(), flush=True)
-    with open(os.path.join(cfg.output_dir, "pids.json"), "w") as f:
-        json.dump({p.name: p.popen.pid for p in procs}, f)
-    rc = watch(procs, cfg.system.shutdown_timeout_s)
-    if rc == 0:
+    restarts = 0
+    for attempt in range(cfg.recover_retries + 1):
+        # A whole-run start: no address, heartbeat or manager journal of an earlier attempt may be used.
+        resolver.clear(scope)
+        for folder in (".heartbeat", ".manager"):
+            shutil.rmtree(os.path.join(cfg.output_dir, folder), ignore_errors=True)
+        os.makedirs(os.path.join(cfg.output_dir, ".heartbeat"))
+        procs = start_processes(cfg, alloc, config_path, secret_path, attempt)
+        if attempt == 0:
+            print(f"realcore: {cfg.experiment_name}/{cfg.trial_name}: {', '.join(p.name for p in procs)}; "
+                  f"output in {cfg.output_dir}", flush=True)
+            print(dfg.describe(), flush=True)
+        write_pids(cfg.output_dir, procs)
+        realcore_procs = {p.name for p in procs if p.name.split("/")[0] != "gen_server" or alloc.backend == "local"}
+        outcome = Supervisor(cfg, procs, attempt, watch_heartbeats=realcore_procs).run()
+        if outcome.rc != 1:
+            break
+        print(f"realcore: {outcome.why}; stopping all workers", file=sys.stderr)
+        if outcome.log_path:
+            print(f"realcore: last lines of {outcome.log_path}:\n{tail(outcome.log_path)}", file=sys.stderr)
+        if cfg.recover_mode != "auto" or restarts == cfg.recover_retries:
+            if cfg.recover_mode == "auto":
+                print(f"realcore: giving up after {restarts} restarts (recover_retries={cfg.recover_retries})", file=sys.stderr)
+            record(cfg.output_dir, attempt, outcome.why.split()[0], outcome.why, "give up")
+            return 1
+        restarts += 1
+        record(cfg.output_dir, attempt, outcome.why.split()[0], outcome.why, "restart run")
+        print(f"realcore: restarting the run from its last recover checkpoint in {cfg.recover_delay_s:g} s "
+              f"(restart {restarts} of {cfg.recover_retries})", file=sys.stderr, flush=True)
+        time.sleep(cfg.recover_delay_s)
+    if outcome.rc == 0:
         print(f"realcore: done; metrics in {os.path.join(cfg.output_dir, 'metrics.jsonl')}", flush=True)
-    return rc
+    elif outcome.rc == PREEMPTED_EXIT:
+        print("realcore: preempted; a recover checkpoint holds the run: run the same command again with "
+              "recover_mode=resume (or auto) to continue", file=sys.stderr)
+    return outcome.rc

@@ -11,7 +11,8 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 from realcore.system.process import die_with_parent
 
@@ -21,6 +22,12 @@ class Proc:
     name: str
     popen: subprocess.Popen
     log_path: str | None
+    start: Callable[[], subprocess.Popen] | None = None  # starts it again (a restart in place)
+    started: float = field(default_factory=time.monotonic)
+
+    def restart(self) -> None:
+        self.popen = self.start()
+        self.started = time.monotonic()
 
 
 def spawn(name: str, args: list[str], *, env: dict, log_path: str | None) -> Proc:
@@ -30,15 +37,20 @@ def spawn(name: str, args: list[str], *, env: dict, log_path: str | None) -> Pro
 
 def spawn_command(name: str, argv: list[str], *, env: dict, log_path: str | None) -> Proc:
     """Start any command (e.g. an SGLang server) under the same rules as realcore's workers."""
-    out = open(log_path, "ab") if log_path else None
-    popen = subprocess.Popen(
-        argv,
-        env=env, stdout=out, stderr=subprocess.STDOUT if out else None, stdin=subprocess.DEVNULL,
-        start_new_session=True, preexec_fn=die_with_parent,
-    )
-    if out:
-        out.close()
-    return Proc(name, popen, log_path)
+
+    def start() -> subprocess.Popen:
+        out = open(log_path, "ab") if log_path else None
+        try:
+            return subprocess.Popen(
+                argv,
+                env=env, stdout=out, stderr=subprocess.STDOUT if out else None, stdin=subprocess.DEVNULL,
+                start_new_session=True, preexec_fn=die_with_parent,
+            )
+        finally:
+            if out:
+                out.close()
+
+    return Proc(name, start(), log_path, start)
 
 
 def describe_exit(rc: int) -> str:
@@ -58,6 +70,21 @@ def tail(path: str | None, n: int = 15) -> str:
         f.seek(max(0, f.tell() - 8192))
         lines = f.read().decode(errors="replace").splitlines()[-n:]
     return "\n".join("    " + line for line in lines)
+
+
+def dump_stacks_and_kill(p: Proc, wait_s: float = 2.0) -> None:
+    """A hung worker: SIGUSR1 makes it write every thread's Python stack to its log
+    (faulthandler); SIGCONT lets a stopped one run the handler; then SIGKILL."""
+    for sig in (signal.SIGUSR1, signal.SIGCONT):
+        try:
+            p.popen.send_signal(sig)
+        except ProcessLookupError:
+            return
+    try:
+        p.popen.wait(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        p.popen.kill()
+        p.popen.wait()
 
 
 def stop_all(procs: list[Proc], grace_s: float) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 
 from realcore.system.recover import truncate_jsonl
 
@@ -43,3 +44,47 @@ class Ledger:
 
     def close(self) -> None:
         self._file.close()
+
+
+@dataclass
+class Audit:
+    """What a finished run's ledger and final recover checkpoint say (see `audit`)."""
+
+    rows: int
+    steps: int
+    duplicated: int  # sequences trained more than once
+    short_steps: list[int]  # steps that did not train `batch_size` groups
+    over_stale: int  # sequences trained more than max_head_offpolicyness versions after they started
+    lost: int | None  # async: rollouts accepted but never trained, dropped or waiting (None: no checkpoint)
+
+
+def audit(output_dir: str, *, batch_size: int, max_head_offpolicyness: int | None = None) -> Audit:
+    """Check a run's ledger: no sequence twice, `batch_size` groups every step, staleness within
+    the bound; and, from the last recover checkpoint (async), that every rollout the manager
+    counted as accepted was trained, dropped as too stale, or is still waiting in a stream."""
+    from realcore.system import recover
+
+    rows = [json.loads(line) for line in open(os.path.join(output_dir, "ledger.jsonl"))]
+    seen: dict[str, int] = {}
+    groups: dict[int, set[str]] = {}
+    for r in rows:
+        seen[r["sample_id"]] = seen.get(r["sample_id"], 0) + 1
+        groups.setdefault(r["step"], set()).add(r["sample_id"].rsplit("/", 1)[0])
+    over = 0
+    if max_head_offpolicyness is not None:
+        over = sum(r["trained_version"] - r["version_start"] > max_head_offpolicyness for r in rows)
+    lost = None
+    found = recover.latest(output_dir)
+    if found is not None and os.path.exists(os.path.join(found[1], "manager.json")):
+        manager = recover.read_json(os.path.join(found[1], "manager.json"))
+        running = {f"r{w}:{seq}" for w, seqs in manager["running"].items() for seq in seqs}
+        waiting = set()
+        for name in os.listdir(found[1]):
+            if name.startswith("model_worker-"):
+                waiting |= set(recover.read_json(os.path.join(found[1], name, "worker.json"))["stream_uids"])
+        trained = {uid for g in groups.values() for uid in g}
+        # A rollout that finished between the manager's snapshot and the streams' is counted
+        # "running" there, and waits in a stream: not yet accepted.
+        lost = manager["accepted"] - len(trained) - manager["dropped"] - len(waiting - running - trained)
+    return Audit(len(rows), len(groups), sum(n - 1 for n in seen.values()),
+                 sorted(s for s, g in groups.items() if len(g) != batch_size), over, lost)

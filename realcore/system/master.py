@@ -102,6 +102,7 @@ class Master:
         self.weights = make_weight_sync(self) if self.alloc.gen is not None else None
         self.source = StreamSource(self) if self.async_mode else DatasetSource(self)
         self.preempt_requested = False
+        self.counters: dict[str, int] = {}  # rollout workers' totals (reward errors, ...) logged so far
 
     # --- calls --------------------------------------------------------------------------------
 
@@ -263,10 +264,8 @@ class Master:
                              "resume with the allocation_mode it was written with")
         return state, path
 
-    def _on_sigterm(self, signum, frame) -> None:
-        if self.preempt_requested:  # a second SIGTERM: stop now
-            raise SystemExit(128 + signum)
-        log.warning("SIGTERM: finishing step %d, then writing a recover checkpoint and stopping", self.step + 1)
+    def _on_preempt(self, signum, frame) -> None:
+        log.warning("preempted: finishing step %d, then writing a recover checkpoint and stopping", self.step + 1)
         self.preempt_requested = True
 
     # --- main ---------------------------------------------------------------------------------
@@ -283,7 +282,9 @@ class Master:
 
     def run(self) -> None:
         cfg = self.cfg
-        signal.signal(signal.SIGTERM, self._on_sigterm)  # preemption: checkpoint at the step's end
+        # Preemption (the launcher got SIGTERM): checkpoint at the end of this step. SIGTERM itself
+        # still means "stop now", as for every worker.
+        signal.signal(signal.SIGUSR2, self._on_preempt)
         resumed = self.resume_from()
         path = None
         if resumed is not None:
@@ -311,6 +312,7 @@ class Master:
             state = ManagerState()
             if path is not None:
                 state = parse(ManagerState, recover.read_json(os.path.join(path, "manager.json")))
+            self.counters = dict(state.counters)
             self.call_manager(Restore(state, getattr(self.weights, "path", None)), "restore")
 
     def loop(self, writer: MetricsWriter, ledger: Ledger) -> None:
@@ -328,8 +330,9 @@ class Master:
                 t1 = time.perf_counter()
                 reply = self.weights.publish(self.version)
                 metrics["time/weight_update_s"] = time.perf_counter() - t1
-                for k, v in getattr(reply, "counters", {}).items():
-                    metrics[k] = v
+                for k, total in getattr(reply, "counters", {}).items():  # this step's share of the totals
+                    metrics[k] = total - self.counters.get(k, 0)
+                    self.counters[k] = total
             metrics["version"] = self.version
             metrics["time/step_s"] = time.perf_counter() - t0
             writer.write(metrics)

@@ -64,6 +64,24 @@ def setup_worker_process(name: str, threads: int) -> None:
     exit_on_sigterm()
 
 
+def start_heartbeat(path: str, interval_s: float) -> None:
+    """Touch `path` every interval from a daemon thread: the launcher reads its age to tell a hung
+    process (stopped, or wedged with every thread stuck) from a busy one."""
+    import threading
+    import time
+
+    def beat() -> None:
+        while True:
+            try:
+                with open(path, "a"):
+                    os.utime(path)
+            except OSError:  # the launcher clears the folder between attempts: try again next time
+                pass
+            time.sleep(interval_s)
+
+    threading.Thread(target=beat, name="heartbeat", daemon=True).start()
+
+
 def node_address(host: str, interface: str | None = None) -> str:
     """The address this process binds and publishes: `interface`'s IPv4 address if given (e.g. the
     InfiniBand or cluster network), this node's resolvable address for host 'auto', else `host`."""

@@ -28,6 +28,8 @@ from realcore.api.alloc import parse_allocation_mode
 from realcore.api.config import ExperimentConfig
 from realcore.api.data import tensor_to_text
 from realcore.api.registry import lookup
+from realcore.mfc.reward import reward_modules
+from realcore.mfc.reward_runner import RewardRunner
 from realcore.system import keys, wire
 from realcore.system.name_resolve import make_name_resolver
 from realcore.system.protocol import Allocate, Finish, Register, RemoteError, Reroute, parse, request
@@ -163,7 +165,8 @@ class RolloutWorker:
         self.samples = loaded.samples
         self.order = EpochSampler(len(self.samples), cfg.dataset.seed, index)
         self.agent = lookup("agent", cfg.rollout.agent)
-        self.reward_fn = lookup("reward", cfg.reward.type)
+        r = cfg.reward
+        self.rewards = RewardRunner(r.type, reward_modules(cfg), timeout_s=r.timeout_s, n_procs=r.n_procs)
         resolver = make_name_resolver(cfg.system.name_resolve)
         timeout = cfg.system.startup_timeout_s
         self.manager_address = json.loads(resolver.wait(keys.manager(cfg), timeout_s=timeout))["control"]
@@ -230,16 +233,25 @@ class RolloutWorker:
         while not (await self.manager._call_once(Register(self.index, sorted(self.running)), self.cfg.system.request_timeout_s)).ok:
             await asyncio.sleep(0.2)
 
-    async def episode(self, seq: int, server: str):
-        """The agent's group for prompt `seq`; failures retried, then None (the group is dropped)."""
+    async def episode(self, seq: int, server: str, counters: dict[str, int]):
+        """The agent's group for prompt `seq`; failures retried, then None (the group is dropped).
+        Reward calls that failed or timed out are counted in `counters`."""
         sample = self.samples[self.order.index(seq)]
         prompt_ids = sample["prompt_ids"][0].tolist()
         client = RoutedClient(self, seq, server)
+
+        async def reward_fn(response: str, answer: str) -> float:
+            outcome = await self.rewards.ascore(response, answer)
+            if outcome.error is not None:
+                key = "reward/errors" if outcome.error == "error" else "reward/timeouts"
+                counters[key] = counters.get(key, 0) + 1
+            return outcome.reward
+
         for attempt in range(self.cfg.rollout.episode_retries + 1):
             try:
                 results = await self.agent(
                     prompt_ids, tensor_to_text(sample["answer"][0]), client=client, gconfig=self.cfg.generation,
-                    tokenizer=self.tokenizer, reward_fn=self.reward_fn, rid=f"r{self.index}-{seq}-{attempt}",
+                    tokenizer=self.tokenizer, reward_fn=reward_fn, rid=f"r{self.index}-{seq}-{attempt}",
                 )
                 return prompt_ids, results, client.server
             except Exception as e:  # a user agent may raise anything: it must not take the worker down
@@ -249,8 +261,8 @@ class RolloutWorker:
 
     async def rollout(self, push: StreamPusher, seq: int, server: str) -> None:
         self.running.add(seq)
-        prompt_ids, results, server = await self.episode(seq, server)
-        counters = {}
+        counters: dict[str, int] = {}
+        prompt_ids, results, server = await self.episode(seq, server, counters)
         if results is None:
             accepted, counters["rollout/failed_episodes"] = False, 1
         else:
@@ -288,3 +300,4 @@ class RolloutWorker:
             await asyncio.gather(*(c.close() for c in self.clients.values()), return_exceptions=True)
             push.close()
             self.manager.close()
+            self.rewards.close()

@@ -11,7 +11,7 @@ import os
 import sys
 
 from realcore.api.config import ExperimentConfig
-from realcore.system.process import PREEMPTED_EXIT, setup_worker_process
+from realcore.system.process import PREEMPTED_EXIT, setup_worker_process, start_heartbeat
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg.system.host = node_address(cfg.system.host, cfg.system.interface)
     name = args.type if args.type in ("master", "gserver_manager") else f"{args.type}/{args.index}"
     setup_worker_process(f"rc-{name}", cfg.system.threads_per_process)
+    start_heartbeat(os.path.join(cfg.output_dir, ".heartbeat", name.replace("/", "-")), cfg.system.heartbeat_interval_s)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s", stream=sys.stderr)
     if args.type == "master":  # the master's output goes to the console; keep a copy with the logs
         handler = logging.FileHandler(os.path.join(cfg.output_dir, "logs", "master.log"))
