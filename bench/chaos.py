@@ -7,8 +7,8 @@ Each trial launches `async-ppo-math model=tiny dataset=tiny-arith` (2 generation
 manager, 2 rollout workers, 2 model workers, the master; `recover_mode=auto`, a recover
 checkpoint every 2 steps) and, once the run has made progress, kills one process of each type in
 turn (generation server, rollout worker, gserver manager, model worker, master) with SIGKILL, a
-random one of its type at a random moment, each after the run trained at least one more step
-since the last kill. Then it checks, from the run's ledger and its final recover checkpoint
+random one of its type at a random moment: the i-th once the run trained 2 + 3i steps (and
+more than when the previous kill hit). Then it checks, from the run's ledger and its final recover checkpoint
 (realcore.system.ledger.audit): exit code 0; no sequence trained twice; every step trained
 `batch_size` groups; staleness within `max_head_offpolicyness`; no accepted rollout lost; and
 that the trainer (master and model workers) kept its process ids through every rollout-side kill.
@@ -63,6 +63,15 @@ def pids(out: str) -> dict[str, int]:
         return {}
 
 
+def running(pid: int) -> bool:
+    """Alive and not a zombie (an exited child not yet reaped still takes signals)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def wait_for(cond, proc, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -82,23 +91,23 @@ def trial(out: str, steps: int, cache: str, rng: random.Random, kinds=KINDS, tim
     log = open(out + ".log", "w")
     proc = subprocess.Popen(launch_cmd(out, steps, cache, os.path.basename(out)), cwd=ROOT, stdout=log,
                             stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    kills, trainer_kept = [], True
+    kills, trainer_kept, at = [], True, 0
     try:
-        for kind in kinds:
-            seen = rows(out)
-            if not wait_for(lambda: rows(out) > seen, proc, timeout_s):  # progress since the last kill
+        for i, kind in enumerate(kinds):
+            # The i-th kill once the run trained 2 + 3i steps, and more than when the last kill hit
+            # (a whole-run restart rewinds to its checkpoint first): every kill finds a live run.
+            if not wait_for(lambda: rows(out) >= max(2 + 3 * i, at + 1), proc, timeout_s):
                 break
             time.sleep(rng.uniform(0, 1.0))  # a random moment within the next step or two
             now = pids(out)
             name = rng.choice(sorted(n for n in now if n.split("/")[0] == kind))
             trainer = {n: p for n, p in now.items() if n.split("/")[0] in ("master", "model_worker")}
-            try:
-                os.kill(now[name], signal.SIGKILL)
-            except ProcessLookupError:
-                continue
+            if not running(now[name]):
+                break
+            os.kill(now[name], signal.SIGKILL)
             kills.append(name)
+            at = rows(out)
             if kind in ROLLOUT_SIDE:  # training goes on: same trainer processes after more progress
-                at = rows(out)
                 wait_for(lambda: rows(out) > at, proc, timeout_s)
                 after = pids(out)
                 trainer_kept &= all(after.get(n) == p for n, p in trainer.items())
@@ -123,7 +132,7 @@ def trial(out: str, steps: int, cache: str, rng: random.Random, kinds=KINDS, tim
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trials", type=int, default=20)
-    ap.add_argument("--steps", type=int, default=24, help="training steps of each run")
+    ap.add_argument("--steps", type=int, default=20, help="training steps of each run (at least 16: the last kill comes after step 14)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--keep", help="keep the runs' output folders here")
     args = ap.parse_args()

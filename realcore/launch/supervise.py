@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from realcore.api.config import ExperimentConfig
 from realcore.launch.local import Proc, describe_exit, dump_stacks_and_kill, stop_all
+from realcore.system import keys
 from realcore.system.process import PREEMPTED_EXIT
 
 ROLLOUT_SIDE = ("gen_server", "gserver_manager", "rollout_worker")
@@ -46,6 +47,40 @@ def record(output_dir: str, attempt: int, who: str, why: str, action: str) -> No
         f.write(json.dumps({"time": time.time(), "attempt": attempt, "who": who, "why": why, "action": action}) + "\n")
 
 
+def begin_attempt(cfg: ExperimentConfig, resolver) -> None:
+    """A whole-run start: no address, heartbeat or manager journal of an earlier attempt may be used."""
+    import shutil
+
+    resolver.clear(keys.scope(cfg))
+    for folder in (".heartbeat", ".manager"):
+        shutil.rmtree(os.path.join(cfg.output_dir, folder), ignore_errors=True)
+    os.makedirs(os.path.join(cfg.output_dir, ".heartbeat"))
+
+
+def hung(cfg: ExperimentConfig, name: str, started: float, now: float, margin: float = 1.0) -> str | None:
+    """Why realcore process `name` (started at monotonic time `started`) counts as hung (silent for
+    margin x the heartbeat deadline), or None. Shared by the Supervisor and the cluster task runner."""
+    sys_cfg = cfg.system
+    deadline = margin * sys_cfg.heartbeat_timeout_s
+    try:
+        last = os.stat(heartbeat_path(cfg.output_dir, name)).st_mtime
+        silent = time.time() - last
+        if silent > deadline and now - started > deadline:
+            return f"hung (no heartbeat for {silent:.0f} s; its stacks are in its log)"
+    except FileNotFoundError:  # still starting (imports): the startup deadline applies
+        if now - started > sys_cfg.startup_timeout_s:
+            return f"hung (no heartbeat within {sys_cfg.startup_timeout_s:g} s of its start)"
+    return None
+
+
+def count_quick_death(counts: dict[str, int], name: str, started: float) -> int:
+    """Deaths of `name` in a row, each within STABLE_S of its start (a crash loop); a life longer
+    than that resets the count."""
+    quick = time.monotonic() - started < STABLE_S
+    counts[name] = counts.get(name, 0) + 1 if quick else 0
+    return counts[name]
+
+
 def write_pids(output_dir: str, procs: list[Proc]) -> None:
     tmp = os.path.join(output_dir, "pids.json.tmp")
     with open(tmp, "w") as f:
@@ -61,19 +96,11 @@ class Supervisor:
         self.signals: list[int] = []
         self.preempt_deadline: float | None = None
 
-    def _hung(self, p: Proc, now: float) -> str | None:
+    def _hung(self, p: Proc, now: float, margin: float = 1.0) -> str | None:
+        """Why `p` counts as hung (silent for margin x the heartbeat deadline), or None."""
         if p.name not in self.watch_heartbeats:
             return None
-        sys_cfg = self.cfg.system
-        try:
-            last = os.stat(heartbeat_path(self.cfg.output_dir, p.name)).st_mtime
-            silent = time.time() - last
-            if silent > sys_cfg.heartbeat_timeout_s and now - p.started > sys_cfg.heartbeat_timeout_s:
-                return f"hung (no heartbeat for {silent:.0f} s; its stacks are in its log)"
-        except FileNotFoundError:  # still starting (imports): the startup deadline applies
-            if now - p.started > sys_cfg.startup_timeout_s:
-                return f"hung (no heartbeat within {sys_cfg.startup_timeout_s:g} s of its start)"
-        return None
+        return hung(self.cfg, p.name, p.started, now, margin)
 
     def _on_signal(self, signum, frame) -> None:
         self.signals.append(signum)
@@ -114,10 +141,15 @@ class Supervisor:
             why = f"died ({describe_exit(rc)})" if rc is not None else self._hung(p, now)
             if why is None:
                 continue
-            if rc is None:
-                dump_stacks_and_kill(p)
             if p.name == "master" and rc in (0, PREEMPTED_EXIT):
                 return Outcome(rc)
+            if rc is not None and p.name.split("/")[0] in ("master", "model_worker"):
+                # A peer that lost a hung worker (its own heartbeat deadline) dies about when the
+                # hung one is found: blame the hung one.
+                p = next((q for q in self.procs if q.popen.poll() is None and self._hung(q, now, margin=0.5)), p)
+                why = self._hung(p, now, margin=0.5) or why
+            if p.popen.poll() is None:
+                dump_stacks_and_kill(p)
             kind = p.name.split("/")[0]
             if kind in ROLLOUT_SIDE and self.cfg.recover_mode != "disabled" and p.start is not None:
                 if self._restart_in_place(p, why):
@@ -126,9 +158,7 @@ class Supervisor:
         return None
 
     def _restart_in_place(self, p: Proc, why: str) -> bool:
-        quick = time.monotonic() - p.started < STABLE_S
-        self.quick_deaths[p.name] = self.quick_deaths.get(p.name, 0) + 1 if quick else 0
-        if self.quick_deaths[p.name] > self.cfg.recover_retries:
+        if count_quick_death(self.quick_deaths, p.name, p.started) > self.cfg.recover_retries:
             print(f"realcore: {p.name} died {self.quick_deaths[p.name]} times within {STABLE_S:g} s of starting; "
                   "giving up on it", file=sys.stderr)
             return False
