@@ -80,3 +80,39 @@ def test_bad_megatron_layout_exits_2_with_one_line(tmp_path, cache, overrides, m
     assert r.returncode == 2, r.stderr[-2000:]
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], r.stderr
+
+
+def test_killed_rank_recovers_from_megatron_checkpoint(tmp_path, cache):
+    """recover_mode=auto on a TP=2 mesh: a rank is SIGKILLed after step 2; the run restarts from
+    its recover checkpoint (model and distributed-optimizer state through megatron-core's own
+    checkpointing) and finishes. After the restart the server samples with the restored weights
+    (its behaviour log-probs equal the mesh's), so what was restored is what was trained."""
+    import signal
+    import time
+
+    from realcore.system.ledger import audit
+
+    out = str(tmp_path / "run")
+    (tmp_path / "parity_reward.py").write_text(PARITY_REWARD)
+    cmd = [sys.executable, "-m", "realcore.launch", *MEGATRON, f"output_dir={out}", f"model.cache_dir={cache}",
+           f"system.name_resolve.root={out}/nr", "allocation_mode=local.d1p1t1+d1p1t2", "trainer.total_steps=4",
+           "actor.optimizer.lr=1e-2", "imports=[parity_reward]", "reward.type=odd-length", "recover_mode=auto",
+           "trainer.recover_freq_steps=1", "recover_delay_s=0"]
+    proc = subprocess.Popen(cmd, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 600
+        while time.time() < deadline and proc.poll() is None:
+            if os.path.exists(os.path.join(out, "metrics.jsonl")) and len(open(os.path.join(out, "metrics.jsonl")).readlines()) >= 2:
+                os.kill(json.load(open(os.path.join(out, "pids.json")))["model_worker/1"], signal.SIGKILL)
+                break
+            time.sleep(0.2)
+        stdout, stderr = proc.communicate(timeout=900)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert "resuming from step" in stdout
+    rows = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
+    assert [m["version"] for m in rows] == [1, 2, 3, 4]
+    assert all(abs(m["ppo/ratio_max"] - 1.0) < 1e-3 for m in rows), rows
+    a = audit(out, batch_size=8)
+    assert a.steps == 4 and a.duplicated == 0 and a.short_steps == []

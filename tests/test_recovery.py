@@ -13,6 +13,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -154,7 +155,7 @@ def test_sync_recovery_is_exact(tmp_path, env, cache, straight, who):
         proc.kill()
     assert proc.returncode == 0, stderr[-3000:]
     assert f"{who} died (killed by SIGKILL)" in stderr and "restarting the run" in stderr
-    assert "resuming from step 2" in stdout or "resuming from step 3" in stdout  # a checkpoint every 2 steps
+    assert re.search(r"resuming from step [246] ", stdout)  # a checkpoint every 2 steps
     assert_same_run(out, straight)
     restarts = [json.loads(line) for line in open(os.path.join(out, "restarts.jsonl"))]
     assert [(r["who"], r["action"]) for r in restarts] == [(who, "restart run")]
@@ -275,3 +276,31 @@ def test_stopped_model_worker_is_found_by_its_heartbeat(tmp_path, env, cache, mo
         assert proc.returncode == 0 and len(metrics(out)) == 40
         assert [json.loads(line)["action"] for line in open(os.path.join(out, "restarts.jsonl"))] == ["restart run"]
     assert_all_gone(out)
+
+
+@pytest.mark.parametrize("update", ["disk", "memory"])
+def test_restarted_server_gets_the_current_weights(tmp_path, cache, update):
+    """The only generation server is SIGKILLed mid-run: restarted in place, it gets the current
+    weights (disk: the manager loads them; memory: the master pushes them) before it serves
+    again, so the run finishes, with its trainer untouched and its samples within the bound."""
+    from realcore.system.ledger import audit
+
+    out = str(tmp_path / "run")
+    proc = subprocess.Popen(cmd(out, "recover_mode=auto", f"rollout.weight_update={update}", "trainer.total_steps=10",
+                                "generation.max_new_tokens=16", cache=cache, base=ASYNC),
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_metrics(out, 3, proc)
+        trainer = {n: p for n, p in json.load(open(os.path.join(out, "pids.json"))).items() if n in ("master", "model_worker/0")}
+        kill_when(proc, out, "gen_server/0", 3)
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "gen_server/0 died (killed by SIGKILL); restarting it" in stderr
+    after = json.load(open(os.path.join(out, "pids.json")))
+    assert all(after[n] == p for n, p in trainer.items())
+    manager_log = open(os.path.join(out, "logs", "gserver_manager.log")).read()
+    assert "server 0 restarted at" in manager_log
+    a = audit(out, batch_size=4, max_head_offpolicyness=1)
+    assert a.steps == 10 and a.duplicated == 0 and a.over_stale == 0 and a.short_steps == [], a

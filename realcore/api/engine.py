@@ -60,11 +60,11 @@ class Engine(ABC):
     def save_hf(self, path: str) -> None:
         """Save weights and tokenizer in HF format (safetensors), loadable by transformers as is."""
 
+    @abstractmethod
     def save_state(self, path: str) -> None:
         """Everything a trainable role needs to continue exactly (weights, optimizer and schedule,
         step counter, random state), written under the existing, empty folder `path`."""
-        raise NotImplementedError(f"{type(self).__name__} cannot write recover checkpoints yet")
 
+    @abstractmethod
     def load_state(self, path: str) -> None:
         """Restore what save_state wrote, on an engine freshly built from the same model and mesh."""
-        raise NotImplementedError(f"{type(self).__name__} cannot read recover checkpoints yet")

@@ -200,19 +200,42 @@ async def generate_resumable(
 
 
 def push_weights(
-    address: str, secret: bytes, version: str, state_dict: dict[str, torch.Tensor], timeout_s: float
+    address: str, secret: bytes, version: str, state_dict: dict[str, torch.Tensor], timeout_s: float,
+    connect_timeout_s: float = CONTROL_TIMEOUT_S,
 ) -> None:
     """Send weights to a built-in server's in-memory update socket (`on_ready(...)["weights"]`)
-    and wait until they are applied. The tensors must stay unchanged until this returns (zero-copy)."""
+    and wait until they are applied. The tensors must stay unchanged until this returns (zero-copy).
+
+    A server that is gone fails fast instead of at `timeout_s`: ConnectionError when no connection
+    is made within `connect_timeout_s`, or when the connection drops before the reply (a socket
+    monitor sees the disconnect)."""
+    from zmq.utils.monitor import recv_monitor_message
+
     names = list(state_dict)
     tensors = [state_dict[n].detach().cpu() for n in names]
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only on a live connection: send waits for one
+    sock.setsockopt(zmq.SNDTIMEO, int(connect_timeout_s * 1000))
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     try:
         sock.connect(address)
-        wire.send(sock, {"version": str(version), "names": names}, tensors, secret=secret)
-        _, header, _ = wire.recv(sock, secret=secret, timeout_s=timeout_s, what=f"the weights reply from {address}")
+        try:
+            wire.send(sock, {"version": str(version), "names": names}, tensors, secret=secret)
+        except zmq.Again:
+            raise ConnectionError(f"push_weights: no connection to {address} within {connect_timeout_s:g} s") from None
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        if not (ready := dict(poller.poll(int(timeout_s * 1000)))):
+            raise TimeoutError(f"wire.recv: no message on the weights reply from {address} within {timeout_s:g} s")
+        if sock not in ready:
+            recv_monitor_message(monitor)
+            raise ConnectionError(f"push_weights: {address} closed the connection before it answered")
+        _, header, _ = wire.recv(sock, secret=secret)
     finally:
+        sock.disable_monitor()
+        monitor.close(0)
         sock.close()
     if not header.get("ok"):
         raise RuntimeError(f"push_weights to {address} failed: {header.get('error')}")

@@ -166,22 +166,26 @@ class GServerManager:
             targets = [s for s in self.servers.values() if s.healthy]
         if msg.path is not None:
             self._on(targets, lambda c: c.pause("abort"))
-            ok = self._on(targets, lambda c: c.update_weights_from_disk(msg.path, msg.version))
-        else:
-            ok = targets
+            loaded = self._on(targets, lambda c: c.update_weights_from_disk(msg.path, msg.version))
+            holds = {s.index: msg.version for s, _ in loaded}
+        else:  # pushed by the trainer: a server it could not reach still holds the old version
+            from realcore.backends.gen_client import version_number
+
+            holds = {s.index: version_number(info.get("weight_version"))
+                     for s, info in self._on(targets, lambda c: c.server_info())}
         self._on(targets, lambda c: c.resume())
         with self.lock:
-            for s in ok:
-                s.holds = msg.version
+            for s in targets:
+                s.holds = holds.get(s.index, s.holds)
             self.admission.set_version(msg.version, msg.path)
         return Updated(time.perf_counter() - t0, dict(self.admission.state.counters))
 
     def snapshot(self, msg: Snapshot):
         return self.admission.state
 
-    def _on(self, servers: list[Server], call) -> list[Server]:
+    def _on(self, servers: list[Server], call) -> list[tuple[Server, object]]:
         """Run `call(client)` on every server at once; those that fail are marked unhealthy.
-        Returns the servers it succeeded on."""
+        Returns (server, result) of those it succeeded on."""
         async def run() -> list:
             clients = [self._client(s.url) for s in servers]
             try:
@@ -197,7 +201,7 @@ class GServerManager:
                     log.warning("server %d (%s): %s; out of the routing", s.index, s.url, r)
                     s.healthy = False
                 else:
-                    ok.append(s)
+                    ok.append((s, r))
         return ok
 
     def _client(self, url: str):

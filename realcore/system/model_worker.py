@@ -28,9 +28,9 @@ from realcore.system.batch_source import source_keys
 from realcore.system.control import ControlServer
 from realcore.system.data_plane import DataClient, DataServer, Storage
 from realcore.system.name_resolve import make_name_resolver
-from realcore.system.protocol import (Clear, Configure, Configured, Exit, Fetch, Fetched, MFCDone, Pause, PublishWeights,
-                                      RunMFC, Save, SaveState, Start, Status)
-from realcore.system import recover_state
+from realcore.system.protocol import (Clear, Configure, Configured, Exit, Fetch, Fetched, MFCDone, Pause, Published,
+                                      PublishWeights, RunMFC, Save, SaveState, Start, Status)
+from realcore.system import worker_state
 from realcore.system.sampler import EpochSampler
 from realcore.system.stream import STREAM_KEYS, TrajectoryStream
 
@@ -102,7 +102,7 @@ class ModelWorker:
             if i != self.index:
                 self.peers[i] = json.loads(self.resolver.get(keys.model_worker(cfg, i)))["data"]
         if msg.recover_from is not None:
-            recover_state.load(self, msg.recover_from)
+            worker_state.load(self, msg.recover_from)
         self.state = "running"
         return counts
 
@@ -217,9 +217,9 @@ class ModelWorker:
                 engine.save_hf(msg.path if role == "actor" else os.path.join(msg.path, role))
 
     def save_state(self, msg: SaveState) -> None:
-        recover_state.save(self, msg.path)
+        worker_state.save(self, msg.path)
 
-    def publish_weights(self, msg: PublishWeights) -> None:
+    def publish_weights(self, msg: PublishWeights) -> Published | None:
         """Hand the actor's weights to the generation servers: as an HF directory they load
         (`path`; in sync mode rank 0 then tells the servers in `http`), or pushed over the
         authenticated wire to their update sockets (`servers`)."""
@@ -231,9 +231,14 @@ class ModelWorker:
                 state = engine.hf_state_dict()
             else:
                 state = engine.model.state_dict() if self.index == 0 else None
+            failed = []
             for address in msg.servers if self.index == 0 else []:
-                push_weights(address, self.control.secret, str(msg.version), state, self.cfg.system.request_timeout_s)
-            return
+                try:  # a server that died is caught up after its restart; the others get the weights now
+                    push_weights(address, self.control.secret, str(msg.version), state, self.cfg.system.request_timeout_s)
+                except (ConnectionError, TimeoutError) as e:
+                    log.warning("weights not pushed to %s: %s", address, e)
+                    failed.append(address)
+            return Published(failed)
         if self.index == 0 or sharded:
             engine.save_hf(msg.path)
         if self.index == 0 and msg.http:

@@ -210,7 +210,12 @@ class SaveState:
     path: str  # the recover checkpoint's (temporary) directory; each worker writes its own files
 
 
-@message(Cmd.PUBLISH_WEIGHTS)
+@body
+class Published:
+    failed: list[str] = field(default_factory=list)  # servers (weights addresses) the push did not reach
+
+
+@message(Cmd.PUBLISH_WEIGHTS, Published)
 class PublishWeights:
     """Disk: write HF weights to `path` (sync mode: then rank 0 tells the servers at `http`).
     Memory: push the tensors to the servers' update sockets `servers`."""

@@ -11,12 +11,17 @@ before any rollout starts (the servers restarted with the initial weights).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
+import time
 
 from realcore.system import keys
 from realcore.system.name_resolve import make_name_resolver
 from realcore.system.protocol import Pause, PublishWeights, UpdateWeights
+
+log = logging.getLogger("realcore.weight_sync")
+RETRY_PUSH_S = 30.0  # a catch-up push the manager still reports as missing after this is sent again
 
 
 def server_addresses(cfg, n_servers: int, kind: str) -> list[str]:
@@ -30,10 +35,10 @@ class DiskWeights:
         self.m = master
         self.path: str | None = None  # the current version's folder (a restarted server loads it)
 
-    def publish(self, version: int) -> dict:
+    def publish(self, version: int):
         m = self.m
         path = os.path.join(m.cfg.output_dir, "weights", f"v{version}")
-        reply = {}
+        reply = None
         if m.async_mode:
             m.call_all(PublishWeights(version, path=path), "publish weights")
             reply = m.call_manager(UpdateWeights(version, path=path), "update weights")
@@ -51,22 +56,34 @@ class DiskWeights:
 class MemoryWeights:
     def __init__(self, master):
         self.m = master
+        self.pushed: dict[str, tuple[int, float]] = {}  # server -> (version, when) of the last catch-up push
 
-    def publish(self, version: int) -> dict:
+    def push(self, version: int, servers: list[str]) -> None:
+        replies = self.m.call_all(PublishWeights(version, servers=servers), "push weights")
+        failed = {a for r in replies.values() for a in r.failed}
+        if failed:  # servers that died: each is caught up after its restart (manager: "behind")
+            log.warning("weights v%d did not reach %s", version, ", ".join(sorted(failed)))
+
+    def publish(self, version: int):
         m = self.m
         servers = server_addresses(m.cfg, m.alloc.gen.dp, "weights")
         if not m.async_mode:
-            m.call_all(PublishWeights(version, servers=servers), "push weights")
-            return {}
+            self.push(version, servers)
+            return None
         m.call_manager(Pause(), "pause")
-        m.call_all(PublishWeights(version, servers=servers), "push weights")
+        self.push(version, servers)
         return m.call_manager(UpdateWeights(version), "update weights")
 
     def catch_up(self, servers: list[int]) -> None:
-        """Push the current weights to servers that restarted (only the trainer holds them)."""
-        m = self.m
+        """Push the current weights to servers that restarted (only the trainer holds them); once
+        per server and version, again only if the manager still lists it after a while."""
+        m, now = self.m, time.monotonic()
         addresses = server_addresses(m.cfg, m.alloc.gen.dp, "weights")
-        m.call_all(PublishWeights(m.version, servers=[addresses[i] for i in servers]), "push weights")
+        todo = [a for a in (addresses[i] for i in servers)
+                if self.pushed.get(a, (-1, 0.0))[0] != m.version or now - self.pushed[a][1] > RETRY_PUSH_S]
+        if todo:
+            self.push(m.version, todo)
+            self.pushed.update({a: (m.version, now) for a in todo})
 
 
 def make_weight_sync(master):

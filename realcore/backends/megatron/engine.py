@@ -408,6 +408,32 @@ class MegatronEngine(Engine):
         os.replace(tmp, path)
         shutil.rmtree(old, ignore_errors=True)
 
+    # ---- recover state (see recover_state.py for the format) ----
+
+    def _mesh_record(self) -> dict:
+        """What a recover checkpoint must match to load here."""
+        d = self.dims
+        return {"dp": d.dp, "pp": d.pp, "tp": d.tp, "cp": d.cp, "ep": d.ep, "vpp": self.vpp,
+                "distributed_optimizer": self.mcfg.distributed_optimizer}
+
+    def save_state(self, path: str) -> None:
+        """Everything this trainable role needs to continue exactly, written under `path`. Collective: every rank
+        of the role's mesh calls it."""
+        from realcore.backends.megatron import recover_state
+
+        if self.optimizer is None:
+            raise ValueError("save_state: this model role is not trainable (role.trainable is False)")
+        recover_state.save(path, self.chunks, self.optimizer, version=self.version, mesh=self._mesh_record())
+
+    def load_state(self, path: str) -> None:
+        """Restore what save_state wrote (called on freshly built engines of the same HF model and mesh, before
+        any training step). Collective."""
+        from realcore.backends.megatron import recover_state
+
+        if self.optimizer is None:
+            raise ValueError("load_state: this model role is not trainable (role.trainable is False)")
+        self.version = recover_state.load(path, self.chunks, self.optimizer, mesh=self._mesh_record())
+
     def generate(self, prompts: list[list[int]], gconfig) -> list[GenerationResult]:
         raise NotImplementedError("megatron roles generate through generation servers (allocation_mode local.dN+...)")
 
