@@ -157,6 +157,12 @@ def test_sync_recovery_is_exact(tmp_path, env, cache, straight, who):
     assert f"{who} died (killed by SIGKILL)" in stderr and "restarting the run" in stderr
     assert re.search(r"resuming from step [246] ", stdout)  # a checkpoint every 2 steps
     assert_same_run(out, straight)
+    # TensorBoard too shows each step once: the failed attempt's later events are purged.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(os.path.join(out, "tensorboard"))
+    tb.Reload()
+    assert [e.step for e in tb.Scalars("loss")] == [1, 2, 3, 4, 5, 6]
     restarts = [json.loads(line) for line in open(os.path.join(out, "restarts.jsonl"))]
     assert [(r["who"], r["action"]) for r in restarts] == [(who, "restart run")]
     assert_all_gone(out)

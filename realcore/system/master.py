@@ -30,7 +30,6 @@ from realcore.system.control import WorkerPool, wait_all
 from realcore.system.ledger import Ledger
 from realcore.system.metrics import MetricsWriter
 from realcore.system.name_resolve import make_name_resolver
-from realcore.system.process import PREEMPTED_EXIT
 from realcore.system.protocol import (Clear, Configure, Exit, ManagerState, Restore, RunMFC, Save, SaveState, Snapshot,
                                       WorkerLost, parse)
 from realcore.system.weight_sync import make_weight_sync
@@ -302,6 +301,7 @@ class Master:
         finally:
             writer.close()
             ledger.close()
+        print_reward_summary(writer.path)
 
     def start_generation(self, path: str | None) -> None:
         """Servers start with the initial weights: give them the current version, then (async) let
@@ -317,7 +317,6 @@ class Master:
 
     def loop(self, writer: MetricsWriter, ledger: Ledger) -> None:
         cfg = self.cfg
-        rewards: list[float] = []
         for step in range(self.step + 1, cfg.trainer.total_steps + 1):
             t0 = time.perf_counter()
             metrics: dict = {"step": step}
@@ -337,8 +336,6 @@ class Master:
             metrics["time/step_s"] = time.perf_counter() - t0
             writer.write(metrics)
             self.step = step
-            if "reward/mean" in metrics:
-                rewards.append(metrics["reward/mean"])
             freq = cfg.trainer.save_freq_steps
             last = step == cfg.trainer.total_steps
             if last or (freq and step % freq == 0):
@@ -348,10 +345,6 @@ class Master:
                 self.save_recover(step)
             if self.preempt_requested and not last:
                 raise Preempted(f"preempted after step {step}")
-        if rewards:
-            k = max(1, min(5, len(rewards) // 2))
-            first, last_ = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
-            print(f"reward/mean: first {k} steps {first:.3f}, last {k} steps {last_:.3f} ({last_ - first:+.3f})", flush=True)
 
     def shutdown(self) -> None:
         """Ask every live worker to exit (best effort, bounded), then close sockets."""
@@ -363,5 +356,11 @@ class Master:
         self.pool.close()
 
 
-def exit_code_of(error: BaseException) -> int:
-    return PREEMPTED_EXIT if isinstance(error, Preempted) else 1
+def print_reward_summary(metrics_path: str) -> None:
+    """Mean reward of the first and last steps of the whole run (across restarts: from the file)."""
+    with open(metrics_path) as f:
+        rewards = [m["reward/mean"] for m in map(json.loads, f) if "reward/mean" in m]
+    if rewards:
+        k = max(1, min(5, len(rewards) // 2))
+        first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+        print(f"reward/mean: first {k} steps {first:.3f}, last {k} steps {last:.3f} ({last - first:+.3f})", flush=True)
