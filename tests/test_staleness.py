@@ -16,13 +16,15 @@ class Ctl:
         self.seqs = []
 
     def try_allocate(self, worker=0):
-        seq = self.a.allocate(worker)
-        if seq is not None:
-            self.seqs.append(seq)
-        return seq is not None
+        got = self.a.allocate(worker)
+        if got is not None:
+            self.seqs.append(got)
+        return got is not None
 
     def finish(self, accepted, worker=0):
-        self.a.finish(worker, self.seqs.pop(0), accepted, {})
+        seq, grant = self.seqs.pop(0)
+        self.a.finish(worker, seq, grant, accepted, {})
+        return grant
 
     @property
     def version(self):
@@ -61,7 +63,7 @@ def test_nothing_is_admitted_before_the_master_restores():
     a = Admission(4, 1, 8)
     assert a.allocate(0) is None
     a.restore(ManagerState(), None)
-    assert a.allocate(0) == 0
+    assert a.allocate(0) == (0, 0)
 
 
 def test_a_dead_workers_rollouts_run_again_and_count_once():
@@ -70,15 +72,48 @@ def test_a_dead_workers_rollouts_run_again_and_count_once():
     ctl = Ctl(batch_size=100, eta=0, max_concurrent_rollouts=100)
     for _ in range(3):
         ctl.try_allocate()
-    ctl.a.finish(0, 0, True, {})
+    ctl.a.finish(0, 0, 0, True, {})
     assert (ctl.a.running, ctl.a.trained) == (2, 1)
     ctl.a.register(0, [])  # the restarted worker
     assert ctl.a.running == 0 and ctl.a.state.redo[0] == [1, 2]
-    assert [ctl.a.allocate(0) for _ in range(3)] == [1, 2, 3]
+    assert [ctl.a.allocate(0) for _ in range(3)] == [(1, 3), (2, 4), (3, 5)]  # new grants
     assert ctl.a.running == 3
-    ctl.a.finish(0, 1, True, {})
-    ctl.a.finish(0, 1, True, {})  # a FINISH sent twice counts once
+    ctl.a.finish(0, 1, 3, True, {})
+    ctl.a.finish(0, 1, 3, True, {})  # a FINISH sent twice counts once
     assert (ctl.a.running, ctl.a.trained) == (2, 2)
+
+
+def test_only_counted_copies_uncount():
+    """Grant 1's group reached a stream, but its worker died before FINISH: the prompt runs again
+    as grant 3, which is counted. Dropping the uncounted copy (stale) changes nothing; dropping or
+    training the counted one resolves it; resolving twice is harmless."""
+    ctl = Ctl(batch_size=100, eta=0, max_concurrent_rollouts=100)
+    for _ in range(3):
+        ctl.try_allocate()
+    ctl.a.register(0, [])  # seqs 0-2 (grants 0-2) run again
+    assert [ctl.a.allocate(0) for _ in range(3)] == [(0, 3), (1, 4), (2, 5)]
+    for seq, grant in ((0, 3), (1, 4), (2, 5)):
+        ctl.a.finish(0, seq, grant, True, {})
+    assert ctl.a.trained == 3 and sorted(ctl.a.state.unresolved) == [3, 4, 5]
+    ctl.a.resolve(trained=[], dropped=[1])  # the old copy of seq 1: never counted
+    assert ctl.a.trained == 3
+    ctl.a.resolve(trained=[3], dropped=[4])
+    ctl.a.resolve(trained=[3], dropped=[4])
+    assert ctl.a.trained == 2 and ctl.a.state.unresolved == [5] and ctl.a.state.dropped == 1
+
+
+def test_a_group_taken_before_its_finish_is_settled_by_it():
+    """The stream acknowledges a group before its worker says FINISH: the master may take it
+    first. The FINISH then settles it (counted and, if dropped, uncounted) instead of leaving it
+    "awaiting training" forever."""
+    ctl = Ctl(batch_size=100, eta=0, max_concurrent_rollouts=100)
+    for _ in range(2):
+        ctl.try_allocate()
+    ctl.a.resolve(trained=[0], dropped=[1])
+    ctl.finish(accepted=True)
+    ctl.finish(accepted=True)
+    s = ctl.a.state
+    assert (s.accepted, s.dropped, s.unresolved, s.taken_early, ctl.a.trained) == (2, 1, [], {}, 1)
 
 
 def test_registration_after_a_manager_restart_keeps_live_rollouts():
@@ -88,19 +123,19 @@ def test_registration_after_a_manager_restart_keeps_live_rollouts():
     for _ in range(3):
         ctl.try_allocate()
     ctl.a.register(0, [0, 2])  # seq 1's grant was lost with the old manager
-    assert ctl.a.state.running[0] == [0, 2] and ctl.a.state.redo[0] == [1]
-    assert ctl.a.allocate(0) == 1
+    assert ctl.a.state.running[0] == {0: 0, 2: 2} and ctl.a.state.redo[0] == [1]
+    assert ctl.a.allocate(0) == (1, 3)
 
 
 def test_restore_moves_running_rollouts_to_redo_once():
-    state = ManagerState(version=3, accepted=10, dropped=1, cursor={0: 7, 1: 5}, running={0: [5, 6], 1: [4]},
+    state = ManagerState(version=3, accepted=10, dropped=1, next_grant=20, cursor={0: 7, 1: 5}, running={0: {5: 18, 6: 19}, 1: {4: 17}},
                          redo={1: [2]}, counters={"reward/errors": 2})
     a = Admission(4, 2, 16)
     a.restore(state, "/w/v3")
     assert a.running == 0 and a.state.redo == {0: [5, 6], 1: [2, 4]} and a.trained == 9
     a.restore(ManagerState(), None)  # a retried RESTORE: the first holds
     assert a.state.version == 3 and a.weights_path == "/w/v3"
-    assert a.allocate(1) == 2 and a.allocate(1) == 4 and a.allocate(1) == 5
+    assert a.allocate(1) == (2, 20) and a.allocate(1) == (4, 21) and a.allocate(1) == (5, 22)
 
 
 def test_journal_replay_rebuilds_the_same_state(tmp_path):
@@ -117,11 +152,13 @@ def test_journal_replay_rebuilds_the_same_state(tmp_path):
             live.try_allocate(worker=rng.randrange(2))
         elif op < 0.8 and any(live.a.state.running.values()):
             w = rng.choice([w for w, v in live.a.state.running.items() if v])
-            live.a.finish(w, rng.choice(live.a.state.running[w]), rng.random() < 0.8, {"reward/errors": 1})
+            seq = rng.choice(list(live.a.state.running[w]))
+            live.a.finish(w, seq, live.a.state.running[w][seq], rng.random() < 0.8, {"reward/errors": 1})
         elif op < 0.85:
             live.a.register(rng.randrange(2), [])
-        elif op < 0.9:
-            live.a.drop(live.a.state.dropped + 1)
+        elif op < 0.9:  # the master takes a group: often before its FINISH arrives
+            g = rng.randrange(live.a.state.next_grant + 1)
+            live.a.resolve(trained=[g] if rng.random() < 0.5 else [], dropped=[] if rng.random() < 0.5 else [g])
         else:
             live.a.set_version(live.a.state.version + 1, f"/w/v{live.a.state.version + 1}")
         if i % 37 == 0:
@@ -153,15 +190,16 @@ def test_staleness_never_exceeds_eta_in_a_simulation():
             while ctl.try_allocate():
                 running.append(ctl.version)  # the version it starts generating with
             rng.shuffle(running)
-            arrived.append(running.pop())
-            ctl.finish(accepted=True)
-            stale = [v for v in arrived if is_stale(v, current_version=ctl.version, max_head_offpolicyness=eta)]
-            arrived = [v for v in arrived if not is_stale(v, current_version=ctl.version, max_head_offpolicyness=eta)]
+            start = running.pop()
+            arrived.append((start, ctl.finish(accepted=True)))
+            stale = [g for v, g in arrived if is_stale(v, current_version=ctl.version, max_head_offpolicyness=eta)]
+            arrived = [(v, g) for v, g in arrived if not is_stale(v, current_version=ctl.version, max_head_offpolicyness=eta)]
             dropped += len(stale)
-            ctl.a.drop(dropped)
+            ctl.a.resolve(trained=[], dropped=stale)
             if len(arrived) >= B:  # the trainer takes a batch and publishes a new version
                 batch, arrived = arrived[:B], arrived[B:]
-                worst = max(worst, max(ctl.version - v for v in batch))
+                ctl.a.resolve(trained=[g for _, g in batch], dropped=[])
+                worst = max(worst, max(ctl.version - v for v, _ in batch))
                 ctl.version += 1
                 steps += 1
         assert worst <= eta, (eta, worst)
@@ -173,7 +211,7 @@ def test_staleness_never_exceeds_eta_in_a_simulation():
 def test_dynamic_filtering_and_trajectory_layout():
     from realcore.backends.gen_client import Trajectory
     from realcore.system.rollout_worker import keep_group, trajectory_sample
-    from realcore.system.stream import decode_group, encode_group
+    from realcore.system.stream import Group, decode_group, encode_group
 
     assert keep_group([0.0, 1.0], True) and keep_group([1.0, 1.0], False)
     assert not keep_group([1.0, 1.0, 1.0], True) and not keep_group([0.0, 0.0], True)
@@ -183,8 +221,8 @@ def test_dynamic_filtering_and_trajectory_layout():
     assert sample["loss_mask"][0].tolist() == [0, 0, 0, 1, 1]
     assert sample["behav_logprobs"][0].tolist() == [0, 0, 0, -0.5, -0.25]
     assert (int(sample["version_start"][0]), int(sample["version_end"][0]), float(sample["rewards"][0])) == (0, 1, 1.0)
-    uid, back = decode_group(*encode_group("r0:3", sample))
-    assert uid == "r0:3" and all(torch_equal(back[k], sample[k]) for k in sample)
+    back = decode_group(*encode_group(Group("r0:3", 7, sample)))
+    assert (back.uid, back.grant) == ("r0:3", 7) and all(torch_equal(back.sample[k], sample[k]) for k in sample)
 
 
 def torch_equal(a, b):

@@ -193,6 +193,10 @@ class SlurmConfig(_Strict):
     python: str | None = Field(None, description="interpreter on the nodes; None: the launcher's own")
     poll_interval_s: float = Field(2.0, gt=0, description="how often the launcher asks squeue")
     cancel_timeout_s: float = Field(60.0, gt=0, description="deadline for a cancelled job to leave squeue")
+    requeue: bool = Field(
+        False, description="a preempted job (its master wrote a recover checkpoint and exited 75) requeues itself "
+        "(scontrol requeue; sbatch --requeue) and, started again by Slurm, resumes from the checkpoint; needs "
+        "recover_mode resume or auto. False: the job ends with exit code 75 (sbatch --no-requeue)")
 
 
 class RayConfig(_Strict):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 import time
 
@@ -18,7 +17,7 @@ from realcore.api.config import ExperimentConfig
 from realcore.dfg.graph import DataFlowGraph, GraphError
 from realcore.launch.config_loader import ConfigError, load_config
 from realcore.launch.local import Proc, spawn, spawn_command, tail
-from realcore.launch.supervise import Supervisor, record, write_pids
+from realcore.launch.supervise import Supervisor, begin_attempt, record, write_pids
 from realcore.launch.validate import check_model_layout, check_ray, check_slurm, validate
 from realcore.system import keys
 from realcore.system.name_resolve import make_name_resolver
@@ -197,11 +196,7 @@ def run_local(cfg: ExperimentConfig, dfg: DataFlowGraph, alloc: AllocationMode) 
     config_path, secret_path = prepare_output(cfg, dfg)
     restarts = 0
     for attempt in range(cfg.recover_retries + 1):
-        # A whole-run start: no address, heartbeat or manager journal of an earlier attempt may be used.
-        resolver.clear(scope)
-        for folder in (".heartbeat", ".manager"):
-            shutil.rmtree(os.path.join(cfg.output_dir, folder), ignore_errors=True)
-        os.makedirs(os.path.join(cfg.output_dir, ".heartbeat"))
+        begin_attempt(cfg, resolver)
         procs = start_processes(cfg, alloc, config_path, secret_path, attempt)
         if attempt == 0:
             print(f"realcore: {cfg.experiment_name}/{cfg.trial_name}: {', '.join(p.name for p in procs)}; "

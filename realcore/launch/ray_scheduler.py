@@ -1,14 +1,26 @@
 """`scheduler=ray`: the same worker processes as the local scheduler, placed by Ray.
 
 Each worker is a Ray task that runs `python -m realcore.system.run_worker ...` as a child process
-(the child dies with its Ray worker: PDEATHSIG), so the worker code is identical under every
-scheduler. Model workers of the training mesh share one placement group (one bundle per rank,
-packed onto as few nodes as possible, as a model mesh wants); generation servers get another;
-the master, manager and rollout workers are plain tasks.
+(the child dies with its Ray worker: PDEATHSIG) under the task runner of realcore/launch/cluster.py,
+so the worker code is identical under every scheduler. The runner watches the child's heartbeat
+file next to it: a hung worker gets its stacks dumped into its log (SIGUSR1, SIGCONT) and is
+killed, and the task ends saying so (the launcher need not reach a process on another node).
+Model workers of the training mesh share one placement group (one bundle per rank, packed onto
+as few nodes as possible, as a model mesh wants); generation servers get another; the master,
+manager and rollout workers are plain tasks. The master's output goes to OUTPUT_DIR/logs/master.out,
+which the launcher copies to the console.
 
-The launcher waits for the tasks: the master's clean exit ends the run; any task failing ends
-it at once (every task is cancelled, the placement groups removed) naming the worker; Ctrl-C
-does the same with exit code 130. `ray` is an optional extra: `pip install -e ".[ray]"`.
+The launcher waits for the tasks:
+- the master's clean exit ends the run (0);
+- a rollout-side task (generation server, gserver manager, rollout worker) that dies or hangs is
+  submitted again with the same arguments (same type, index and --attempt) while training goes on,
+  unless recover_mode=disabled; each restart goes into OUTPUT_DIR/restarts.jsonl; one that keeps
+  dying within a minute of its start, more than recover_retries times, fails the run;
+- a master or model worker failing fails the run: every task is cancelled; with recover_mode=auto
+  all of them start again (scope, `.heartbeat`, `.manager` cleared, `--attempt` + 1) and the run
+  resumes from its last recover checkpoint, up to recover_retries times; then exit 1 naming the
+  worker. Ctrl-C or SIGTERM cancels every task (130).
+`ray` is an optional extra: `pip install -e ".[ray]"`.
 """
 
 from __future__ import annotations
@@ -20,6 +32,8 @@ import time
 
 from realcore.api.alloc import AllocationMode
 from realcore.api.config import ExperimentConfig
+from realcore.launch.supervise import ROLLOUT_SIDE, STABLE_S, begin_attempt, count_quick_death, heartbeat_path, record
+from realcore.system.process import PREEMPTED_EXIT
 
 
 def worker_specs(cfg: ExperimentConfig, alloc: AllocationMode) -> list[tuple[str, str, int]]:
@@ -36,29 +50,21 @@ def worker_specs(cfg: ExperimentConfig, alloc: AllocationMode) -> list[tuple[str
     return specs
 
 
-def _run_worker(argv: list[str], env: dict, log_path: str | None) -> int:
-    """Inside a Ray task: run one realcore worker as a child process; raise if it fails."""
-    import subprocess
+def _run_worker(cfg: ExperimentConfig, argv: list[str], env: dict, log_path: str, name: str, attempt: int) -> tuple[int, str]:
+    """Inside a Ray task: run one realcore worker under the task runner; (exit code, why)."""
+    from realcore.launch.cluster import run_task
 
-    from realcore.system.process import die_with_parent
-
-    out = open(log_path, "ab") if log_path else None
-    try:
-        rc = subprocess.run(argv, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                            preexec_fn=die_with_parent).returncode
-    finally:
-        if out:
-            out.close()
-    if rc != 0:
-        raise RuntimeError(f"exited with code {rc}")
-    return rc
+    return run_task(cfg, argv, name=name, attempt=attempt, restart=False, env=env, log_path=log_path)
 
 
 def run_ray(cfg: ExperimentConfig, alloc: AllocationMode, config_path: str, secret_path: str, env: dict) -> int:
-    """Exit codes like the local scheduler: 0 done, 1 a worker failed, 130 interrupted."""
+    """Exit codes like the local scheduler: 0 done, 1 a worker failed (recover_mode=auto: once the
+    restarts are used up), 130 interrupted."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from realcore.system.name_resolve import make_name_resolver
 
     r = cfg.ray
     ray.init(address=r.address, namespace=f"realcore-{cfg.experiment_name}-{cfg.trial_name}",
@@ -83,61 +89,120 @@ def run_ray(cfg: ExperimentConfig, alloc: AllocationMode, config_path: str, secr
         common = ["--world", str(alloc.train.world_size), "--config", config_path, "--secret-file", secret_path,
                   "--n-servers", str(n_servers)]
         logs = os.path.join(cfg.output_dir, "logs")
-        refs = {}
-        for name, kind, index in worker_specs(cfg, alloc):
-            argv = [r.python or sys.executable, "-m", "realcore.system.run_worker", "--type", kind, "--index", str(index), *common]
+        kinds = {name: (kind, index) for name, kind, index in worker_specs(cfg, alloc)}
+
+        def submit(name: str, attempt: int):
+            kind, index = kinds[name]
+            argv = [r.python or sys.executable, "-m", "realcore.system.run_worker", "--type", kind, "--index", str(index),
+                    *common, "--attempt", str(attempt)]
             options = {"num_cpus": r.cpus_per_worker, "max_retries": 0, "name": name}
             if kind in groups:
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=groups[kind], placement_group_bundle_index=index)
                 if gpu:
                     options["num_gpus"] = gpu
-            log = None if kind == "master" else os.path.join(logs, name.replace("/", "-") + ".log")
-            refs[task.options(**options).remote(argv, env, log)] = name
-        return _wait(refs, cfg)
+            log = os.path.join(logs, "master.out" if kind == "master" else name.replace("/", "-") + ".log")
+            return task.options(**options).remote(cfg, argv, env, log, name, attempt)
+
+        return _attempts(cfg, kinds, submit, make_name_resolver(cfg.system.name_resolve))
     finally:
         for g in groups.values():
             remove_placement_group(g)
         ray.shutdown()
 
 
-def _wait(refs: dict, cfg: ExperimentConfig) -> int:
-    import ray
+def _attempts(cfg: ExperimentConfig, kinds: dict, submit, resolver) -> int:
+    """Whole-run starts: the first, then (recover_mode=auto) one per failure of the trainer."""
+    from realcore.launch.cluster import Follow
 
-    interrupted: list[int] = []
-    old = {s: signal.signal(s, lambda signum, frame: interrupted.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
-    pending = list(refs)
+    signals: list[int] = []
+    old = {s: signal.signal(s, lambda signum, frame: signals.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    follow = Follow(os.path.join(cfg.output_dir, "logs", "master.out"))
+    restarts = 0
     try:
-        while True:
-            if interrupted:
-                print(f"realcore: {signal.Signals(interrupted[0]).name}: cancelling the Ray tasks", file=sys.stderr)
-                return _cancel(pending, 130)
-            done, pending = ray.wait(pending, num_returns=1, timeout=0.5)
-            for ref in done:
-                name = refs[ref]
-                try:
-                    ray.get(ref)
-                except Exception as e:  # the worker failed or its Ray worker/node died
-                    why = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-                    print(f"realcore: {name} died ({why}); cancelling the Ray tasks", file=sys.stderr)
-                    log = os.path.join(cfg.output_dir, "logs", name.replace("/", "-") + ".log")
-                    if os.path.exists(log):
-                        from realcore.launch.local import tail
+        for attempt in range(cfg.recover_retries + 1):
+            begin_attempt(cfg, resolver)
+            refs = {submit(name, attempt): name for name in kinds}
+            rc, why = _watch(cfg, refs, submit, attempt, follow, signals)
+            if rc != 1:
+                return rc
+            print(f"realcore: {why}; cancelling the Ray tasks", file=sys.stderr)
+            log = os.path.join(cfg.output_dir, "logs", why.split()[0].replace("/", "-") + ".log")
+            if os.path.exists(log):
+                from realcore.launch.local import tail
 
-                        print(f"realcore: last lines of {log}:\n{tail(log)}", file=sys.stderr)
-                    return _cancel(pending, 1)
-                if name == "master":
-                    return _cancel(pending, 0, grace_s=cfg.system.shutdown_timeout_s)
-            if not pending:
-                return 1  # everything ended without the master finishing: cannot happen cleanly
+                print(f"realcore: last lines of {log}:\n{tail(log)}", file=sys.stderr)
+            _cancel(list(refs), wait_s=cfg.system.shutdown_timeout_s)
+            if cfg.recover_mode != "auto" or restarts == cfg.recover_retries:
+                if cfg.recover_mode == "auto":
+                    print(f"realcore: giving up after {restarts} restarts (recover_retries={cfg.recover_retries})",
+                          file=sys.stderr)
+                record(cfg.output_dir, attempt, why.split()[0], why, "give up")
+                return 1
+            restarts += 1
+            record(cfg.output_dir, attempt, why.split()[0], why, "restart run")
+            print(f"realcore: restarting the run from its last recover checkpoint in {cfg.recover_delay_s:g} s "
+                  f"(restart {restarts} of {cfg.recover_retries})", file=sys.stderr, flush=True)
+            deadline = time.monotonic() + cfg.recover_delay_s
+            while time.monotonic() < deadline and not signals:
+                time.sleep(0.2)
+            if signals:
+                return 130
+        return 1  # not reached: the last attempt returns above
     finally:
+        follow.poll()
         for s, h in old.items():
             signal.signal(s, h)
 
 
-def _cancel(refs: list, rc: int, grace_s: float = 0.0) -> int:
+def _watch(cfg: ExperimentConfig, refs: dict, submit, attempt: int, follow, signals: list[int]) -> tuple[int, str]:
+    """Wait for one attempt's tasks, restarting rollout-side ones: (0, "") done, (130, "")
+    interrupted, (1, why) the run failed. `refs` holds the live tasks (the caller cancels them)."""
+    import ray
+
+    started = {name: time.monotonic() for name in refs.values()}
+    quick_deaths: dict[str, int] = {}
+    while True:
+        follow.poll()
+        if signals:
+            print(f"realcore: {signal.Signals(signals[0]).name}: cancelling the Ray tasks", file=sys.stderr)
+            _cancel(list(refs))
+            return 130, ""
+        done, _ = ray.wait(list(refs), num_returns=1, timeout=0.5)
+        for ref in done:
+            name = refs.pop(ref)
+            try:
+                rc, why = ray.get(ref)
+            except Exception as e:  # its Ray worker or node died, or Ray cancelled it
+                rc, why = None, f"died ({str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__})"
+            if name == "master" and rc in (0, PREEMPTED_EXIT):
+                _cancel(list(refs), grace_s=cfg.system.shutdown_timeout_s)  # the master told them to exit
+                return rc, ""
+            if rc == 0:  # it left because the master told it to (EXIT at the end)
+                continue
+            why = why or f"died (exit code {rc})"
+            if name.split("/")[0] in ROLLOUT_SIDE and cfg.recover_mode != "disabled":
+                n = count_quick_death(quick_deaths, name, started[name])
+                if n <= cfg.recover_retries:
+                    print(f"realcore: {name} {why}; restarting its Ray task (training goes on)", file=sys.stderr, flush=True)
+                    record(cfg.output_dir, attempt, name, why, "restart in place")
+                    try:
+                        os.remove(heartbeat_path(cfg.output_dir, name))
+                    except FileNotFoundError:
+                        pass
+                    refs[submit(name, attempt)] = name
+                    started[name] = time.monotonic()
+                    continue
+                why += f"; it died {n} times within {STABLE_S:g} s of starting"
+            return 1, f"{name} {why}"
+        if not refs:
+            return 1, "master ended without finishing the run"
+
+
+def _cancel(refs: list, grace_s: float = 0.0, wait_s: float = 0.0) -> None:
     """Let the workers leave on their own for `grace_s` (after the master asked them to), then
-    force-cancel what is left; returns rc."""
+    force-cancel what is left (its Ray worker is killed, and the worker with it: PDEATHSIG), and
+    wait up to `wait_s` until Ray reports them ended (before a restart starts new ones)."""
     import ray
 
     deadline = time.monotonic() + grace_s
@@ -145,4 +210,5 @@ def _cancel(refs: list, rc: int, grace_s: float = 0.0) -> int:
         _, refs = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, deadline - time.monotonic()))
     for ref in refs:
         ray.cancel(ref, force=True)
-    return rc
+    if refs and wait_s:
+        ray.wait(refs, num_returns=len(refs), timeout=wait_s)

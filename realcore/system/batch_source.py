@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from realcore.api.config import ExperimentConfig
 from realcore.api.registry import dataset_keys
-from realcore.system.protocol import Drop, Fetch, Fetched
+from realcore.system.protocol import Fetch, Fetched, Resolve
 from realcore.system.stream import STREAM_KEYS
 
 
@@ -59,14 +59,13 @@ class DatasetSource:
 
 class StreamSource:
     """Async mode: the first `batch_size` groups that reach any replica head's stream. Groups too
-    stale for the current version are dropped (the manager is told the running total, so its
-    admission stops counting them); a group trained already (a rollout that ran again after a
-    failure) is discarded: no prompt is trained twice."""
+    stale for the current version are dropped; a group whose prompt was trained already (a rollout
+    that ran again after a failure) is discarded: no prompt is trained twice. The manager hears
+    which admissions left the streams (Resolve), so its count of what awaits training stays exact."""
 
     def __init__(self, master):
         self.m = master
         self.trained: set[str] = set()  # prompt uids trained so far in this run
-        self.dropped = 0
 
     def fetch(self, metrics: dict) -> list[Group]:
         m, n = self.m, self.m.cfg.trainer.batch_size
@@ -80,10 +79,9 @@ class StreamSource:
                 r: Fetched = m.wait({name: m.pool.request(name, Fetch(m.next_id, n - len(groups), m.version))},
                                     "stream fetch")[name]
                 m.next_id += len(r.ids)
-                if r.dropped:
-                    self.dropped += len(r.dropped)
-                    dropped += len(r.dropped)
-                    m.call_manager(Drop(total=self.dropped), "drop")
+                if r.ids or r.dropped:
+                    m.call_manager(Resolve(trained=r.grants, dropped=r.dropped), "resolve")
+                dropped += len(r.dropped)
                 fresh = [k for k, uid in enumerate(r.uids) if uid not in self.trained]
                 if len(fresh) < len(r.ids):
                     duplicates += len(r.ids) - len(fresh)
@@ -114,10 +112,9 @@ class StreamSource:
         return groups
 
     def state(self) -> dict:
-        return {"dropped": self.dropped}
+        return {}
 
     def load_state(self, state: dict, ledger) -> None:
-        """The drop count from the checkpoint; the trained prompts from the ledger (truncated to
-        the checkpoint's step: it holds exactly the prompts trained before it)."""
-        self.dropped = int(state.get("dropped", 0))
+        """The trained prompts, from the ledger (truncated to the checkpoint's step: it holds
+        exactly the prompts trained before it)."""
         self.trained = ledger.trained_prompts()

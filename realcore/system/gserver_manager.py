@@ -30,8 +30,8 @@ from realcore.api.config import ExperimentConfig
 from realcore.system import keys
 from realcore.system.control import ControlServer
 from realcore.system.name_resolve import make_name_resolver
-from realcore.system.protocol import (Allocate, Drop, Exit, Finish, Grant, Pause, Register, Registered, Reroute, Rerouted,
-                                      Restore, Snapshot, Status, Updated, UpdateWeights)
+from realcore.system.protocol import (Allocate, Exit, Finish, Grant, Pause, Register, Registered, Reroute, Rerouted,
+                                      Resolve, Restore, Snapshot, Status, Updated, UpdateWeights)
 from realcore.system.staleness import Admission
 
 log = logging.getLogger("realcore.gserver_manager")
@@ -108,15 +108,15 @@ class GServerManager:
         server = self.route()
         if server is None:
             return Grant(False, version)
-        seq = self.admission.allocate(msg.worker)
-        if seq is None:
+        admitted = self.admission.allocate(msg.worker)
+        if admitted is None:
             with self.lock:
                 server.load -= 1
             return Grant(False, version)
-        return Grant(True, version, server.url, seq)
+        return Grant(True, version, server.url, *admitted)
 
     def finish(self, msg: Finish) -> None:
-        self.admission.finish(msg.worker, msg.seq, msg.accepted, msg.counters)
+        self.admission.finish(msg.worker, msg.seq, msg.grant, msg.accepted, msg.counters)
         with self.lock:
             for s in self.servers.values():
                 if s.url == msg.server and s.load > 0:
@@ -148,8 +148,8 @@ class GServerManager:
         log.info("admitting from version %d (%d accepted, %d dropped, %d rollouts to run again)", msg.state.version,
                  msg.state.accepted, msg.state.dropped, sum(len(v) for v in self.admission.state.redo.values()))
 
-    def drop(self, msg: Drop) -> None:
-        self.admission.drop(msg.total)
+    def resolve(self, msg: Resolve) -> None:
+        self.admission.resolve(msg.trained, msg.dropped)
 
     def pause(self, msg: Pause) -> None:
         """Interrupt every ready server (running requests return; new ones wait) before an in-memory push."""
@@ -292,7 +292,7 @@ class GServerManager:
 
     def run(self) -> None:
         handlers = {Allocate: self.allocate, Finish: self.finish, Register: self.register, Reroute: self.reroute,
-                    Restore: self.restore, Drop: self.drop, Pause: self.pause, UpdateWeights: self.update_weights,
+                    Restore: self.restore, Resolve: self.resolve, Pause: self.pause, UpdateWeights: self.update_weights,
                     Snapshot: self.snapshot}
         sys_cfg = self.cfg.system
         while True:

@@ -55,13 +55,14 @@ class Audit:
     duplicated: int  # sequences trained more than once
     short_steps: list[int]  # steps that did not train `batch_size` groups
     over_stale: int  # sequences trained more than max_head_offpolicyness versions after they started
-    lost: int | None  # async: rollouts accepted but never trained, dropped or waiting (None: no checkpoint)
+    lost: int | None  # async: rollouts accepted but neither taken by the master nor waiting (None: no checkpoint)
 
 
 def audit(output_dir: str, *, batch_size: int, max_head_offpolicyness: int | None = None) -> Audit:
     """Check a run's ledger: no sequence twice, `batch_size` groups every step, staleness within
     the bound; and, from the last recover checkpoint (async), that every rollout the manager
-    counted as accepted was trained, dropped as too stale, or is still waiting in a stream."""
+    counted as accepted and the master has not taken yet (trained or dropped as too stale) is
+    waiting in a stream."""
     from realcore.system import recover
 
     rows = [json.loads(line) for line in open(os.path.join(output_dir, "ledger.jsonl"))]
@@ -76,15 +77,12 @@ def audit(output_dir: str, *, batch_size: int, max_head_offpolicyness: int | Non
     lost = None
     found = recover.latest(output_dir)
     if found is not None and os.path.exists(os.path.join(found[1], "manager.json")):
-        manager = recover.read_json(os.path.join(found[1], "manager.json"))
-        running = {f"r{w}:{seq}" for w, seqs in manager["running"].items() for seq in seqs}
+        # The manager's snapshot comes first: what it counts as not yet taken is in a stream then.
+        unresolved = set(recover.read_json(os.path.join(found[1], "manager.json"))["unresolved"])
         waiting = set()
         for name in os.listdir(found[1]):
             if name.startswith("model_worker-"):
-                waiting |= set(recover.read_json(os.path.join(found[1], name, "worker.json"))["stream_uids"])
-        trained = {uid for g in groups.values() for uid in g}
-        # A rollout that finished between the manager's snapshot and the streams' is counted
-        # "running" there, and waits in a stream: not yet accepted.
-        lost = manager["accepted"] - len(trained) - manager["dropped"] - len(waiting - running - trained)
+                waiting |= set(recover.read_json(os.path.join(found[1], name, "worker.json"))["stream_grants"])
+        lost = len(unresolved - waiting)
     return Audit(len(rows), len(groups), sum(n - 1 for n in seen.values()),
                  sorted(s for s, g in groups.items() if len(g) != batch_size), over, lost)

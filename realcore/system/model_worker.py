@@ -152,13 +152,14 @@ class ModelWorker:
         groups, dropped = self.stream.take(msg.n, current_version=msg.version,
                                            max_head_offpolicyness=self.cfg.rollout.max_head_offpolicyness)
         out = Fetched([], {k: [] for k in STREAM_KEYS}, [], dropped=dropped)
-        for k, (uid, sample) in enumerate(groups):
-            sid = msg.first_id + k
+        for k, group in enumerate(groups):
+            sid, sample = msg.first_id + k, group.sample
             for key in STREAM_KEYS:
                 self.storage.put(sid, key, sample[key])
                 out.seqlens[key].append([int(t.numel()) for t in sample[key]])
             out.ids.append(sid)
-            out.uids.append(uid)
+            out.uids.append(group.uid)
+            out.grants.append(group.grant)
             out.version_start.append([int(t) for t in sample["version_start"]])
             out.version_end.append([int(t) for t in sample["version_end"]])
             out.rewards.append([float(r) for r in sample["rewards"]])

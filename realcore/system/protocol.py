@@ -32,7 +32,7 @@ class Cmd(IntEnum):
     FINISH = 11  # rollout worker -> manager: a rollout ended (accepted into the stream or not)
     UPDATE_WEIGHTS = 12  # master -> manager: interrupt generation, load version N, resume
     PUBLISH_WEIGHTS = 13  # master -> model worker: write the trainable weights for the servers
-    DROP = 14  # master -> manager: this many accepted samples in all arrived too stale and were dropped
+    RESOLVE = 14  # master -> manager: these accepted rollouts left the streams (trained, or dropped as too stale)
     SAVE_STATE = 15  # master -> model worker: write this worker's part of a recover checkpoint
     SNAPSHOT = 16  # master -> manager: the admission state, for a recover checkpoint
     RESTORE = 17  # master -> manager: start admitting, from this state (or from scratch)
@@ -167,10 +167,11 @@ class Fetched:
     ids: list[int]
     seqlens: dict[str, list[list[int]]]
     uids: list[str]
+    grants: list[int] = field(default_factory=list)  # async: the admission that produced each sample
     version_start: list[list[int]] = field(default_factory=list)  # per sample, per sequence (async)
     version_end: list[list[int]] = field(default_factory=list)
     rewards: list[list[float]] = field(default_factory=list)  # per sample, per sequence (async)
-    dropped: list[str] = field(default_factory=list)  # uids that arrived too stale to train on
+    dropped: list[int] = field(default_factory=list)  # grants of samples that arrived too stale to train on
 
 
 @message(Cmd.FETCH, Fetched)
@@ -232,6 +233,7 @@ class Grant:
     version: int
     server: str | None = None
     seq: int = -1  # which prompt of the worker's shard: its position in the worker's sample order
+    grant: int = -1  # this admission's id: a rollout that runs again gets a new one
 
 
 @message(Cmd.ALLOCATE, Grant)
@@ -243,6 +245,7 @@ class Allocate:
 class Finish:
     worker: int
     seq: int
+    grant: int
     accepted: bool
     server: str
     counters: dict[str, int] = field(default_factory=dict)  # e.g. reward errors of this rollout
@@ -260,22 +263,33 @@ class UpdateWeights:
     path: str | None = None  # None: the trainer pushed the tensors already (in memory)
 
 
-@message(Cmd.DROP)
-class Drop:
-    total: int  # all samples dropped so far (absolute, so a retried message counts once)
+@message(Cmd.RESOLVE)
+class Resolve:
+    """Accepted rollouts (by grant) the master took from the streams: `trained` (or discarded as a
+    duplicate of a prompt trained already) or `dropped` as too stale. Set-wise, so a retry is harmless."""
+
+    trained: list[int] = field(default_factory=list)
+    dropped: list[int] = field(default_factory=list)
 
 
 @body
 class ManagerState:
     """What admission needs to continue exactly: the version, the rollouts accepted, dropped as
     too stale and running, where each rollout worker is in its prompt order, and the prompts
-    whose rollouts were lost (their worker died) and must run again first."""
+    whose rollouts were lost (their worker died) and must run again first. A copy of a group that
+    reached a stream without its FINISH (its worker died) counts nowhere: only `unresolved`
+    grants (accepted, not yet taken by the master) can be dropped from the count."""
 
     version: int = 0
     accepted: int = 0
     dropped: int = 0
+    next_grant: int = 0
+    unresolved: list[int] = field(default_factory=list)
+    # Grants the master took before their FINISH arrived (the stream acknowledges a group before
+    # its worker reports it): True if dropped. Settled by the FINISH.
+    taken_early: dict[int, bool] = field(default_factory=dict)
     cursor: dict[int, int] = field(default_factory=dict)  # worker -> next seq
-    running: dict[int, list[int]] = field(default_factory=dict)  # worker -> seqs in flight
+    running: dict[int, dict[int, int]] = field(default_factory=dict)  # worker -> {seq in flight: its grant}
     redo: dict[int, list[int]] = field(default_factory=dict)  # worker -> seqs to run again
     counters: dict[str, int] = field(default_factory=dict)  # totals reported by FINISH
 

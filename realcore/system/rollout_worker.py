@@ -34,7 +34,7 @@ from realcore.system import keys, wire
 from realcore.system.name_resolve import make_name_resolver
 from realcore.system.protocol import Allocate, Finish, Register, RemoteError, Reroute, parse, request
 from realcore.system.sampler import EpochSampler
-from realcore.system.stream import StreamPusher
+from realcore.system.stream import Group, StreamPusher
 
 log = logging.getLogger("realcore.rollout_worker")
 
@@ -259,7 +259,7 @@ class RolloutWorker:
                             self.cfg.rollout.episode_retries + 1, type(e).__name__, e)
         return None, None, client.server
 
-    async def rollout(self, push: StreamPusher, seq: int, server: str) -> None:
+    async def rollout(self, push: StreamPusher, seq: int, grant: int, server: str) -> None:
         self.running.add(seq)
         counters: dict[str, int] = {}
         prompt_ids, results, server = await self.episode(seq, server, counters)
@@ -268,8 +268,8 @@ class RolloutWorker:
         else:
             accepted = keep_group([r for _, r in results], self.cfg.rollout.filter_equal_reward_groups)
         if accepted:
-            await push.push(f"r{self.index}:{seq}", trajectory_sample(prompt_ids, results))
-        await self.manager.call(Finish(self.index, seq, accepted, server, counters))
+            await push.push(Group(f"r{self.index}:{seq}", grant, trajectory_sample(prompt_ids, results)))
+        await self.manager.call(Finish(self.index, seq, grant, accepted, server, counters))
         self.running.discard(seq)
 
     async def main(self) -> None:
@@ -290,7 +290,7 @@ class RolloutWorker:
                 if len(tasks) < self.cfg.rollout.max_concurrent_rollouts:
                     grant = await self.manager.call(Allocate(self.index))
                     if grant.ok:
-                        tasks.add(asyncio.create_task(self.rollout(push, grant.seq, grant.server)))
+                        tasks.add(asyncio.create_task(self.rollout(push, grant.seq, grant.grant, grant.server)))
                         continue
                 await asyncio.wait(tasks, timeout=0.05) if tasks else await asyncio.sleep(0.05)
         finally:

@@ -6,7 +6,7 @@ batch_size`; it is admitted only if that is at most `current_version + max_head_
 so that, in expectation, no trained sample is more than `max_head_offpolicyness` versions older
 than the policy that trains on it. Rollouts finish out of order, so a slow one can still arrive
 after its batch: the trajectory stream drops such samples (`is_stale`) and the master tells the
-manager how many in all (`drop`), which makes the bound hard. Concurrency is capped by
+manager which (`resolve`, by the grant of each admission), which makes the bound hard. Concurrency is capped by
 `max_concurrent_rollouts`.
 
 Which prompt a rollout runs is decided here too: rollout worker w's rollouts are numbered by
@@ -67,25 +67,26 @@ class Admission:
 
     # --- decisions (live only) --------------------------------------------------------------------
 
-    def allocate(self, worker: int) -> int | None:
-        """The seq of an admitted rollout of `worker` (rollouts to run again come first), or None."""
+    def allocate(self, worker: int) -> tuple[int, int] | None:
+        """(seq, grant) of an admitted rollout of `worker` (rollouts to run again come first), or None."""
         if not self.restored or not admit(trained=self.trained, running=self.running, batch_size=self.batch_size,
                                           current_version=self.state.version, max_head_offpolicyness=self.eta,
                                           max_concurrent_rollouts=self.max_running):
             return None
         redo = self.state.redo.get(worker)
         seq = redo[0] if redo else self.state.cursor.get(worker, 0)
-        self._do({"op": "alloc", "w": worker, "seq": seq})
-        return seq
+        grant = self.state.next_grant
+        self._do({"op": "alloc", "w": worker, "seq": seq, "grant": grant})
+        return seq, grant
 
-    def finish(self, worker: int, seq: int, accepted: bool, counters: dict[str, int]) -> None:
-        self._do({"op": "finish", "w": worker, "seq": seq, "accepted": accepted, "counters": counters})
+    def finish(self, worker: int, seq: int, grant: int, accepted: bool, counters: dict[str, int]) -> None:
+        self._do({"op": "finish", "w": worker, "seq": seq, "grant": grant, "accepted": accepted, "counters": counters})
 
     def register(self, worker: int, running: list[int]) -> None:
         self._do({"op": "register", "w": worker, "running": sorted(running)})
 
-    def drop(self, total: int) -> None:
-        self._do({"op": "drop", "total": total})
+    def resolve(self, trained: list[int], dropped: list[int]) -> None:
+        self._do({"op": "resolve", "trained": trained, "dropped": dropped})
 
     def set_version(self, version: int, path: str | None) -> None:
         self._do({"op": "version", "v": version, "path": path})
@@ -111,28 +112,40 @@ class Admission:
                 redo.remove(seq)
             else:
                 s.cursor[w] = max(s.cursor.get(w, 0), seq + 1)
-            s.running.setdefault(w, []).append(seq)
+            s.running.setdefault(w, {})[seq] = e["grant"]
+            s.next_grant = max(s.next_grant, e["grant"] + 1)
         elif op == "finish":
             w, seq = e["w"], e["seq"]
-            for where in (s.running.get(w, []), s.redo.get(w, [])):
-                if seq in where:
-                    where.remove(seq)
-                    break
+            if s.running.get(w, {}).get(seq) == e["grant"]:
+                del s.running[w][seq]
+            elif seq in s.redo.get(w, []):  # its worker was declared dead, yet it finished: fine
+                s.redo[w].remove(seq)
             else:  # finished already (a message sent twice): count it once
                 return
             if e["accepted"]:
                 s.accepted += 1
+                if e["grant"] in s.taken_early:
+                    s.dropped += s.taken_early.pop(e["grant"])
+                else:
+                    s.unresolved.append(e["grant"])
             for k, v in e["counters"].items():
                 s.counters[k] = s.counters.get(k, 0) + v
         elif op == "register":
             # What the worker says it runs is the truth: a seq we think it runs but it does not (it
             # restarted, or the grant was lost with a dead manager) runs again, first.
             w, theirs = e["w"], set(e["running"])
-            lost = [q for q in s.running.get(w, []) if q not in theirs]
-            s.running[w] = sorted(theirs)
-            s.redo[w] = sorted(set(s.redo.get(w, [])) | set(lost))
-        elif op == "drop":
-            s.dropped = max(s.dropped, e["total"])
+            mine = s.running.get(w, {})
+            s.running[w] = {q: g for q, g in mine.items() if q in theirs}
+            s.redo[w] = sorted(set(s.redo.get(w, [])) | {q for q in mine if q not in theirs})
+        elif op == "resolve":
+            # Only a counted copy uncounts: a group that reached a stream without its FINISH (its
+            # worker died; the prompt ran again under another grant) was never counted.
+            for g in e["trained"] + e["dropped"]:
+                if g in s.unresolved:
+                    s.unresolved.remove(g)
+                    s.dropped += g in e["dropped"]
+                elif any(g in grants.values() for grants in s.running.values()):
+                    s.taken_early[g] = g in e["dropped"]
         elif op == "version":
             s.version = e["v"]
             self.weights_path = e["path"] if e["path"] is not None else self.weights_path
@@ -142,9 +155,9 @@ class Admission:
             self.state = s = parse(ManagerState, e["state"])
             self.weights_path = e.get("path")
             # The rollouts that ran when the checkpoint was taken died with their workers: again, first.
-            for w, seqs in s.running.items():
-                s.redo[w] = sorted(set(s.redo.get(w, [])) | set(seqs))
-            s.running = {}
+            for w, grants in s.running.items():
+                s.redo[w] = sorted(set(s.redo.get(w, [])) | set(grants))
+            s.running, s.taken_early = {}, {}
             self.restored = True
         elif op == "snapshot":  # the first line of a compacted journal
             self.state = parse(ManagerState, e["state"])

@@ -3,7 +3,8 @@ over the data-parallel heads), which keep them until the master FETCHes them int
 batch. Tensors never pass through the master; it learns ids, names, lengths and versions only.
 
 A group (one prompt's `n` sequences) is one authenticated message: header {"group": n, "keys":
-STREAM_KEYS, "uid": the prompt's stable name} and, key after key, one tensor per sequence. The
+STREAM_KEYS, "uid": the prompt's stable name, "grant": the admission that produced it} and, key
+after key, one tensor per sequence. The
 model worker acknowledges a group once it is in its queue, and only then does the rollout worker
 report the rollout finished: so a rollout the manager counts as finished is never lost, whatever
 process dies next (cluster notes: never rely on ZeroMQ linger at exit).
@@ -14,6 +15,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+from dataclasses import dataclass
 
 import torch
 import zmq
@@ -29,24 +31,33 @@ log = logging.getLogger("realcore.stream")
 STREAM_KEYS = ("input_ids", "loss_mask", "behav_logprobs", "rewards", "version_start", "version_end")
 
 
-def encode_group(uid: str, sample: Sample) -> tuple[dict, list[torch.Tensor]]:
+@dataclass
+class Group:
+    uid: str  # the prompt: "r{worker}:{seq}"
+    grant: int  # the admission that produced this copy
+    sample: Sample
+
+
+def encode_group(group: Group) -> tuple[dict, list[torch.Tensor]]:
+    sample = group.sample
     n = len(sample["input_ids"])
     for k in STREAM_KEYS:
         if len(sample[k]) != n:
             raise ValueError(f"trajectory key {k!r} has {len(sample[k])} sequences, input_ids has {n}")
-    return {"group": n, "keys": list(STREAM_KEYS), "uid": uid}, [t for k in STREAM_KEYS for t in sample[k]]
+    header = {"group": n, "keys": list(STREAM_KEYS), "uid": group.uid, "grant": group.grant}
+    return header, [t for k in STREAM_KEYS for t in sample[k]]
 
 
-def decode_group(header: dict, tensors: list[torch.Tensor]) -> tuple[str, Sample]:
-    n, keys, uid = int(header["group"]), list(header["keys"]), header["uid"]
-    if keys != list(STREAM_KEYS) or len(tensors) != n * len(keys) or not isinstance(uid, str):
+def decode_group(header: dict, tensors: list[torch.Tensor]) -> Group:
+    n, keys, uid, grant = int(header["group"]), list(header["keys"]), header["uid"], header["grant"]
+    if keys != list(STREAM_KEYS) or len(tensors) != n * len(keys) or not isinstance(uid, str) or type(grant) is not int:
         raise ValueError(f"trajectory with keys {keys} and {len(tensors)} tensors for a group of {n}")
     # clone: received tensors are views of ZeroMQ frames; storage keeps them for a while
-    return uid, {k: [t.clone() for t in tensors[i * n : (i + 1) * n]] for i, k in enumerate(keys)}
+    return Group(uid, grant, {k: [t.clone() for t in tensors[i * n : (i + 1) * n]] for i, k in enumerate(keys)})
 
 
 class TrajectoryStream:
-    """Model-worker side: a ROUTER socket read by its own thread into a queue of (uid, sample)."""
+    """Model-worker side: a ROUTER socket read by its own thread into a queue of groups."""
 
     def __init__(self, host: str, secret: bytes):
         self.secret = secret
@@ -54,7 +65,7 @@ class TrajectoryStream:
         self.sock.setsockopt(zmq.LINGER, 0)
         port = self.sock.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
-        self.pending: collections.deque[tuple[str, Sample]] = collections.deque()
+        self.pending: collections.deque[Group] = collections.deque()
         self._lock = threading.Lock()  # pending is read by save() on the main thread
         self.received = 0
         self.dropped = 0
@@ -68,36 +79,36 @@ class TrajectoryStream:
                 continue
             try:
                 identity, header, tensors = wire.recv(self.sock, secret=self.secret, router=True)
-                uid, sample = decode_group(header, tensors)
+                group = decode_group(header, tensors)
             except (wire.BadMessage, KeyError, TypeError, ValueError) as e:
                 self.dropped += 1
                 log.warning("dropped a bad trajectory (%s)", e)
                 continue
             with self._lock:
-                self.pending.append((uid, sample))
+                self.pending.append(group)
                 self.received += 1
-            wire.send(self.sock, {"uid": uid}, secret=self.secret, identity=identity)
+            wire.send(self.sock, {"grant": group.grant}, secret=self.secret, identity=identity)
 
     def take(self, n: int, *, current_version: int, max_head_offpolicyness: int):
-        """Up to n pending groups that are fresh enough for the current version, and the uids of
-        those that arrived too stale (dropped: a hard staleness bound)."""
+        """Up to n pending groups that are fresh enough for the current version, and the grants
+        of those that arrived too stale (dropped: a hard staleness bound)."""
         out, dropped = [], []
         with self._lock:
             while len(out) < n and self.pending:
-                uid, sample = self.pending.popleft()
-                start = min(int(t) for t in sample["version_start"])
+                group = self.pending.popleft()
+                start = min(int(t) for t in group.sample["version_start"])
                 if is_stale(start, current_version=current_version, max_head_offpolicyness=max_head_offpolicyness):
-                    dropped.append(uid)
+                    dropped.append(group.grant)
                 else:
-                    out.append((uid, sample))
+                    out.append(group)
         return out, dropped
 
-    def snapshot(self) -> list[tuple[str, Sample]]:
+    def snapshot(self) -> list[Group]:
         """The groups waiting now (for a recover checkpoint)."""
         with self._lock:
             return list(self.pending)
 
-    def restore(self, groups: list[tuple[str, Sample]]) -> None:
+    def restore(self, groups: list[Group]) -> None:
         with self._lock:
             self.pending.extendleft(reversed(groups))
 
@@ -124,11 +135,11 @@ class StreamPusher:
             self.socks.append((sock, asyncio.Lock()))
         self._next = itertools.cycle(range(len(self.socks)))
 
-    async def push(self, uid: str, sample: Sample) -> None:
+    async def push(self, group: Group) -> None:
         import asyncio
 
         sock, lock = self.socks[next(self._next)]
-        header, tensors = encode_group(uid, sample)
+        header, tensors = encode_group(group)
         async with lock:
             await sock.send_multipart(wire.encode(header, tensors, self.secret))
             loop = asyncio.get_running_loop()
@@ -136,7 +147,7 @@ class StreamPusher:
             while True:  # an ack of an earlier, timed-out push may come first: skip it
                 left = deadline - loop.time()
                 if left <= 0:
-                    raise TimeoutError(f"trajectory {uid}: no acknowledgement within {self.timeout_s:g} s")
+                    raise TimeoutError(f"trajectory {group.uid}: no acknowledgement within {self.timeout_s:g} s")
                 try:
                     frames = await asyncio.wait_for(sock.recv_multipart(copy=False), left)
                 except asyncio.TimeoutError:
@@ -145,7 +156,7 @@ class StreamPusher:
                     ack, _ = wire.decode(frames, self.secret)
                 except wire.BadMessage:
                     continue
-                if ack.get("uid") == uid:
+                if ack.get("grant") == group.grant:
                     return
 
     def close(self) -> None:

@@ -16,13 +16,14 @@ from dataclasses import asdict, dataclass, field
 
 from safetensors.torch import load_file, save_file
 
-from realcore.system.stream import STREAM_KEYS
+from realcore.system.stream import STREAM_KEYS, Group
 
 
 @dataclass
 class WorkerState:
     sampler_seq: int | None = None  # sync mode, replica heads: samples handed out by this shard
     stream_uids: list[str] = field(default_factory=list)  # async mode, heads: groups waiting, in order
+    stream_grants: list[int] = field(default_factory=list)  # the admission of each
     stream_sizes: list[int] = field(default_factory=list)  # sequences per group
 
 
@@ -44,11 +45,12 @@ def save(worker, path: str) -> None:
         state.sampler_seq = worker.sampler.seq
     if worker.stream is not None:
         groups = worker.stream.snapshot()
-        tensors = {f"{g}/{key}/{j}": t.contiguous() for g, (_, sample) in enumerate(groups)
-                   for key in STREAM_KEYS for j, t in enumerate(sample[key])}
+        tensors = {f"{i}/{key}/{j}": t.contiguous() for i, g in enumerate(groups)
+                   for key in STREAM_KEYS for j, t in enumerate(g.sample[key])}
         save_file(tensors, os.path.join(mine, "stream.safetensors"))
-        state.stream_uids = [uid for uid, _ in groups]
-        state.stream_sizes = [len(sample["input_ids"]) for _, sample in groups]
+        state.stream_uids = [g.uid for g in groups]
+        state.stream_grants = [g.grant for g in groups]
+        state.stream_sizes = [len(g.sample["input_ids"]) for g in groups]
     with open(os.path.join(mine, "worker.json"), "w") as f:
         json.dump(asdict(state), f)
     for role, engine in worker.engines.items():
@@ -68,8 +70,8 @@ def load(worker, path: str) -> None:
         worker.sampler.seq = state.sampler_seq
     if worker.stream is not None and state.stream_uids:
         tensors = load_file(os.path.join(mine, "stream.safetensors"))
-        groups = [(uid, {key: [tensors[f"{g}/{key}/{j}"] for j in range(n)] for key in STREAM_KEYS})
-                  for g, (uid, n) in enumerate(zip(state.stream_uids, state.stream_sizes))]
+        groups = [Group(uid, grant, {key: [tensors[f"{i}/{key}/{j}"] for j in range(n)] for key in STREAM_KEYS})
+                  for i, (uid, grant, n) in enumerate(zip(state.stream_uids, state.stream_grants, state.stream_sizes))]
         worker.stream.restore(groups)
     for role, engine in worker.engines.items():
         if worker.cfg.roles()[role].trainable:
