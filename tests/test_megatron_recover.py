@@ -8,7 +8,6 @@ version and RNG state must be the saved ones. A checkpoint of another mesh is re
 
 import json
 import os
-import socket
 
 import pytest
 import torch
@@ -16,17 +15,13 @@ import torch.multiprocessing as mp
 
 pytest.importorskip("megatron.core")
 from safetensors.torch import load_file, save_file  # noqa: E402
+from test_megatron_engine import _data as batch_of  # noqa: E402
+from test_megatron_engine import _free_port, _loss_fn, _n_tokens  # noqa: E402
 
 pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="CPU compatibility test"), pytest.mark.timeout(300)]
 
 ATOL = 1e-6
 SAVE_AT, STEPS = 2, 4  # steps before the save, steps in all (the LR schedule spans all of them)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _hf_dir(root: str, kind: str) -> str:
@@ -51,22 +46,7 @@ def _hf_dir(root: str, kind: str) -> str:
 
 def _data(step: int):
     """A different batch per step, so a restart that replays the wrong step shows."""
-    gen = torch.Generator().manual_seed(100 + step)
-    lens = [7, 12, 5, 16, 9, 11]
-    ids = [torch.randint(0, 128, (n,), generator=gen) for n in lens]
-    mask = [(torch.arange(n) >= 3).long() for n in lens]
-    adv = [torch.full((n,), float(a)) for n, a in zip(lens, torch.randn(len(lens), generator=gen))]
-    return {"input_ids": ids, "loss_mask": mask, "advantages": adv}
-
-
-def _loss_fn(logprobs, entropy, data):
-    m = data["loss_mask"].float()
-    loss = -(logprobs * data["advantages"] * m).sum() / m.sum() - 0.01 * (entropy * m).sum() / m.sum()
-    return loss, {"loss": loss.detach()}
-
-
-def _n_tokens(data):
-    return float(data["loss_mask"].sum())
+    return batch_of(100 + step)
 
 
 def _engine(hf_path: str, mesh: str, megatron: dict):
