@@ -310,3 +310,27 @@ def test_restarted_server_gets_the_current_weights(tmp_path, cache, update):
     assert "server 0 restarted at" in manager_log
     a = audit(out, batch_size=4, max_head_offpolicyness=1)
     assert a.steps == 10 and a.duplicated == 0 and a.over_stale == 0 and a.short_steps == [], a
+
+
+def test_auto_gives_up_when_its_restarts_are_used_up(tmp_path, env, cache):
+    out = str(tmp_path / "run")
+    proc = subprocess.Popen(cmd(out, "recover_mode=auto", "recover_retries=1", "recover_delay_s=0", "trainer.total_steps=1000",
+                                cache=cache), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        kill_when(proc, out, "model_worker/0", 2)
+        # The restarted run: kill it again once it trains.
+        deadline = time.time() + 120
+        while time.time() < deadline and not os.path.exists(os.path.join(out, "restarts.jsonl")):
+            time.sleep(0.2)
+        first = json.load(open(os.path.join(out, "pids.json")))["model_worker/0"]
+        while time.time() < deadline and json.load(open(os.path.join(out, "pids.json")))["model_worker/0"] == first:
+            time.sleep(0.2)
+        time.sleep(3)
+        os.kill(json.load(open(os.path.join(out, "pids.json")))["model_worker/0"], signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, stderr[-3000:]
+    assert "giving up after 1 restarts (recover_retries=1)" in stderr
+    assert [json.loads(line)["action"] for line in open(os.path.join(out, "restarts.jsonl"))] == ["restart run", "give up"]
+    assert_all_gone(out)

@@ -15,6 +15,7 @@ restarts is found again at its new address and told what this worker is still ru
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import json
 import logging
@@ -177,6 +178,7 @@ class RolloutWorker:
         self.clients: dict = {}
         self.running: set[int] = set()  # seqs of the rollouts in flight
         self.last_ok: dict[str, float] = {}  # server -> when it last answered /health
+        self.active: collections.Counter[str] = collections.Counter()  # server -> requests in flight
         self.manager: ManagerClient | None = None
         log.info("rollout worker %d: %d prompts (skipped %s)", index, len(self.samples), loaded.skipped or "none")
 
@@ -193,7 +195,9 @@ class RolloutWorker:
         /health for system.heartbeat_timeout_s (a stopped or hung process never replies)."""
         task = asyncio.ensure_future(call)
         sys_cfg = self.cfg.system
-        self.last_ok.setdefault(server, time.monotonic())
+        if not self.active[server]:  # not probed while idle: its clock starts now
+            self.last_ok[server] = time.monotonic()
+        self.active[server] += 1
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=sys_cfg.heartbeat_interval_s)
@@ -202,6 +206,7 @@ class RolloutWorker:
                 if time.monotonic() - self.last_ok[server] > sys_cfg.heartbeat_timeout_s:
                     raise ServerLost(f"{server} did not answer /health for {sys_cfg.heartbeat_timeout_s:g} s")
         finally:
+            self.active[server] -= 1
             if not task.done():
                 task.cancel()
 
@@ -209,7 +214,7 @@ class RolloutWorker:
         """One probe per heartbeat interval of every server this worker has requests on."""
         sys_cfg = self.cfg.system
         while True:
-            servers = list(self.last_ok)
+            servers = [s for s, n in self.active.items() if n]
             oks = await asyncio.gather(*(self.client(s).health(timeout_s=sys_cfg.heartbeat_interval_s) for s in servers))
             now = time.monotonic()
             for s, ok in zip(servers, oks):
