@@ -7,3 +7,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+# Fast unit tests first, then the multi-process end-to-end runs (CI's order: a broken unit shows
+# in minutes, not after half an hour of end-to-end runs).
+END_TO_END = ("test_e2e_", "test_recovery", "test_slurm", "test_ray", "test_megatron_engine", "test_megatron_recover",
+              "test_bench_", "test_user_extension")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    items.sort(key=lambda item: item.module.__name__.startswith(END_TO_END))
