@@ -10,7 +10,7 @@ from realcore.launch.config_loader import import_user_modules, load_config
 from realcore.system import wire
 from realcore.system.buffer import SampleBuffer, split_balanced
 from realcore.system.control import ControlServer, WorkerPool, wait_all
-from realcore.system.protocol import (Clear, Configure, Configured, Exit, Fetch, Fetched, Pause, Ping, RemoteError, Start,
+from realcore.system.protocol import (Clear, Exit, Fetch, Fetched, Pause, RemoteError, Start,
                                       Status, WorkerLost, request)
 
 SECRET = b"s" * 32

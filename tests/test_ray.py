@@ -23,9 +23,11 @@ def cluster():
 
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     mem = 80 * 1024 * 1024  # a small object store per node: the workers pass nothing through it
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "object_store_memory": mem})
+    # Loopback only: without node_ip_address Ray binds (and the driver connects to) the host's address.
+    node = {"num_cpus": 2, "object_store_memory": mem, "node_ip_address": "127.0.0.1"}
+    c = Cluster(initialize_head=True, head_node_args=node)
     for _ in range(2):
-        c.add_node(num_cpus=2, object_store_memory=mem)
+        c.add_node(**node)
     c.wait_for_nodes()
     yield c
     c.shutdown()
@@ -76,3 +78,115 @@ def test_killed_worker_is_named_and_the_rest_stop(cluster, tmp_path):
     while time.time() < deadline and _alive(pids[0]):
         time.sleep(0.3)
     assert not _alive(pids[0])
+
+
+# Recovery: async-ppo-math with recover_mode=auto and a recover checkpoint every 2 steps; 7 tasks of
+# half a CPU each on the 6 CPUs of the fake cluster.
+def launch_async(cluster, tmp_path, *overrides):
+    out = str(tmp_path / "run")
+    cmd = [sys.executable, "-m", "realcore.launch", "experiment=async-ppo-math", "model=tiny", "dataset=tiny-arith",
+           "scheduler=ray", f"ray.address={cluster.address}", "ray.cpus_per_worker=0.5", "allocation_mode=local.d1+d2",
+           "rollout.n_workers=2", "recover_mode=auto", "recover_delay_s=1", "trainer.recover_freq_steps=2",
+           "trainer.batch_size=4", "generation.n_samples=2", "generation.max_new_tokens=8",
+           "rollout.max_head_offpolicyness=2", f"trial_name={tmp_path.name}", f"output_dir={out}",
+           f"model.cache_dir={tmp_path.parent}/ray-cache", *overrides]
+    return out, subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.timeout(300)
+def test_rollout_side_tasks_are_resubmitted(cluster, tmp_path):
+    """SIGKILL the rollout workers and the manager, SIGSTOP the generation server (a hang: its task
+    runner dumps its stacks and kills it): each task is submitted again while the trainer keeps its
+    processes."""
+    from test_slurm import (assert_ledger_exact, metric_rows, restarts, running_workers, wait_restarted,
+                            wait_rows, wait_running)
+
+    out, proc = launch_async(cluster, tmp_path, "trainer.total_steps=60", "system.heartbeat_timeout_s=10")
+    try:
+        wait_rows(out, 3, proc)
+        before = running_workers(out)
+        trainer = {n: p for n, p in before.items() if n.split("/")[0] in ("master", "model_worker")}
+        assert len(trainer) == 3 and len(before) == 7, before
+        # The only generation server hangs (SIGSTOP): nothing trains until it is found and restarted.
+        for name in ("rollout_worker/0", "gen_server/0", "gserver_manager", "rollout_worker/1"):
+            os.kill(running_workers(out)[name], signal.SIGSTOP if name == "gen_server/0" else signal.SIGKILL)
+            wait_restarted(out, name, proc)
+            if name != "rollout_worker/1":  # training went on after it (after the last: the run finishes)
+                wait_rows(out, metric_rows(out) + 3, proc)
+        after = wait_running(out, set(before), proc)
+        stdout, err = proc.communicate(timeout=200)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stdout[-2000:] + err[-3000:]
+    assert {n: after.get(n) for n in trainer} == trainer  # the master and model workers were never restarted
+    rows = restarts(out)
+    assert [(r["who"], r["action"]) for r in rows] == [
+        (n, "restart in place") for n in ("rollout_worker/0", "gen_server/0", "gserver_manager", "rollout_worker/1")]
+    assert [r["why"] for r in rows if r["who"] != "gen_server/0"] == ["died (killed by SIGKILL)"] * 3, rows
+    assert rows[1]["why"].startswith("hung (no heartbeat"), rows[1]
+    assert "most recent call first" in open(f"{out}/logs/gen_server-0.log").read()  # its stacks, dumped
+    assert "restarting its Ray task" in err and metric_rows(out) == 60
+    print(f"restarts: {[r['who'] for r in rows]}; audit: {assert_ledger_exact(out)}")
+
+
+@pytest.mark.timeout(300)
+def test_killed_model_worker_restarts_the_run(cluster, tmp_path):
+    from test_slurm import assert_ledger_exact, metric_rows, restarts, running_workers, wait_rows
+
+    out, proc = launch_async(cluster, tmp_path, "trainer.total_steps=30")
+    try:
+        wait_rows(out, 3, proc)  # past the recover checkpoint of step 2
+        os.kill(running_workers(out)["model_worker/1"], signal.SIGKILL)
+        stdout, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stdout[-2000:] + err[-3000:]
+    assert "realcore: model_worker/1 died (killed by SIGKILL)" in err and "restarting the run" in err, err[-3000:]
+    resumed = int(stdout.split("resuming from step ")[1].split()[0])  # the master's output reaches the console
+    assert resumed >= 2 and resumed % 2 == 0, stdout[-3000:]
+    assert [(r["who"], r["action"], r["attempt"]) for r in restarts(out)] == [("model_worker/1", "restart run", 0)]
+    assert metric_rows(out) == 30
+    print(f"resumed from step {resumed}; audit: {assert_ledger_exact(out)}")
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_preempts_the_run(cluster, tmp_path):
+    """SIGTERM to the launcher: the master writes a recover checkpoint after its step, every task
+    ends, the launcher exits 75."""
+    from test_slurm import assert_gone, metric_rows, running_workers, wait_rows
+
+    out, proc = launch_async(cluster, tmp_path, "trainer.total_steps=1000")
+    try:
+        wait_rows(out, 3, proc)
+        pids = running_workers(out)
+        proc.send_signal(signal.SIGTERM)
+        stdout, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 75, stdout[-2000:] + err[-3000:]
+    step = int(stdout.split("preempted after step ")[1].split(":")[0])
+    assert os.path.exists(f"{out}/recover/step_{step}") and metric_rows(out) == step, stdout[-2000:]
+    assert "realcore: preempted" in err, err[-2000:]
+    assert_gone(pids)
+
+
+@pytest.mark.timeout(300)
+def test_hung_model_worker_is_named_with_its_stacks(cluster, tmp_path):
+    """SIGSTOP a model worker: the master loses it and fails first, yet the hung worker is named
+    and its task runner dumps its stacks (recover_mode=disabled: exit 1)."""
+    from test_slurm import assert_gone, running_workers, wait_rows
+
+    out, proc = launch_async(cluster, tmp_path, "trainer.total_steps=1000", "recover_mode=disabled",
+                             "system.heartbeat_timeout_s=10")
+    try:
+        wait_rows(out, 2, proc)
+        pids = running_workers(out)
+        os.kill(pids["model_worker/1"], signal.SIGSTOP)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, err[-3000:]
+    assert "realcore: model_worker/1 hung (no heartbeat for" in err, err[-3000:]
+    assert "most recent call first" in open(f"{out}/logs/model_worker-1.log").read()
+    print(next(line for line in err.splitlines() if "hung" in line))
+    assert_gone(pids)

@@ -33,19 +33,32 @@ def cache(tmp_path_factory):
 
 
 def test_dry_run_prints_the_job(tmp_path, cache):
-    r = subprocess.run(launch_cmd(str(tmp_path), "slurm.partition=gpu", "slurm.gpus_per_node=8",
-                                  "slurm.setup=[module load cuda]", "--dry-run", cache=cache),
+    r = subprocess.run(launch_cmd(str(tmp_path), "slurm.partition=gpu", "slurm.gpus_per_node=8", "recover_mode=auto",
+                                  "slurm.setup=[module load cuda]", "slurm.requeue=true", "--dry-run", cache=cache),
                        cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     script = r.stdout
     for line in ("#SBATCH --ntasks=7", "#SBATCH --nodes=4", "#SBATCH --partition=gpu", "#SBATCH --gpus-per-node=8",
-                 "module load cuda"):
+                 "#SBATCH --requeue", "module load cuda", 'scontrol requeue "$SLURM_JOB_ID"'):
         assert line in script, script
+    begin = next(x for x in script.splitlines() if x.startswith("srun ") and "realcore.launch.cluster begin" in x)
+    assert "--ntasks=1" in begin and '--attempt "$attempt"' in begin, begin
     for kind, n in (("model_worker", 2), ("gen_server", 1), ("gserver_manager", 1), ("rollout_worker", 2), ("master", 1)):
         step = next(x for x in script.splitlines() if x.startswith(f"start {kind} srun"))
-        assert f"--ntasks={n}" in step and f"--type {kind}" in step, step
+        assert f"--ntasks={n}" in step and f"--type {kind}" in step and '--attempt "$attempt"' in step, step
+        assert "-m realcore.launch.cluster run " in step and " --shield-term " in step, step
         assert ("--gpus-per-task=1" in step) == (kind in ("model_worker", "gen_server")), step
+        # Rollout-side workers restart in place inside their task; the trainer's failures end the job.
+        assert (" --restart " in step) == (kind in ("gen_server", "gserver_manager", "rollout_worker")), step
     assert not os.path.exists(tmp_path / "metrics.jsonl")
+
+
+def test_requeue_needs_a_recover_mode(tmp_path, cache):
+    r = subprocess.run(launch_cmd(str(tmp_path), "slurm.requeue=true", "--dry-run", cache=cache),
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "slurm.requeue" in lines[0] and "recover_mode" in lines[0], r.stderr
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +79,73 @@ def slurm(tmp_path_factory):
 
 def squeue() -> str:
     return subprocess.run(["squeue", "-h"], capture_output=True, text=True, timeout=30).stdout.strip()
+
+
+def running_workers(out) -> dict[str, int]:
+    """name -> pid of the worker processes of the run in `out` (not their task runners), from the
+    command lines in /proc: the test cluster's nodes are all this host."""
+    found = {}
+    for d in os.listdir("/proc"):
+        try:
+            argv = open(f"/proc/{d}/cmdline", "rb").read().decode().split("\0")
+            state = open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[0]
+        except (OSError, ValueError, IndexError):
+            continue
+        module = argv[argv.index("-m") + 1:][:2] if "-m" in argv else []
+        worker = module[:1] == ["realcore.system.run_worker"]
+        if not worker or f"{out}/config.json" not in argv or state == "Z":
+            continue
+        kind = argv[argv.index("--type") + 1]
+        index = argv[argv.index("--index") + 1] if "--index" in argv else "0"
+        found[kind if kind in ("master", "gserver_manager") else f"{kind}/{index}"] = int(d)
+    return found
+
+
+def metric_rows(out) -> int:
+    try:
+        return len(open(f"{out}/metrics.jsonl").read().splitlines())
+    except FileNotFoundError:
+        return 0
+
+
+def wait_rows(out, n, proc, timeout=180):
+    """Until metrics.jsonl has n rows (the run trained n steps)."""
+    deadline = time.time() + timeout
+    while metric_rows(out) < n:
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline, f"not {n} steps within {timeout} s"
+        time.sleep(0.2)
+
+
+def wait_restarted(out, name, proc, timeout=60):
+    deadline = time.time() + timeout
+    while not (os.path.exists(f"{out}/restarts.jsonl") and any(r["who"] == name for r in restarts(out))):
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline, f"{name} not restarted within {timeout} s"
+        time.sleep(0.2)
+
+
+def wait_running(out, names, proc, timeout=60) -> dict[str, int]:
+    """running_workers(out) once every one of `names` runs (a restarted one may be starting)."""
+    deadline = time.time() + timeout
+    while names - set(found := running_workers(out)):
+        assert proc.poll() is None or proc.returncode == 0, proc.communicate()
+        assert time.time() < deadline, f"{names - set(found)} not running within {timeout} s"
+        time.sleep(0.2)
+    return found
+
+
+def restarts(out) -> list[dict]:
+    return [json.loads(x) for x in open(f"{out}/restarts.jsonl")]
+
+
+def assert_ledger_exact(out, batch_size=4, eta=2):
+    """No sequence trained twice, none lost, every step full, staleness within the bound."""
+    from realcore.system.ledger import audit
+
+    a = audit(out, batch_size=batch_size, max_head_offpolicyness=eta)
+    assert a.duplicated == 0 and a.lost == 0 and a.short_steps == [] and a.over_stale == 0, a
+    return a
 
 
 def worker_pids(out) -> dict[str, int]:
@@ -127,7 +207,8 @@ def test_killed_worker_cancels_the_job_and_is_named(slurm, tmp_path, cache):
     finally:
         proc.kill()
     assert proc.returncode == 1, err[-3000:]
-    assert "realcore: model_worker/1 (on n" in err and "died; Slurm job" in err, err[-3000:]
+    assert "realcore: model_worker/1 died (killed by SIGKILL) (on n" in err and "; Slurm job" in err, err[-3000:]
+    assert [r["action"] for r in restarts(out)] == ["give up"]  # recover_mode=disabled: no restart
     assert squeue() == ""
     assert_gone(pids)
 
@@ -145,5 +226,143 @@ def test_interrupt_cancels_the_job(slurm, tmp_path, cache):
     finally:
         proc.kill()
     assert proc.returncode == 130, err[-3000:]
+    assert squeue() == ""
+    assert_gone(pids)
+
+
+# Recovery: async-ppo-math with recover_mode=auto and a recover checkpoint every 2 steps.
+RECOVER = ["dataset=tiny-arith", "recover_mode=auto", "recover_delay_s=1", "trainer.recover_freq_steps=2",
+           "trainer.batch_size=4", "generation.n_samples=2", "generation.max_new_tokens=8",
+           "rollout.max_head_offpolicyness=2"]
+
+
+def launch_recover(tmp_path, cache, *overrides):
+    out = str(tmp_path / "run")
+    cmd = launch_cmd(out, *RECOVER, f"trial_name={tmp_path.name}", *overrides, cache=cache)
+    return out, subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.timeout(300)
+def test_rollout_side_workers_restart_in_place(slurm, tmp_path, cache):
+    """SIGKILL the rollout workers and the manager, SIGSTOP the generation server (a hang: its stacks
+    are dumped, it is killed): each is started again inside its task while the trainer keeps its
+    processes."""
+    out, proc = launch_recover(tmp_path, cache, "trainer.total_steps=60", "system.heartbeat_timeout_s=10")
+    try:
+        wait_rows(out, 3, proc)
+        before = running_workers(out)
+        trainer = {n: p for n, p in before.items() if n.split("/")[0] in ("master", "model_worker")}
+        assert len(trainer) == 3 and len(before) == 7, before
+        # The only generation server hangs (SIGSTOP): nothing trains until it is found and restarted.
+        for name in ("rollout_worker/0", "gen_server/0", "gserver_manager", "rollout_worker/1"):
+            os.kill(running_workers(out)[name], signal.SIGSTOP if name == "gen_server/0" else signal.SIGKILL)
+            wait_restarted(out, name, proc)
+            if name != "rollout_worker/1":  # training went on after it (after the last: the run finishes)
+                wait_rows(out, metric_rows(out) + 3, proc)
+        after = wait_running(out, set(before), proc)
+        stdout, err = proc.communicate(timeout=200)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stdout[-2000:] + err[-3000:]
+    assert {n: after.get(n) for n in trainer} == trainer  # the master and model workers were never restarted
+    assert all(after[n] != before[n] for n in before if n not in trainer), (before, after)
+    rows = restarts(out)
+    rollout_side = {n for n in before if n not in trainer}
+    assert {(r["who"], r["action"]) for r in rows} == {(n, "restart in place") for n in rollout_side}, rows
+    hung = next(r for r in rows if r["who"] == "gen_server/0")
+    assert hung["why"].startswith("hung (no heartbeat"), hung
+    assert "most recent call first" in open(f"{out}/logs/gen_server-0.log").read()  # its stacks, dumped
+    assert metric_rows(out) == 60
+    print(f"restarts: {[(r['who'], r['why']) for r in rows]}; audit: {assert_ledger_exact(out)}")
+    assert squeue() == ""
+
+
+@pytest.mark.timeout(300)
+def test_killed_model_worker_resubmits_the_job(slurm, tmp_path, cache):
+    out, proc = launch_recover(tmp_path, cache, "trainer.total_steps=30")
+    try:
+        wait_rows(out, 3, proc)  # past the recover checkpoint of step 2
+        os.kill(running_workers(out)["model_worker/1"], signal.SIGKILL)
+        stdout, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stdout[-2000:] + err[-3000:]
+    assert "realcore: model_worker/1 died (killed by SIGKILL) (on n" in err, err[-3000:]
+    assert "submitting the job again" in err, err[-3000:]
+    assert stdout.count("submitted Slurm job") == 2 and "attempt 1" in stdout, stdout[-3000:]
+    resumed = int(stdout.split("resuming from step ")[1].split()[0])
+    assert resumed >= 2 and resumed % 2 == 0, stdout[-3000:]
+    rows = restarts(out)
+    assert [(r["who"], r["action"], r["attempt"]) for r in rows] == [("model_worker/1", "restart run", 0)], rows
+    assert [json.loads(x)["step"] for x in open(f"{out}/metrics.jsonl")] == list(range(1, 31))
+    print(f"resumed from step {resumed}; audit: {assert_ledger_exact(out)}")
+    assert squeue() == ""
+
+
+@pytest.mark.timeout(300)
+def test_preempted_job_requeues_and_resumes(slurm, tmp_path, cache):
+    """scancel --signal=TERM (as Slurm's preemption): the master checkpoints after its step and
+    exits 75, the job requeues itself (slurm.requeue=true), starts again and resumes."""
+    out, proc = launch_recover(tmp_path, cache, "trainer.total_steps=30", "slurm.requeue=true")
+    try:
+        wait_rows(out, 3, proc)
+        job = squeue().split()[0]
+        at = metric_rows(out)
+        r = subprocess.run(["scancel", "--signal=TERM", job], capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0, r.stderr
+        stdout, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stdout[-2000:] + err[-3000:]
+    assert stdout.count("submitted Slurm job") == 1, stdout[-3000:]  # the same job, requeued by Slurm
+    assert "preempted after step" in stdout and "Slurm started job" in err, stdout[-3000:] + err[-2000:]
+    resumed = int(stdout.split("resuming from step ")[1].split()[0])
+    assert resumed >= at, (resumed, at)  # the preemption's own checkpoint, not an older one
+    assert [(r["who"], r["action"]) for r in restarts(out)] == [("job", "resume after requeue")]
+    assert [json.loads(x)["step"] for x in open(f"{out}/metrics.jsonl")] == list(range(1, 31))
+    print(f"preempted at step {resumed}, requeued, resumed; audit: {assert_ledger_exact(out)}")
+    assert squeue() == ""
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_to_the_launcher_preempts_the_job(slurm, tmp_path, cache):
+    """SIGTERM to the launcher: the job is preempted (a recover checkpoint, no requeue) and the
+    launcher exits 75; the same command continues the run."""
+    out, proc = launch_recover(tmp_path, cache, "trainer.total_steps=1000", "slurm.requeue=true")
+    try:
+        wait_rows(out, 3, proc)
+        pids = running_workers(out)
+        proc.send_signal(signal.SIGTERM)
+        stdout, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 75, stdout[-2000:] + err[-3000:]
+    assert "preempted; Slurm job" in err and "exit code 75" in err, err[-3000:]
+    step = int(stdout.split("preempted after step ")[1].split(":")[0])
+    assert os.path.exists(f"{out}/recover/step_{step}") and metric_rows(out) == step
+    assert open(f"{out}/slurm/status").read().strip() == "preempted"
+    assert squeue() == ""
+    assert_gone(pids)
+
+
+@pytest.mark.timeout(300)
+def test_hung_model_worker_is_named_with_its_stacks(slurm, tmp_path, cache):
+    """SIGSTOP a model worker: its peers lose it, the job ends, and its task runner dumps its stacks
+    into its log and names it (recover_mode=disabled: exit 1)."""
+    out = str(tmp_path / "run")
+    proc = subprocess.Popen(launch_cmd(out, "trainer.total_steps=1000", "system.heartbeat_timeout_s=10",
+                                       f"trial_name={tmp_path.name}", cache=cache),
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_rows(out, 2, proc)
+        pids = running_workers(out)
+        os.kill(pids["model_worker/1"], signal.SIGSTOP)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, err[-3000:]
+    assert "realcore: model_worker/1 hung (no heartbeat for" in err, err[-3000:]
+    assert "most recent call first" in open(f"{out}/logs/model_worker-1.log").read()
+    print(next(line for line in err.splitlines() if "hung" in line))
     assert squeue() == ""
     assert_gone(pids)

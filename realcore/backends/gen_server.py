@@ -491,6 +491,7 @@ def run_server(
     token: str | None = None,
     secret: bytes | None = None,
     on_ready: Callable[[dict], None] | None = None,
+    stop_on_sigterm: bool = True,
 ) -> None:
     """Serve `model_path` until SIGTERM (returns), SystemExit or KeyboardInterrupt (propagate).
 
@@ -508,7 +509,7 @@ def run_server(
         if secret is not None:
             server.receiver = WeightsReceiver(core, host, secret)
             server.receiver.thread.start()
-        asyncio.run(_serve(server, host, port, on_ready))
+        asyncio.run(_serve(server, host, port, on_ready, stop_on_sigterm))
     finally:
         core.stopping.set()
         engine_thread.join(timeout=30)
@@ -518,10 +519,11 @@ def run_server(
         raise RuntimeError("gen_server: the engine thread failed (see the log above)") from core.error
 
 
-async def _serve(server: Server, host: str, port: int, on_ready: Callable[[dict], None] | None) -> None:
+async def _serve(server: Server, host: str, port: int, on_ready: Callable[[dict], None] | None,
+                 stop_on_sigterm: bool = True) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    if threading.current_thread() is threading.main_thread():
+    if stop_on_sigterm and threading.current_thread() is threading.main_thread():
         loop.add_signal_handler(signal.SIGTERM, stop.set)
     # handler_cancellation: a client that hangs up cancels its handler, which aborts its request (as SGLang).
     runner = web.AppRunner(server.app, access_log=None, handler_cancellation=True, shutdown_timeout=5)

@@ -16,11 +16,16 @@ child and watches it as the local launcher watches its children (supervise.py), 
   a minute of starting (a crash loop) ends the task. Otherwise the runner ends as its child did
   (exit code, or 128 + the signal), and writes why to `--why-dir` (the Slurm launcher reads it).
 - `--shield-term` (Slurm): Slurm sends SIGTERM to every process of a step (`scancel
-  --signal=TERM`, preemption, a cancel), and a worker exits on SIGTERM. The child starts with
-  SIGTERM blocked (the signal mask survives exec), so no worker dies before the master's recover
-  checkpoint is written; the runner takes the TERM itself: the master's runner sends its child
-  SIGUSR2 (finish the step, write a recover checkpoint, exit 75), the others keep going until the
-  master tells their child to exit. What is left at the job's end gets Slurm's SIGKILL.
+  --signal=TERM JOB`, Slurm's preemption, a cancel, the end of the job), and a realcore worker
+  exits on SIGTERM. The child starts with SIGTERM blocked, and ignores it (`run_worker
+  --ignore-sigterm`: the blocked mask alone does not hold, Python's multiprocessing unblocks it
+  when it starts its resource tracker), so no worker dies before the master's recover checkpoint
+  is written; the runner takes the TERM itself. While the job runs (`--status-file` says `running`) it is a preemption:
+  the master's runner sends its child SIGUSR2 (finish the step, write a recover checkpoint, exit
+  75), the others keep going until the master tells their child to exit. Once the batch script
+  has written that the job ends, the runner kills its child and leaves.
+- `preempt_file` (Ray): the launcher's SIGTERM arrives as a file; the master's runner then sends
+  SIGUSR2 as above.
 
 `python -m realcore.launch.cluster begin --config C --attempt N` runs at each start of a Slurm job
 (a requeue included): it clears what an earlier attempt left (supervise.begin_attempt) and notes
@@ -51,11 +56,13 @@ def worker_name(kind: str, index: int) -> str:
 
 def run_task(cfg: ExperimentConfig, argv: list[str], *, name: str, attempt: int, restart: bool,
              env: dict | None = None, log_path: str | None = None, shield_term: bool = False,
-             job_ending: Callable[[], bool] | None = None) -> tuple[int, str]:
+             job_ending: Callable[[], bool] | None = None, preempt_file: str | None = None) -> tuple[int, str]:
     """Run the worker command `argv` until it ends for good; (exit code, why) — why is "" when it
     ended as it should (exit 0; the master's 75 after a preemption) or with its job.
-    `job_ending()` (Slurm): true once the job is ending, when a SIGTERM is the end, not a preemption."""
+    `job_ending()` (Slurm): true once the job is ending, when a SIGTERM is the end, not a preemption.
+    `preempt_file` (Ray): once it exists, the run is preempted as by a SIGTERM."""
     kind = name.split("/")[0]
+    preempted = False
     if shield_term:
         # Blocked here and so in every child started from here on; sigtimedwait below takes it.
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
@@ -68,8 +75,10 @@ def run_task(cfg: ExperimentConfig, argv: list[str], *, name: str, attempt: int,
             time.sleep(POLL_S)
         elif signal.sigtimedwait({signal.SIGTERM}, POLL_S) is not None:
             if job_ending is not None and job_ending():  # the job ends: nothing to wait for
-                proc.popen.kill()
-                return _code(proc.popen.wait()), ""
+                return _end_with_job(cfg, proc, name)
+            _preempt(proc, kind)
+        if preempt_file is not None and not preempted and os.path.exists(preempt_file):
+            preempted = True
             _preempt(proc, kind)
         rc = proc.popen.poll()
         if rc == 0 or (kind == "master" and rc == PREEMPTED_EXIT):
@@ -77,11 +86,11 @@ def run_task(cfg: ExperimentConfig, argv: list[str], *, name: str, attempt: int,
         why = f"died ({describe_exit(rc)})" if rc is not None else hung(cfg, name, proc.started, time.monotonic())
         if why is None:
             continue
-        if rc is None:
+        if rc is None:  # a hang is news even when the job ends (it may be why the job ends)
             dump_stacks_and_kill(proc)
-        rc = proc.popen.returncode
-        if job_ending is not None and job_ending():  # it died with its job (a peer that went away)
+        elif job_ending is not None and job_ending():  # it died with its job (a peer that went away)
             return _code(rc), ""
+        rc = proc.popen.returncode
         if not restart:
             return _code(rc), why
         if count_quick_death(quick_deaths, name, proc.started) > cfg.recover_retries:
@@ -95,6 +104,17 @@ def run_task(cfg: ExperimentConfig, argv: list[str], *, name: str, attempt: int,
         proc.restart()
 
 
+def _end_with_job(cfg: ExperimentConfig, proc: Proc, name: str) -> tuple[int, str]:
+    """Stop the worker of a job that ends. One silent for half the heartbeat deadline is probably
+    why the job ends (its peers lost it and failed first): its stacks are dumped, and it is named."""
+    why = hung(cfg, name, proc.started, time.monotonic(), margin=0.5)
+    if why is not None:
+        dump_stacks_and_kill(proc)
+    else:
+        proc.popen.kill()
+    return _code(proc.popen.wait()), why or ""
+
+
 def _preempt(proc: Proc, kind: str) -> None:
     if kind == "master":
         print("realcore: SIGTERM (preemption): the master finishes its step, writes a recover checkpoint and exits 75",
@@ -103,20 +123,6 @@ def _preempt(proc: Proc, kind: str) -> None:
     else:
         print("realcore: SIGTERM (preemption): kept running until the master's recover checkpoint is written",
               file=sys.stderr, flush=True)
-
-
-def worker_main(argv: list[str]) -> int:
-    """The worker of a Slurm task runner: realcore.system.run_worker, where SIGTERM does not end the
-    process (see the module's docstring). The blocked mask alone is not enough: Python's
-    multiprocessing unblocks SIGTERM when it starts its resource tracker (the reward runner's
-    processes do), so the worker ignores it too. (The asyncio handler the generation server sets
-    never runs while the signal stays blocked.)"""
-    from realcore.system import process
-    from realcore.system.run_worker import main as run_worker
-
-    assert hasattr(process, "exit_on_sigterm"), "realcore.system.process changed: update worker_main"
-    process.exit_on_sigterm = lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    return run_worker(argv)
 
 
 def _code(rc: int) -> int:
@@ -146,11 +152,6 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--status-file", help="the batch script's status: SIGTERM ends the task once it says the job ends")
     r.add_argument("--why-dir", help="write why the worker failed into this folder")
     r.add_argument("worker_args", nargs=argparse.REMAINDER)
-    sub.add_parser("worker", help="the runner's child (arguments: realcore.system.run_worker's)", add_help=False)
-    if argv is None:
-        argv = sys.argv[1:]
-    if argv[:1] == ["worker"]:
-        return worker_main(argv[1:])
     args = p.parse_args(argv)
     if args.cmd == "begin":
         return begin(_read_config(args.config), args.attempt, args.note)
@@ -168,8 +169,9 @@ def main(argv: list[str] | None = None) -> int:
         worker_args = worker_args[:i] + ["--index", str(index)] + worker_args[i + 2:]
     cfg = _read_config(known.config)
     name = worker_name(known.type, index)
-    entry = ["realcore.launch.cluster", "worker"] if args.shield_term else ["realcore.system.run_worker"]
-    rc, why = run_task(cfg, [sys.executable, "-m", *entry, *worker_args], name=name, attempt=known.attempt,
+    shield = ["--ignore-sigterm"] if args.shield_term else []
+    rc, why = run_task(cfg, [sys.executable, "-m", "realcore.system.run_worker", *worker_args, *shield], name=name,
+                       attempt=known.attempt,
                        restart=args.restart and known.type in ROLLOUT_SIDE, shield_term=args.shield_term,
                        job_ending=(lambda: _job_ending(args.status_file)) if args.status_file else None)
     if why:
@@ -195,7 +197,8 @@ def begin(cfg: ExperimentConfig, attempt: int, note: str | None) -> int:
     begin_attempt(cfg, make_name_resolver(cfg.system.name_resolve))
     restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
     if restarts:  # Slurm started this job again (a requeue after preemption, or a node failure)
-        record(cfg.output_dir, attempt, "job", f"requeued by Slurm (restart {restarts} of the job)", "resume after requeue")
+        why = f"requeued by Slurm (restart {restarts} of the job)"
+        record(cfg.output_dir, attempt, "job", why, "resume after requeue")
     if note:
         with open(note, "w") as f:
             f.write(f"{attempt}\n")

@@ -19,7 +19,12 @@ The launcher waits for the tasks:
 - a master or model worker failing fails the run: every task is cancelled; with recover_mode=auto
   all of them start again (scope, `.heartbeat`, `.manager` cleared, `--attempt` + 1) and the run
   resumes from its last recover checkpoint, up to recover_retries times; then exit 1 naming the
-  worker. Ctrl-C or SIGTERM cancels every task (130).
+  worker;
+- SIGTERM to the launcher is a preemption, as with the local scheduler: it creates
+  OUTPUT_DIR/.preempt, the master's task runner sees it and sends the master SIGUSR2 (finish the
+  step, write a recover checkpoint, exit 75), the launcher exits 75 (past
+  `system.preempt_timeout_s` it cancels everything, still 75); Ctrl-C, or a second SIGTERM,
+  cancels every task at once (130).
 `ray` is an optional extra: `pip install -e ".[ray]"`.
 """
 
@@ -32,7 +37,8 @@ import time
 
 from realcore.api.alloc import AllocationMode
 from realcore.api.config import ExperimentConfig
-from realcore.launch.supervise import ROLLOUT_SIDE, STABLE_S, begin_attempt, count_quick_death, heartbeat_path, record
+from realcore.launch.supervise import (ROLLOUT_SIDE, STABLE_S, begin_attempt, count_quick_death, heartbeat_path, hung,
+                                       record)
 from realcore.system.process import PREEMPTED_EXIT
 
 
@@ -50,16 +56,23 @@ def worker_specs(cfg: ExperimentConfig, alloc: AllocationMode) -> list[tuple[str
     return specs
 
 
-def _run_worker(cfg: ExperimentConfig, argv: list[str], env: dict, log_path: str, name: str, attempt: int) -> tuple[int, str]:
+def preempt_path(cfg: ExperimentConfig) -> str:
+    """The launcher's SIGTERM as a file: the master's task runner sees it and preempts the master."""
+    return os.path.join(cfg.output_dir, ".preempt")
+
+
+def _run_worker(cfg: ExperimentConfig, argv: list[str], env: dict, log_path: str, name: str,
+                attempt: int) -> tuple[int, str]:
     """Inside a Ray task: run one realcore worker under the task runner; (exit code, why)."""
     from realcore.launch.cluster import run_task
 
-    return run_task(cfg, argv, name=name, attempt=attempt, restart=False, env=env, log_path=log_path)
+    return run_task(cfg, argv, name=name, attempt=attempt, restart=False, env=env, log_path=log_path,
+                    preempt_file=preempt_path(cfg) if name == "master" else None)
 
 
 def run_ray(cfg: ExperimentConfig, alloc: AllocationMode, config_path: str, secret_path: str, env: dict) -> int:
     """Exit codes like the local scheduler: 0 done, 1 a worker failed (recover_mode=auto: once the
-    restarts are used up), 130 interrupted."""
+    restarts are used up), 75 preempted (SIGTERM), 130 interrupted."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -93,8 +106,8 @@ def run_ray(cfg: ExperimentConfig, alloc: AllocationMode, config_path: str, secr
 
         def submit(name: str, attempt: int):
             kind, index = kinds[name]
-            argv = [r.python or sys.executable, "-m", "realcore.system.run_worker", "--type", kind, "--index", str(index),
-                    *common, "--attempt", str(attempt)]
+            argv = [r.python or sys.executable, "-m", "realcore.system.run_worker", "--type", kind,
+                    "--index", str(index), *common, "--attempt", str(attempt)]
             options = {"num_cpus": r.cpus_per_worker, "max_retries": 0, "name": name}
             if kind in groups:
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
@@ -122,8 +135,13 @@ def _attempts(cfg: ExperimentConfig, kinds: dict, submit, resolver) -> int:
     try:
         for attempt in range(cfg.recover_retries + 1):
             begin_attempt(cfg, resolver)
+            if os.path.exists(preempt_path(cfg)):
+                os.remove(preempt_path(cfg))
             refs = {submit(name, attempt): name for name in kinds}
             rc, why = _watch(cfg, refs, submit, attempt, follow, signals)
+            if rc == PREEMPTED_EXIT:
+                print("realcore: preempted; a recover checkpoint holds the run: run the same command again with "
+                      "recover_mode=resume (or auto) to continue", file=sys.stderr)
             if rc != 1:
                 return rc
             print(f"realcore: {why}; cancelling the Ray tasks", file=sys.stderr)
@@ -147,7 +165,7 @@ def _attempts(cfg: ExperimentConfig, kinds: dict, submit, resolver) -> int:
             while time.monotonic() < deadline and not signals:
                 time.sleep(0.2)
             if signals:
-                return 130
+                return 130 if signals[0] == signal.SIGINT else PREEMPTED_EXIT
         return 1  # not reached: the last attempt returns above
     finally:
         follow.poll()
@@ -162,12 +180,24 @@ def _watch(cfg: ExperimentConfig, refs: dict, submit, attempt: int, follow, sign
 
     started = {name: time.monotonic() for name in refs.values()}
     quick_deaths: dict[str, int] = {}
+    preempt_deadline: float | None = None
     while True:
         follow.poll()
-        if signals:
-            print(f"realcore: {signal.Signals(signals[0]).name}: cancelling the Ray tasks", file=sys.stderr)
+        if signals and (signals[0] == signal.SIGINT or len(signals) > 1):
+            print(f"realcore: {signal.Signals(signals[-1]).name}: cancelling the Ray tasks", file=sys.stderr)
             _cancel(list(refs))
             return 130, ""
+        if signals and preempt_deadline is None:  # SIGTERM: a preemption, as with the local scheduler
+            preempt_deadline = time.monotonic() + cfg.system.preempt_timeout_s
+            print(f"realcore: SIGTERM: the master writes a recover checkpoint after its current step (deadline "
+                  f"{cfg.system.preempt_timeout_s:g} s)", file=sys.stderr, flush=True)
+            with open(preempt_path(cfg), "w") as f:
+                f.write("the launcher got SIGTERM\n")
+        if preempt_deadline is not None and time.monotonic() > preempt_deadline:
+            print(f"realcore: no recover checkpoint within {cfg.system.preempt_timeout_s:g} s; stopping "
+                  "(the last recover checkpoint holds the run)", file=sys.stderr)
+            _cancel(list(refs))
+            return PREEMPTED_EXIT, ""
         done, _ = ray.wait(list(refs), num_returns=1, timeout=0.5)
         for ref in done:
             name = refs.pop(ref)
@@ -184,7 +214,8 @@ def _watch(cfg: ExperimentConfig, refs: dict, submit, attempt: int, follow, sign
             if name.split("/")[0] in ROLLOUT_SIDE and cfg.recover_mode != "disabled":
                 n = count_quick_death(quick_deaths, name, started[name])
                 if n <= cfg.recover_retries:
-                    print(f"realcore: {name} {why}; restarting its Ray task (training goes on)", file=sys.stderr, flush=True)
+                    print(f"realcore: {name} {why}; restarting its Ray task (training goes on)", file=sys.stderr,
+                          flush=True)
                     record(cfg.output_dir, attempt, name, why, "restart in place")
                     try:
                         os.remove(heartbeat_path(cfg.output_dir, name))
@@ -194,9 +225,36 @@ def _watch(cfg: ExperimentConfig, refs: dict, submit, attempt: int, follow, sign
                     started[name] = time.monotonic()
                     continue
                 why += f"; it died {n} times within {STABLE_S:g} s of starting"
-            return 1, f"{name} {why}"
+            return 1, _blame(cfg, name, why, refs, started)
         if not refs:
             return 1, "master ended without finishing the run"
+
+
+def _blame(cfg: ExperimentConfig, name: str, why: str, refs: dict, started: dict) -> str:
+    """What failed the run. A trainer process that hangs makes its peers fail about when its task
+    runner finds it hung (they lose it), so a trainer failure waits a little for a peer's runner to
+    report a hang (its stack dump takes 2 s; one silent for half the heartbeat deadline gets the
+    other half) and names that one instead, as the local supervisor does."""
+    import ray
+
+    trainer = ("master", "model_worker")
+    if name.split("/")[0] not in trainer or why.startswith("hung"):
+        return f"{name} {why}"
+    peers = {ref: peer for ref, peer in refs.items() if peer.split("/")[0] in trainer}
+    now = time.monotonic()
+    silent = any(hung(cfg, peer, started[peer], now, margin=0.5) for peer in peers.values())
+    deadline = now + 5 + (cfg.system.heartbeat_timeout_s / 2 if silent else 0)
+    pending = list(peers)
+    while pending and time.monotonic() < deadline:
+        done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        for ref in done:
+            try:
+                _, peer_why = ray.get(ref)
+            except Exception:  # its Ray worker died too: no word from its runner
+                continue
+            if peer_why.startswith("hung"):
+                return f"{peers[ref]} {peer_why}"
+    return f"{name} {why}"
 
 
 def _cancel(refs: list, grace_s: float = 0.0, wait_s: float = 0.0) -> None:

@@ -4,6 +4,10 @@ Every task of a step is a task runner (realcore/launch/cluster.py) around one wo
 stacks of a hung worker and kills it, restarts a dead or hung rollout-side worker (generation
 server, gserver manager, rollout worker) in place while training goes on, and turns Slurm's
 SIGTERM into a preemption (the master gets SIGUSR2; no worker dies before its recover checkpoint).
+Restarting inside the task rather than as a new step keeps a run at five steps however many
+servers and rollout workers it has (no srun per process on the batch node, no step creation per
+restart), keeps a restarted worker on its node and GPU, and needs no launcher: a requeued job, or
+one whose login node went away, still recovers.
 
 The batch script (OUTPUT_DIR/slurm/job.sbatch, printed by `--dry-run`) first runs a `begin` step
 (a whole-run start: name-resolution scope, `.heartbeat`, `.manager` cleared), then starts every
@@ -12,8 +16,11 @@ step in the background and waits:
 - the master exiting 75 (preempted, a recover checkpoint written) ends the job FAILED with exit
   code 75 (status `preempted`), or with `slurm.requeue=true` requeues it (status `requeued`):
   Slurm starts the same job again later, and it resumes from the checkpoint;
-- any other step failing (a master or model worker, or a rollout-side worker in a crash loop)
-  ends it at once (FAILED, exit code 1, status `failed STEP RC`; Slurm kills the other steps).
+- any other step failing (a master or model worker that died or hung, or a rollout-side worker
+  in a crash loop) ends it at once (FAILED, exit code 1, status `failed STEP RC`; Slurm kills the
+  other steps).
+Workers get `--attempt` = the script's argument (the launcher's resubmissions) + SLURM_RESTART_COUNT
+(Slurm's requeues).
 Each task writes its log into OUTPUT_DIR/logs/ (srun `--output`, appended across restarts); srun's
 own messages go to `OUTPUT_DIR/slurm/step-<type>.err`, where a failed task is named, and its
 runner writes why into `OUTPUT_DIR/slurm/why-<name>`.
@@ -43,7 +50,7 @@ from dataclasses import dataclass
 
 from realcore.api.alloc import AllocationMode
 from realcore.api.config import ExperimentConfig
-from realcore.launch.cluster import Follow, why_path
+from realcore.launch.cluster import Follow
 from realcore.launch.supervise import record
 from realcore.system.process import PREEMPTED_EXIT
 
@@ -60,7 +67,8 @@ class Step:
 
 def check_config(cfg: ExperimentConfig) -> None:
     if cfg.slurm.requeue and cfg.recover_mode == "disabled":
-        raise ValueError("slurm.requeue: a requeued job continues from its recover checkpoint; set recover_mode=resume or auto")
+        raise ValueError("slurm.requeue: a requeued job continues from its recover checkpoint; "
+                         "set recover_mode=resume or auto")
 
 
 def steps(cfg: ExperimentConfig, alloc: AllocationMode) -> list[Step]:
@@ -103,8 +111,8 @@ def step_command(cfg: ExperimentConfig, alloc: AllocationMode, step: Step, confi
     if step.gpus_per_task:
         argv.insert(argv.index("--open-mode=append") + 1, f"--gpus-per-task={step.gpus_per_task}")
     slurm_dir = os.path.join(cfg.output_dir, "slurm")
-    runner = ["-m", "realcore.launch.cluster", "run", "--shield-term", "--status-file", os.path.join(slurm_dir, "status"),
-              "--why-dir", slurm_dir]
+    runner = ["-m", "realcore.launch.cluster", "run", "--shield-term",
+              "--status-file", os.path.join(slurm_dir, "status"), "--why-dir", slurm_dir]
     if cfg.recover_mode != "disabled" and step.kind in ("gen_server", "gserver_manager", "rollout_worker"):
         runner.insert(3, "--restart")
     worker = ["--type", step.kind, "--index-from", "SLURM_PROCID", *_common_args(alloc, config_path, secret_path)]
@@ -137,7 +145,7 @@ def sbatch_script(cfg: ExperimentConfig, alloc: AllocationMode, config_path: str
         "set -u",
         *s.setup,
         f"slurm={q(slurm_dir)}",
-        "# $1: whole-run restarts by the launcher; a requeue by Slurm adds one more.",
+        "# $1: the attempt the launcher submitted (its whole-run restarts); each requeue by Slurm adds one.",
         'attempt=$(( ${1:-0} + ${SLURM_RESTART_COUNT:-0} ))',
         'echo "running $attempt" > "$slurm/status"',
         "# Preemption signals the steps (their runners handle it); this shell must keep waiting.",
@@ -308,7 +316,7 @@ def follow_job(cfg: ExperimentConfig, job_id: str, attempt: int, follow: Follow,
         follow.poll()
         if signals and (signals[0] == signal.SIGINT or len(signals) > 1):
             print(f"realcore: {signal.Signals(signals[-1]).name}: cancelling job {job_id}", file=sys.stderr)
-            cancel(job_id, cfg.slurm.cancel_timeout_s)
+            cancel(cfg, job_id)
             return 130, None
         state = job_state(job_id)
         if signals and preempt_deadline is None:
@@ -317,7 +325,7 @@ def follow_job(cfg: ExperimentConfig, job_id: str, attempt: int, follow: Follow,
         if preempt_deadline is not None and time.monotonic() > preempt_deadline:
             print(f"realcore: no recover checkpoint within {cfg.system.preempt_timeout_s:g} s; cancelling job {job_id} "
                   "(the last recover checkpoint holds the run)", file=sys.stderr)
-            cancel(job_id, cfg.slurm.cancel_timeout_s)
+            cancel(cfg, job_id)
             return PREEMPTED_EXIT, None
         status = read_status(slurm_dir)
         if status != seen:
@@ -331,12 +339,13 @@ def follow_job(cfg: ExperimentConfig, job_id: str, attempt: int, follow: Follow,
     if state == "COMPLETED":  # the batch script exits 0 only after the master did
         return 0, None
     if status[:1] == ["preempted"] or preempt_deadline is not None:
-        cancel(job_id, cfg.slurm.cancel_timeout_s)
-        print(f"realcore: preempted; Slurm job {job_id} ended {state} (exit code {PREEMPTED_EXIT}); a recover checkpoint "
-              "holds the run: run the same command again with recover_mode=resume (or auto) to continue", file=sys.stderr)
+        cancel(cfg, job_id)
+        print(f"realcore: preempted; Slurm job {job_id} ended {state} (exit code {PREEMPTED_EXIT}); a recover "
+              "checkpoint holds the run: run the same command again with recover_mode=resume (or auto) to continue",
+              file=sys.stderr)
         return PREEMPTED_EXIT, None
     who = failed_worker(slurm_dir)
-    cancel(job_id, cfg.slurm.cancel_timeout_s)  # a job that failed may still be tearing down
+    cancel(cfg, job_id)  # a job that failed may still be tearing down
     if state == "CANCELLED" and status[:1] != ["failed"]:
         print(f"realcore: Slurm job {job_id} was cancelled (scancel?); not restarting it", file=sys.stderr)
         return 1, None
@@ -367,8 +376,8 @@ def _report(job_id: str, attempt: int, status: list[str]) -> None:
         print(f"realcore: Slurm job {job_id} was preempted and requeued; it resumes from its recover checkpoint when "
               "Slurm starts it again", file=sys.stderr, flush=True)
     elif status[:1] == ["running"] and status[1:2] != [str(attempt)]:
-        print(f"realcore: Slurm started job {job_id} again (attempt {status[1]}); it resumes from its recover checkpoint",
-              file=sys.stderr, flush=True)
+        print(f"realcore: Slurm started job {job_id} again (attempt {status[1]}); it resumes from its recover "
+              "checkpoint", file=sys.stderr, flush=True)
 
 
 def _worker_log(output_dir: str, who: str | None) -> str | None:
@@ -379,9 +388,15 @@ def _worker_log(output_dir: str, who: str | None) -> str | None:
     return path if os.path.exists(path) else None
 
 
-def cancel(job_id: str, timeout_s: float) -> None:
-    """scancel, then wait (bounded) until squeue no longer lists the job."""
+def cancel(cfg: ExperimentConfig, job_id: str) -> None:
+    """scancel, then wait (bounded) until squeue no longer lists the job. The status says the job
+    ends first: the task runners then stop their workers at Slurm's SIGTERM, not after KillWait."""
+    status = os.path.join(cfg.output_dir, "slurm", "status")
+    if read_status(os.path.dirname(status))[:1] in (["running"], ["requeued"]):
+        with open(status, "w") as f:
+            f.write("cancelled\n")
     subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
+    timeout_s = cfg.slurm.cancel_timeout_s
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=30)

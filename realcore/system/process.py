@@ -52,7 +52,9 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def setup_worker_process(name: str, threads: int) -> None:
+def setup_worker_process(name: str, threads: int, *, ignore_sigterm: bool = False) -> None:
+    """`ignore_sigterm`: a task runner stops this process, not SIGTERM (Slurm sends SIGTERM to
+    every process of a step, also on preemption, when the master must first write its checkpoint)."""
     die_with_parent()
     if os.getppid() == 1:  # the parent died before we asked to be told
         sys.exit(1)
@@ -61,7 +63,10 @@ def setup_worker_process(name: str, threads: int) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     set_title(name)
     set_threads(threads)
-    exit_on_sigterm()
+    if ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    else:
+        exit_on_sigterm()
 
 
 def start_heartbeat(path: str, interval_s: float) -> None:

@@ -24,6 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--secret-file", required=True)
     p.add_argument("--n-servers", type=int, default=0, help="generation servers (async mode)")
     p.add_argument("--attempt", type=int, default=0, help="how many times the launcher restarted the whole run")
+    p.add_argument("--ignore-sigterm", action="store_true",
+                   help="a task runner stops this process, not SIGTERM (Slurm sends SIGTERM to every process of a step)")
     args = p.parse_args(argv)
 
     if args.index_from:
@@ -35,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     # Bind and publish this node's address (several nodes under Slurm; loopback by default).
     cfg.system.host = node_address(cfg.system.host, cfg.system.interface)
     name = args.type if args.type in ("master", "gserver_manager") else f"{args.type}/{args.index}"
-    setup_worker_process(f"rc-{name}", cfg.system.threads_per_process)
+    setup_worker_process(f"rc-{name}", cfg.system.threads_per_process, ignore_sigterm=args.ignore_sigterm)
     start_heartbeat(os.path.join(cfg.output_dir, ".heartbeat", name.replace("/", "-")), cfg.system.heartbeat_interval_s)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s", stream=sys.stderr)
     if args.type == "master":  # the master's output goes to the console; keep a copy with the logs
@@ -92,6 +94,7 @@ def run(args, cfg: ExperimentConfig, secret: bytes) -> int:
         resolver = make_name_resolver(cfg.system.name_resolve)
         run_server(cfg.model.path, host=cfg.system.host, port=0, seed=cfg.seed + 1000 * args.index,
                    max_batch_size=cfg.generation.max_batch_size, token=cfg.rollout.server_token, secret=secret,
+                   stop_on_sigterm=not args.ignore_sigterm,
                    on_ready=lambda addrs: resolver.put(keys.gen_server(cfg, args.index), json.dumps(addrs), replace=True))
     elif args.type == "gserver_manager":
         from realcore.system.gserver_manager import GServerManager

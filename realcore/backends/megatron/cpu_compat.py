@@ -14,7 +14,6 @@ Usage:
 """
 
 import contextlib
-import multiprocessing
 import types
 
 import torch
@@ -40,7 +39,6 @@ def apply_cpu_compat() -> bool:
     _patch_megatron_rng()
     _patch_megatron_moe()
     _patch_megatron_norm()
-    _patch_megatron_checkpoint_queue()
     _applied = True
     return True
 
@@ -183,19 +181,6 @@ def _patch_megatron_norm():
         return norm
 
     torch_norm.WrappedTorchNorm.__new__ = staticmethod(__new__)
-
-
-def _patch_megatron_checkpoint_queue():
-    # dist_checkpointing collects write results through a Manager started by spawn (forking a CUDA
-    # process is unsafe), whose fresh interpreter imports torch on the first save (seconds per rank).
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    def _get_write_results_queue():
-        if filesystem_async._results_queue is None:
-            filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
-        return filesystem_async._results_queue
-
-    filesystem_async._get_write_results_queue = _get_write_results_queue
 
 
 def _copy_with(obj, **changes):

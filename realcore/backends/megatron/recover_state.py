@@ -31,10 +31,38 @@ FORMAT = 1
 _METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
+def _die_with_parent() -> None:
+    """In the results queue's manager process: the kernel kills it when its model worker dies."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+def _results_queue():
+    """dist_checkpointing collects write results through a queue served by a manager process that
+    outlives every save. Megatron starts it with nothing tying it to its parent: a SIGKILLed model
+    worker would leave it behind forever. Ours dies with its worker. It is forked where there is
+    no CUDA: spawning it imports torch again (seconds per rank), and forking is only unsafe once
+    CUDA is initialised."""
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        manager = SyncManager(ctx=multiprocessing.get_context("spawn" if torch.cuda.is_available() else "fork"))
+        manager.start(initializer=_die_with_parent)
+        filesystem_async._results_queue = manager.Queue()
+    return filesystem_async._results_queue
+
+
 def save(path: str, chunks: list, optimizer, *, version: int, mesh: dict) -> None:
     """Collective over the mesh: write the recover state of `chunks` (DDP-wrapped) and `optimizer`."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+    filesystem_async._get_write_results_queue = _results_queue
     ckpt = os.path.join(path, "dist_ckpt")
     if dist.get_rank() == 0:
         os.makedirs(ckpt)
