@@ -91,18 +91,20 @@ def trial(out: str, steps: int, cache: str, rng: random.Random, kinds=KINDS, tim
     log = open(out + ".log", "w")
     proc = subprocess.Popen(launch_cmd(out, steps, cache, os.path.basename(out)), cwd=ROOT, stdout=log,
                             stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    kills, trainer_kept, at = [], True, 0
+    kills, trainer_kept, at, missed = [], True, 0, None
     try:
         for i, kind in enumerate(kinds):
             # The i-th kill once the run trained 2 + 3i steps, and more than when the last kill hit
             # (a whole-run restart rewinds to its checkpoint first): every kill finds a live run.
             if not wait_for(lambda: rows(out) >= max(2 + 3 * i, at + 1), proc, timeout_s):
+                missed = f"{kind}: the run ended (exit {proc.poll()}) or stalled before step {max(2 + 3 * i, at + 1)}"
                 break
             time.sleep(rng.uniform(0, 1.0))  # a random moment within the next step or two
             now = pids(out)
             name = rng.choice(sorted(n for n in now if n.split("/")[0] == kind))
             trainer = {n: p for n, p in now.items() if n.split("/")[0] in ("master", "model_worker")}
             if not running(now[name]):
+                missed = f"{kind}: {name} was no longer running at step {rows(out)}"
                 break
             os.kill(now[name], signal.SIGKILL)
             kills.append(name)
@@ -125,7 +127,7 @@ def trial(out: str, steps: int, cache: str, rng: random.Random, kinds=KINDS, tim
             key = f"{r['who'].split('/')[0]}: {r['action']}"
             restarts[key] = restarts.get(key, 0) + 1
     a = audit(out, batch_size=BATCH, max_head_offpolicyness=ETA) if os.path.exists(os.path.join(out, "ledger.jsonl")) else None
-    return {"rc": proc.returncode, "wall": wall, "kills": kills, "restarts": restarts, "trainer_kept": trainer_kept,
+    return {"rc": proc.returncode, "wall": wall, "kills": kills, "missed": missed, "restarts": restarts, "trainer_kept": trainer_kept,
             "audit": a}
 
 
