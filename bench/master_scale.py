@@ -82,6 +82,7 @@ def _serve(assign: list, secret: bytes, root: str, spec: dict, out_q) -> None:
     ctx.set(zmq.MAX_SOCKETS, len(assign) + 64)
     resolver = FileNameResolver(root)
     workers: dict = {}
+    endpoints: dict = {}  # socket -> its wire.Endpoint (each simulated worker is a receiver of its own)
     poller = zmq.Poller()
     try:
         for index, key in assign:
@@ -90,6 +91,7 @@ def _serve(assign: list, secret: bytes, root: str, spec: dict, out_q) -> None:
             port = s.bind_to_random_port("tcp://127.0.0.1")  # loopback only
             addr = f"tcp://127.0.0.1:{port}"
             workers[s] = _SimWorker(index)
+            endpoints[s] = wire.Endpoint(secret, f"model_worker/{index}", socket="control", address=addr)
             poller.register(s, zmq.POLLIN)
             resolver.put(key, json.dumps({"control": addr, "data": addr, "pid": pid}), replace=True)
         out_q.put(("ready", pid, len(assign)))
@@ -139,9 +141,8 @@ def _serve(assign: list, secret: bytes, root: str, spec: dict, out_q) -> None:
                         frames = s.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    identity = frames[0].bytes
                     try:
-                        header, _ = wire.decode(frames[1:], secret)
+                        peer, header, _ = endpoints[s].open(frames, router=True)
                         rid, msg = parse_request(header)
                     except (wire.BadMessage, BadBody, KeyError, ValueError, TypeError):
                         dropped += 1
@@ -158,7 +159,7 @@ def _serve(assign: list, secret: bytes, root: str, spec: dict, out_q) -> None:
                             out = reply(rid, handle(w, msg))
                         except Exception as e:
                             out = reply(rid, error=f"{msg.CMD.name}: {type(e).__name__}: {e}")
-                    wire.send(s, out, secret=secret, identity=identity)
+                    wire.send(s, out, endpoint=endpoints[s], to=peer)
         out_q.put(("done", pid, len(assign), _os_threads(), counts, dropped,
                    sum(len(w.stored) for w in workers.values())))
     finally:

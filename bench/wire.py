@@ -25,6 +25,7 @@ N_PING = 2000
 N_PING_WARMUP = 200
 SIZES = {"1 MB": (1 << 20, 20), "64 MB": (64 << 20, 5)}  # label -> (bytes, transfers)
 TIMEOUT_S = 30.0
+PEER = "bench-peer"  # the peer's name as a receiver (it connects, so it has no bound address)
 
 
 def _peer(addr: str, secret: bytes) -> None:
@@ -33,15 +34,16 @@ def _peer(addr: str, secret: bytes) -> None:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.connect(addr)
+    ep = wire.Endpoint(secret, "bench-peer", socket="bench", address=PEER)
     try:
         while True:
-            _, h, ts = wire.recv(sock, secret=secret, timeout_s=TIMEOUT_S, what="bench peer")
+            p, h, ts = wire.recv(sock, endpoint=ep, timeout_s=TIMEOUT_S, what="bench peer")
             if h["op"] == "ping":
-                wire.send(sock, {"op": "pong", "i": h["i"]}, secret=secret)
+                wire.send(sock, {"op": "pong", "i": h["i"]}, endpoint=ep, to=p)
             elif h["op"] == "tensor":
-                wire.send(sock, {"op": "ack", "nbytes": sum(t.nbytes for t in ts)}, secret=secret)
+                wire.send(sock, {"op": "ack", "nbytes": sum(t.nbytes for t in ts)}, endpoint=ep, to=p)
             elif h["op"] == "stop":
-                wire.send(sock, {"op": "bye"}, secret=secret)
+                wire.send(sock, {"op": "bye"}, endpoint=ep, to=p)
                 return
     finally:
         sock.close(linger=1000)
@@ -53,13 +55,13 @@ def _percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def bench_ping(sock, secret: bytes) -> list[float]:
+def bench_ping(sock, ep: wire.Endpoint) -> list[float]:
     """Round-trip times (s) of a small control message."""
     times = []
     for i in range(N_PING_WARMUP + N_PING):
         t0 = time.perf_counter()
-        wire.send(sock, {"op": "ping", "i": i, "ids": [1, 2, 3]}, secret=secret)
-        _, h, _ = wire.recv(sock, secret=secret, timeout_s=TIMEOUT_S, what="pong")
+        wire.send(sock, {"op": "ping", "i": i, "ids": [1, 2, 3]}, endpoint=ep, to=PEER)
+        _, h, _ = wire.recv(sock, endpoint=ep, timeout_s=TIMEOUT_S, what="pong")
         dt = time.perf_counter() - t0
         assert h == {"op": "pong", "i": i}
         if i >= N_PING_WARMUP:
@@ -67,14 +69,14 @@ def bench_ping(sock, secret: bytes) -> list[float]:
     return times
 
 
-def bench_transfer(sock, secret: bytes, nbytes: int, reps: int) -> float:
+def bench_transfer(sock, ep: wire.Endpoint, nbytes: int, reps: int) -> float:
     """Median GB/s of sending one uint8 tensor of nbytes and receiving the peer's ack."""
     x = torch.ones(nbytes, dtype=torch.uint8)
     rates = []
     for i in range(reps + 1):  # the first is warm-up
         t0 = time.perf_counter()
-        wire.send(sock, {"op": "tensor"}, [x], secret=secret)
-        _, h, _ = wire.recv(sock, secret=secret, timeout_s=TIMEOUT_S, what="tensor ack")
+        wire.send(sock, {"op": "tensor"}, [x], endpoint=ep, to=PEER)
+        _, h, _ = wire.recv(sock, endpoint=ep, timeout_s=TIMEOUT_S, what="tensor ack")
         dt = time.perf_counter() - t0
         assert h == {"op": "ack", "nbytes": nbytes}
         if i:
@@ -111,10 +113,11 @@ def main() -> None:
     peer.start()
     t_start = time.perf_counter()
     try:
-        rtt = bench_ping(sock, secret)
-        xfer = {label: bench_transfer(sock, secret, n, reps) for label, (n, reps) in SIZES.items()}
-        wire.send(sock, {"op": "stop"}, secret=secret)
-        wire.recv(sock, secret=secret, timeout_s=TIMEOUT_S, what="peer bye")
+        ep = wire.Endpoint(secret, "bench", socket="bench")
+        rtt = bench_ping(sock, ep)
+        xfer = {label: bench_transfer(sock, ep, n, reps) for label, (n, reps) in SIZES.items()}
+        wire.send(sock, {"op": "stop"}, endpoint=ep, to=PEER)
+        wire.recv(sock, endpoint=ep, timeout_s=TIMEOUT_S, what="peer bye")
     finally:
         peer.join(timeout=10)
         if peer.is_alive():

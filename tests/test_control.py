@@ -7,7 +7,7 @@ import pytest
 import zmq
 
 from realcore.launch.config_loader import import_user_modules, load_config
-from realcore.system import wire
+from realcore.system import drops, wire
 from realcore.system.buffer import SampleBuffer, split_balanced
 from realcore.system.control import ControlServer, WorkerPool, wait_all
 from realcore.system.protocol import (Clear, Exit, Fetch, Fetched, Pause, RemoteError, Start,
@@ -16,26 +16,29 @@ from realcore.system.protocol import (Clear, Exit, Fetch, Fetched, Pause, Remote
 SECRET = b"s" * 32
 
 
-def serve(server: ControlServer, stop: threading.Event):
+def serve(server: ControlServer, stop: threading.Event, handled: list | None = None):
     """A minimal worker loop: FETCH echoes its fields back, CLEAR fails, the rest succeed."""
     while not stop.is_set():
         try:
-            identity, rid, msg = server.requests.get(timeout=0.1)
+            peer, rid, msg = server.requests.get(timeout=0.1)
         except Exception:
             continue
+        if handled is not None:
+            handled.append(msg)
         if isinstance(msg, Clear):
-            server.send_reply(identity, rid, error="no such samples")
+            server.send_reply(peer, rid, error="no such samples")
         elif isinstance(msg, Fetch):
-            server.send_reply(identity, rid, Fetched([msg.first_id], {}, [f"n={msg.n}"]))
+            server.send_reply(peer, rid, Fetched([msg.first_id], {}, [f"n={msg.n}"]))
         else:
-            server.send_reply(identity, rid)
+            server.send_reply(peer, rid)
 
 
 @pytest.fixture
 def pair():
-    server = ControlServer("127.0.0.1", SECRET, status=lambda: Status("running", 1))
+    server = ControlServer("127.0.0.1", SECRET, status=lambda: Status("running", 1), name="w0")
     stop = threading.Event()
-    t = threading.Thread(target=serve, args=(server, stop), daemon=True)
+    server.handled = []  # what the worker loop executed
+    t = threading.Thread(target=serve, args=(server, stop, server.handled), daemon=True)
     t.start()
     pool = WorkerPool({"w0": server.address}, SECRET, heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0)
     yield server, pool
@@ -57,9 +60,10 @@ def test_malformed_bodies_are_dropped_and_counted(pair):
     server, pool = pair
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.connect(server.address)
+    client = wire.Endpoint(SECRET, "tester", socket="test")
     for body in ({"first_id": 1}, {"first_id": 1, "n": 2, "evil": 3}, {"first_id": "x", "n": 2}):
-        wire.send(sock, {"cmd": int(Fetch.CMD), "rid": 5, "body": body}, secret=SECRET)
-    wire.send(sock, {"cmd": 999, "rid": 5, "body": {}}, secret=SECRET)
+        wire.send(sock, {"cmd": int(Fetch.CMD), "rid": 5, "body": body}, endpoint=client, to=server.address)
+    wire.send(sock, {"cmd": 999, "rid": 5, "body": {}}, endpoint=client, to=server.address)
     sock.close(linger=1000)
     deadline = time.time() + 5
     while server.dropped < 4 and time.time() < deadline:
@@ -72,7 +76,7 @@ def test_forged_message_dropped_and_counted(pair):
     server, pool = pair
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.connect(server.address)
-    wire.send(sock, request(Exit(), 7), secret=b"x" * 32)
+    wire.send(sock, request(Exit(), 7), endpoint=wire.Endpoint(b"x" * 32, "forger", socket="test"), to=server.address)
     sock.send_multipart([b"garbage"])
     sock.close(linger=1000)
     deadline = time.time() + 5
@@ -82,7 +86,98 @@ def test_forged_message_dropped_and_counted(pair):
     assert server.requests.empty()  # the forged EXIT never reached the worker's loop
     pool.request("w0", Start()).result(5)
     time.sleep(0.3)
-    assert pool.status["w0"].dropped == 2 and pool.status["w0"].state == "running"
+    assert pool.status["w0"].dropped >= 2 and pool.status["w0"].state == "running"  # the process's drops (all tests')
+    assert pool.status["w0"].drops["control/mac"] >= 1 and pool.status["w0"].drops["control/malformed"] >= 1
+
+
+def _spy(endpoint: wire.Endpoint) -> list:
+    """Capture what `endpoint` seals (the frames as they go on the wire)."""
+    captured, seal = [], endpoint.seal
+
+    def seal_and_keep(*args, **kwargs):
+        frames = seal(*args, **kwargs)
+        captured.append([bytes(f) for f in frames])
+        return frames
+
+    endpoint.seal = seal_and_keep
+    return captured
+
+
+def _wait(cond, timeout_s=5.0):
+    deadline = time.time() + timeout_s
+    while not cond() and time.time() < deadline:
+        time.sleep(0.02)
+    return cond()
+
+
+def test_a_replayed_request_is_dropped_and_counted(pair):
+    """A FETCH the master really sent, captured and sent again by someone else (a new connection,
+    as an attacker on the host would): the worker drops it (replay) and executes the FETCH once;
+    sent to another worker, it is misaddressed. Both are counted, and reported in PING."""
+    server, pool = pair
+    captured = _spy(pool.endpoint)
+    assert pool.request("w0", Fetch(7, 3)).result(5).ids == [7]
+    fetch = next(f for f in captured if b"first_id" in f[0])
+    other = ControlServer("127.0.0.1", SECRET, status=lambda: Status("running", 2), name="w1")
+    before, dropped = drops.snapshot(), server.dropped
+    try:
+        for address in (server.address, server.address, other.address):
+            attacker = zmq.Context.instance().socket(zmq.DEALER)
+            attacker.connect(address)
+            attacker.send_multipart(fetch)
+            attacker.close(linger=1000)
+        assert _wait(lambda: server.dropped == dropped + 2 and other.dropped == 1)
+    finally:
+        other.close()
+    assert [m for m in server.handled if isinstance(m, Fetch)] == [Fetch(7, 3)]  # executed once
+    assert other.requests.empty()
+    after = drops.snapshot()
+    assert after["control/replay"] - before.get("control/replay", 0) == 2
+    assert after["control/misaddressed"] - before.get("control/misaddressed", 0) == 1
+    assert _wait(lambda: pool.status["w0"].drops.get("control/replay", 0) >= after["control/replay"])
+    assert pool.request("w0", Fetch(8, 1)).result(5).ids == [8]  # the real master goes on
+
+
+def test_a_replayed_reply_is_dropped():
+    """A reply replayed to the master (its socket gets the same reply twice) resolves nothing twice."""
+    server = ControlServer("127.0.0.1", SECRET, status=lambda: Status("running", 1), name="w0")
+    captured = _spy(server.endpoint)
+    stop = threading.Event()
+    threading.Thread(target=serve, args=(server, stop), daemon=True).start()
+    pool = WorkerPool({"w0": server.address}, SECRET, heartbeat_interval_s=10, heartbeat_timeout_s=60)
+    try:
+        assert pool.request("w0", Fetch(1, 1)).result(5).ids == [1]
+        reply = next(f for f in captured if b"first_id" not in f[1] and b"n=1" in f[1])
+        before, counted = pool.dropped, drops.snapshot().get("pool/replay", 0)
+        pool._on_reply("w0", reply[1:])  # as if it arrived again on the master's socket
+        assert pool.dropped == before + 1 and drops.snapshot()["pool/replay"] == counted + 1
+    finally:
+        stop.set()
+        pool.close()
+        server.close()
+
+
+def test_master_logs_every_process_drops_as_totals():
+    """dropped/<process>/<socket>/<reason>: totals of this attempt, from heartbeat Status (a restarted
+    process, a new pid, counts from zero again) and relayed ones (the manager's generation servers)."""
+    import collections
+    from types import SimpleNamespace
+
+    from realcore.system.master import Master
+
+    status = {"model_worker/0": Status("running", 11, drops={"control/replay": 2}),
+              "gserver_manager": Status("running", 12, relayed_drops={"gen_server/0": {"weights/mac": 4}}),
+              "model_worker/1": None}
+    m = SimpleNamespace(pool=SimpleNamespace(status=status), drop_tally=drops.Tally(), drop_totals=collections.Counter())
+    own = drops.snapshot()
+    metrics = {}
+    Master.log_drops(m, metrics)
+    assert metrics["dropped/model_worker/0/control/replay"] == 2
+    assert metrics["dropped/gen_server/0/weights/mac"] == 4
+    assert all(metrics[f"dropped/master/{k}"] == n for k, n in own.items())
+    status["model_worker/0"] = Status("running", 13, drops={"control/replay": 1})  # restarted
+    Master.log_drops(m, metrics)
+    assert metrics["dropped/model_worker/0/control/replay"] == 3 and metrics["dropped/gen_server/0/weights/mac"] == 4
 
 
 def test_lost_worker_fails_pending_requests(pair):
@@ -101,7 +196,7 @@ def test_reconnect_to_a_restarted_worker(pair):
     server, pool = pair
     server.close()
     fut = pool.request("w0", Fetch(0, 1))
-    again = ControlServer("127.0.0.1", SECRET, status=lambda: Status("running", 2))
+    again = ControlServer("127.0.0.1", SECRET, status=lambda: Status("running", 2), name="w0")
     stop = threading.Event()
     threading.Thread(target=serve, args=(again, stop), daemon=True).start()
     try:

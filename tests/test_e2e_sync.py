@@ -91,9 +91,10 @@ def _forge_and_ping(out):
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(addr)
-    wire.send(sock, request(Exit(), 1), secret=b"not-the-secret" * 3)
-    wire.send(sock, request(Ping(), -99), secret=wire.load_secret(os.path.join(out, ".secret")))
-    _, header, _ = wire.recv(sock, secret=wire.load_secret(os.path.join(out, ".secret")), timeout_s=10)
+    me = wire.Endpoint(wire.load_secret(os.path.join(out, ".secret")), "test", socket="test")
+    wire.send(sock, request(Exit(), 1), endpoint=wire.Endpoint(b"not-the-secret" * 3, "forger", socket="test"), to=addr)
+    wire.send(sock, request(Ping(), -99), endpoint=me, to=addr)
+    _, header, _ = wire.recv(sock, endpoint=me, timeout_s=10)
     sock.close()
     return header
 
@@ -106,6 +107,7 @@ def test_killed_worker_stops_everything(tmp_path, cache):
         wait_for_metrics(out, 1, proc)
         header = _forge_and_ping(out)
         assert header["ok"] and header["body"]["dropped"] == 1 and header["body"]["state"] == "running"
+        assert header["body"]["drops"] == {"control/mac": 1}
         wait_for_metrics(out, 2, proc)  # the forged EXIT changed nothing
         pids = json.load(open(os.path.join(out, "pids.json")))
         os.kill(pids["model_worker/1"], signal.SIGKILL)

@@ -1,14 +1,18 @@
-"""The wire format: round trips of every dtype, authentication failures, real sockets, secrets."""
+"""The wire format: round trips of every dtype, authentication failures, replay protection, size
+limits, drop counting, real sockets, secrets."""
 
+import logging
 import os
+import random
 import stat
+import time
 
 import msgpack
 import pytest
 import torch
 import zmq
 
-from realcore.system import wire
+from realcore.system import drops, wire
 
 torch.set_num_threads(1)
 SECRET = b"s" * 32
@@ -123,29 +127,39 @@ def sock():
     c.term()
 
 
+def _ep(name, address=None, secret=SECRET, **limits):
+    lim = wire.Limits(**{"max_message_bytes": 2**20, "max_control_message_bytes": 2**16, "clock_skew_s": 5.0, **limits})
+    return wire.Endpoint(secret, name, socket=f"test-{name}", address=address, limits=lim)
+
+
 def test_dealer_router_over_tcp(sock):
     router = sock(zmq.ROUTER)
     port = router.bind_to_random_port("tcp://127.0.0.1")
+    address = f"tcp://127.0.0.1:{port}"
+    server, client = _ep("server", address), _ep("client")
     dealer = sock(zmq.DEALER)
-    dealer.connect(f"tcp://127.0.0.1:{port}")
+    dealer.connect(address)
     x = torch.randn(1000, 300).to(torch.bfloat16)  # 600 KB: above pyzmq's copy threshold
-    wire.send(dealer, {"op": "push", "step": 3}, [x, torch.tensor(True)], secret=SECRET)
-    ident, header, (y, flag) = wire.recv(router, secret=SECRET, router=True, timeout_s=10)
+    wire.send(dealer, {"op": "push", "step": 3}, [x, torch.tensor(True)], endpoint=client, to=address)
+    peer, header, (y, flag) = wire.recv(router, endpoint=server, router=True, timeout_s=10)
     assert header == {"op": "push", "step": 3} and torch.equal(y, x) and bool(flag)
-    wire.send(router, {"op": "ack"}, secret=SECRET, identity=ident)
-    assert wire.recv(dealer, secret=SECRET, timeout_s=10) == (None, {"op": "ack"}, [])
+    assert peer.sender == client.id and peer.routing_id
+    wire.send(router, {"op": "ack"}, endpoint=server, to=peer)
+    assert wire.recv(dealer, endpoint=client, timeout_s=10) == (wire.Peer(server.id), {"op": "ack"}, [])
 
 
 def test_push_pull_wrong_secret_is_dropped_not_fatal(sock):
     pull = sock(zmq.PULL)
-    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    address = f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"
     push = sock(zmq.PUSH)
-    push.connect(f"tcp://127.0.0.1:{port}")
-    wire.send(push, {"n": 1}, secret=b"wrong" * 8)
-    wire.send(push, {"n": 2}, [torch.arange(3)], secret=SECRET)
-    with pytest.raises(wire.BadMessage):
-        wire.recv(pull, secret=SECRET, timeout_s=10)
-    _, header, (t,) = wire.recv(pull, secret=SECRET, timeout_s=10)  # the next one still arrives
+    push.connect(address)
+    wire.send(push, {"n": 1}, endpoint=_ep("forger", secret=b"wrong" * 8), to=address)
+    wire.send(push, {"n": 2}, [torch.arange(3)], endpoint=_ep("pusher"), to=address)
+    receiver = _ep("puller", address)
+    with pytest.raises(wire.BadMessage) as e:
+        wire.recv(pull, endpoint=receiver, timeout_s=10)
+    assert e.value.reason == "mac"
+    _, header, (t,) = wire.recv(pull, endpoint=receiver, timeout_s=10)  # the next one still arrives
     assert header == {"n": 2} and t.tolist() == [0, 1, 2]
 
 
@@ -153,7 +167,165 @@ def test_recv_timeout_names_purpose(sock):
     pull = sock(zmq.PULL)
     pull.bind_to_random_port("tcp://127.0.0.1")
     with pytest.raises(TimeoutError, match="master control socket within 0.1 s"):
-        wire.recv(pull, secret=SECRET, timeout_s=0.1, what="master control socket")
+        wire.recv(pull, endpoint=_ep("idle"), timeout_s=0.1, what="master control socket")
+
+
+# --- replay protection ------------------------------------------------------------------------------
+
+
+def _reason(endpoint, frames, router=False):
+    with pytest.raises(wire.BadMessage) as e:
+        endpoint.open(frames, router=router)
+    return e.value.reason
+
+
+def test_a_message_is_accepted_once():
+    server, client = _ep("srv", "tcp://127.0.0.1:1"), _ep("cli")
+    frames = client.seal({"cmd": 6, "rid": 1}, [torch.arange(3)], to=server.address)
+    peer, header, (t,) = server.open(frames)
+    assert peer == wire.Peer(client.id) and header == {"cmd": 6, "rid": 1} and t.tolist() == [0, 1, 2]
+    assert _reason(server, frames) == "replay"
+    assert server.open(client.seal({"cmd": 6, "rid": 2}, to=server.address))[1]["rid"] == 2  # new ones still pass
+    assert _reason(server, frames) == "replay"
+
+
+def test_a_message_for_one_receiver_is_refused_by_another():
+    a, b, client = _ep("a", "tcp://127.0.0.1:1"), _ep("b", "tcp://127.0.0.1:2"), _ep("cli")
+    frames = client.seal({"x": 1}, to=a.address)
+    assert _reason(b, frames) == "misaddressed"
+    a.open(frames)
+    # A reply is addressed to the endpoint that asked: another client does not take it.
+    other = _ep("cli2")
+    reply = a.seal({"ok": True}, to=wire.Peer(client.id, b"route"))
+    assert reply[0] == b"route"  # a ROUTER reply starts with the peer's routing identity
+    assert _reason(other, reply[1:]) == "misaddressed"
+    assert client.open(reply[1:])[1] == {"ok": True}
+
+
+def test_a_restarted_receiver_refuses_what_was_sent_before_it_started():
+    """Its per-sender state is gone, so the timestamp decides: older than its start minus the
+    clock-skew allowance is refused; within the allowance it is accepted (once)."""
+    address = "tcp://127.0.0.1:1"
+    client = _ep("cli")
+    old = client.seal({"rid": 1}, to=address)
+    _ep("before", address).open(old)  # the first incarnation took it
+    time.sleep(0.05)
+    strict = _ep("after", address, clock_skew_s=0.0)  # restarted at the same address, no allowance
+    assert _reason(strict, old) == "stale"
+    lenient = _ep("after2", address, clock_skew_s=5.0)
+    lenient.open(old)
+    assert _reason(lenient, old) == "replay"
+    # A new message from the same sender is fine for the restarted receiver.
+    assert strict.open(client.seal({"rid": 2}, to=address))[1] == {"rid": 2}
+
+
+def test_reordering_within_the_window_is_accepted_once():
+    server, client = _ep("srv", "tcp://127.0.0.1:1"), _ep("cli")
+    sealed = [client.seal({"i": i}, to=server.address) for i in range(wire.REPLAY_WINDOW + 30)]
+    order = list(range(20))
+    random.Random(0).shuffle(order)
+    assert [server.open(sealed[i])[1]["i"] for i in order] == order  # out of order: each accepted
+    assert {_reason(server, sealed[i]) for i in order} == {"replay"}  # and only once
+    server.open(sealed[-1])  # the sender's latest is now seq REPLAY_WINDOW + 30
+    assert _reason(server, sealed[25]) == "replay"  # seq 26, unseen but outside the window: could be a replay
+    server.open(sealed[-2])  # unseen and inside the window
+    assert _reason(server, sealed[-2]) == "replay"
+
+
+def test_forgotten_senders_cannot_be_replayed():
+    guard = wire.ReplayGuard(not_before=0.0, window=8, max_senders=2)
+    guard.accept("a", 1, 10.0)
+    guard.accept("b", 1, 11.0)
+    guard.accept("c", 1, 12.0)  # "a" (least recently heard) is forgotten
+    with pytest.raises(wire.BadMessage, match="forgot"):
+        guard.accept("a", 1, 10.0)  # its old message again: refused, though "a" is unknown now
+    guard.accept("a", 2, 13.0)  # a newer one is fine
+    guard.accept("d", 1, 14.0)
+
+
+def test_unsealed_or_bad_envelopes_are_malformed():
+    server = _ep("srv", "tcp://127.0.0.1:1")
+    assert _reason(server, wire.encode({"x": 1}, [], SECRET)) == "malformed"  # the codec alone: no envelope
+    for env in ([1, 1, server.address, 0.0], ["s", 0, server.address, 0.0], ["s", 1, server.address], "x",
+                ["s", True, server.address, time.time()], ["s", 1, server.address, float("nan")]):
+        frames = [msgpack.packb({"_e": env, "_t": []})]
+        assert _reason(server, _signed(frames)) == "malformed", env
+    with pytest.raises(ValueError, match="reserved"):
+        server.seal({"_e": 1}, to="x")
+    assert _reason(server, [b"only"], router=True) == "malformed"
+
+
+def test_drops_are_counted_by_socket_and_reason():
+    server, client = _ep("counted", "tcp://127.0.0.1:1"), _ep("cli")
+    before = drops.snapshot()
+    frames = client.seal({}, to=server.address)
+    server.open(frames)
+    for _ in range(3):
+        _reason(server, frames)
+    _reason(server, client.seal({}, to="tcp://elsewhere:1"))
+    _reason(server, [b"x", b"y"])
+    after = drops.snapshot()
+    new = {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
+    assert new == {"test-counted/replay": 3, "test-counted/misaddressed": 1, "test-counted/mac": 1}
+
+
+def test_drop_log_is_rate_limited(caplog):
+    drops.set_log_interval(3600)
+    try:
+        with caplog.at_level(logging.WARNING, logger="realcore.drops"):
+            for _ in range(1000):
+                drops.count("flood", "mac", "a forged message")
+            assert len(caplog.records) == 1 and "flood: mac (a forged message)" in caplog.text
+            drops.set_log_interval(0.0)  # a summary is due: the next count (or snapshot) writes one line
+            drops.snapshot()
+            assert len(caplog.records) == 2 and "flood/mac 999" in caplog.records[-1].getMessage()
+    finally:
+        drops.set_log_interval(60.0)
+
+
+def test_tally_turns_totals_into_increments():
+    t = drops.Tally()
+    assert t.update(("w", 1), {"control/mac": 2}) == {"control/mac": 2}
+    assert t.update(("w", 1), {"control/mac": 5, "data/replay": 1}) == {"control/mac": 3, "data/replay": 1}
+    assert t.update(("w", 1), {"control/mac": 5, "data/replay": 1}) == {}
+    assert t.update(("w", 2), {"control/mac": 1}) == {"control/mac": 1}  # restarted (new pid): from zero
+
+
+# --- size limits ------------------------------------------------------------------------------------
+
+
+def test_limits_default_to_the_config():
+    from realcore.api.config import SystemConfig
+
+    s = SystemConfig()
+    assert wire.Limits.of() == wire.Limits(s.max_message_bytes, s.max_control_message_bytes, s.clock_skew_s)
+    assert s.max_message_bytes == 2**31
+    assert wire.Limits.of(SystemConfig(max_message_bytes=100)).max_control_message_bytes == 100  # capped
+
+
+def test_sender_refuses_frames_over_the_limits():
+    client = _ep("big", max_message_bytes=1000, max_control_message_bytes=500)
+    client.seal({}, [torch.zeros(250)], to="x")  # 1000 bytes: at the limit
+    with pytest.raises(ValueError, match=r"tensor 1 \(float32 \[251\]\) is 1004 bytes, over system.max_message_bytes = 1000"):
+        client.seal({}, [torch.zeros(2), torch.zeros(251)], to="x")
+    with pytest.raises(ValueError, match="over system.max_control_message_bytes = 500"):
+        client.seal({"ids": list(range(1000))}, to="x")
+
+
+def test_a_frame_over_the_socket_limit_is_dropped_and_the_socket_keeps_working(sock):
+    router = sock(zmq.ROUTER)
+    wire.set_max_size(router, 4096)
+    address = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
+    server, client = _ep("limited", address), _ep("cli")
+    big = sock(zmq.DEALER)
+    big.connect(address)
+    big.send_multipart([b"h", b"\0" * 10_000, b"m"])  # ZeroMQ cuts this connection, allocating nothing
+    assert not router.poll(500)
+    for dealer in (sock(zmq.DEALER), big):  # a new peer, and the offender (it reconnects)
+        dealer.connect(address)
+        wire.send(dealer, {"ok": 1}, [torch.zeros(100)], endpoint=client, to=address)
+        _, header, (t,) = wire.recv(router, endpoint=server, router=True, timeout_s=10)
+        assert header == {"ok": 1} and t.numel() == 100
 
 
 def test_secret_file(tmp_path):

@@ -2,13 +2,13 @@
 
 Socket I/O lives on one thread per side; the main thread talks to it through queues (and a
 futures map on the master side). Pings are answered on the I/O thread, so a worker busy in a long
-MFC still proves it is alive. Every message is authenticated; a bad one is dropped and counted.
+MFC still proves it is alive. Every message goes through a wire.Endpoint (authenticated, addressed,
+single-use); a bad one is dropped and counted (realcore.system.drops, and in each PING's Status).
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
 import queue
 import threading
 import time
@@ -17,10 +17,8 @@ from typing import Callable
 
 import zmq
 
-from realcore.system import wire
+from realcore.system import drops, wire
 from realcore.system.protocol import BadBody, Ping, RemoteError, Status, WorkerLost, parse, parse_request, reply, request
-
-log = logging.getLogger("realcore.control")
 
 
 class _Waker:
@@ -50,17 +48,23 @@ class _Waker:
 
 
 class ControlServer:
-    """Worker side: a ROUTER socket; requests go to `self.requests` as (identity, rid, body), the
-    body a typed message of realcore.system.protocol."""
+    """Worker side: a ROUTER socket; requests go to `self.requests` as (peer, rid, body), the
+    body a typed message of realcore.system.protocol; answer with send_reply(peer, rid, ...)."""
 
-    def __init__(self, host: str, secret: bytes, status: Callable[[], Status]):
+    SOCKET = "control"  # its name in drop counts
+
+    def __init__(self, host: str, secret: bytes, status: Callable[[], Status], *, name: str = "worker",
+                 limits: wire.Limits | None = None):
         self.ctx = zmq.Context.instance()
         self.secret = secret
         self.status = status
+        limits = limits or wire.Limits.of()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 1000)
+        wire.set_max_size(self.sock, limits.max_control_message_bytes)
         port = self.sock.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
+        self.endpoint = wire.Endpoint(secret, name, socket=self.SOCKET, address=self.address, limits=limits)
         self.requests: queue.Queue = queue.Queue()
         self._out: queue.Queue = queue.Queue()
         self._waker = _Waker(self.ctx)
@@ -71,12 +75,12 @@ class ControlServer:
         self._thread = threading.Thread(target=self._loop, name="control-io", daemon=True)
         self._thread.start()
 
-    def send_reply(self, identity: bytes, rid: int, body=None, error: str | None = None) -> None:
-        self._out.put((identity, reply(rid, body, error)))
+    def send_reply(self, peer: wire.Peer, rid: int, body=None, error: str | None = None) -> None:
+        self._out.put((peer, reply(rid, body, error)))
         self._waker.wake()
 
     def next_request(self, *, startup_timeout_s: float, heartbeat_timeout_s: float, who: str):
-        """The next request (identity, rid, body), or None after a short poll. Exits the
+        """The next request (peer, rid, body), or None after a short poll. Exits the
         process when nothing authenticated arrived for the deadline (startup until the first
         request, heartbeat after): the master is gone."""
         try:
@@ -90,24 +94,25 @@ class ControlServer:
             return None
 
     def _handle(self, frames) -> None:
-        if len(frames) < 2:
+        try:
+            peer, header, _ = self.endpoint.open(frames, router=True)  # counts its own drops
+        except wire.BadMessage:
             self.dropped += 1
             return
-        identity = frames[0].bytes
         try:
-            header, _ = wire.decode(frames[1:], self.secret)
             rid, body = parse_request(header)
-        except (wire.BadMessage, BadBody, KeyError, ValueError, TypeError) as e:
+        except (BadBody, KeyError, ValueError, TypeError) as e:
             self.dropped += 1
-            log.warning("dropped a bad control message (%s); %d so far", e, self.dropped)
+            drops.count(self.SOCKET, "body", f"{type(e).__name__}: {e}")
             return
         self.last_seen = time.monotonic()
         if isinstance(body, Ping):
             status = self.status()
-            status.dropped = self.dropped
-            wire.send(self.sock, reply(rid, status), secret=self.secret, identity=identity)
+            status.drops = drops.snapshot()  # the whole process's, every socket
+            status.dropped = sum(status.drops.values())
+            wire.send(self.sock, reply(rid, status), endpoint=self.endpoint, to=peer)
         else:
-            self.requests.put((identity, rid, body))
+            self.requests.put((peer, rid, body))
 
     def _loop(self) -> None:
         poller = zmq.Poller()
@@ -118,14 +123,14 @@ class ControlServer:
             if self._waker.recv_sock in events:
                 self._waker.drain()
             while not self._out.empty():
-                identity, header = self._out.get()
-                wire.send(self.sock, header, secret=self.secret, identity=identity)
+                peer, header = self._out.get()
+                wire.send(self.sock, header, endpoint=self.endpoint, to=peer)
             if self.sock in events:
                 while self.sock.poll(0):
                     self._handle(self.sock.recv_multipart(copy=False))
         while not self._out.empty():  # replies queued just before close (e.g. to EXIT) still go out
-            identity, header = self._out.get()
-            wire.send(self.sock, header, secret=self.secret, identity=identity)
+            peer, header = self._out.get()
+            wire.send(self.sock, header, endpoint=self.endpoint, to=peer)
 
     def close(self) -> None:
         self._stop.set()
@@ -137,9 +142,16 @@ class ControlServer:
 class WorkerPool:
     """Master side: one DEALER per worker, futures for replies, heartbeats with a deadline."""
 
-    def __init__(self, addresses: dict[str, str], secret: bytes, *, heartbeat_interval_s: float, heartbeat_timeout_s: float):
+    SOCKET = "pool"  # its name in drop counts
+
+    def __init__(self, addresses: dict[str, str], secret: bytes, *, heartbeat_interval_s: float, heartbeat_timeout_s: float,
+                 name: str = "master", limits: wire.Limits | None = None):
         self.ctx = zmq.Context.instance()
         self.secret = secret
+        self.limits = limits or wire.Limits.of()
+        # One endpoint for every worker's socket: replies are addressed to it, requests to each
+        # worker's address; the I/O thread alone sends, so each worker sees its seqs in order.
+        self.endpoint = wire.Endpoint(secret, name, socket=self.SOCKET, limits=self.limits)
         self.names = list(addresses)
         self.addresses = dict(addresses)
         self.socks: dict[str, zmq.Socket] = {name: self._connect(addr) for name, addr in addresses.items()}
@@ -162,6 +174,7 @@ class WorkerPool:
     def _connect(self, address: str) -> zmq.Socket:
         s = self.ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
+        wire.set_max_size(s, self.limits.max_control_message_bytes)
         s.connect(address)
         return s
 
@@ -190,14 +203,19 @@ class WorkerPool:
 
     def _on_reply(self, worker: str, frames) -> None:
         try:
-            header, tensors = wire.decode(frames, self.secret)
-            rid = int(header["rid"])
-        except (wire.BadMessage, KeyError, ValueError, TypeError):
+            _, header, tensors = self.endpoint.open(frames)  # counts its own drops
+        except wire.BadMessage:
             self.dropped += 1
+            return
+        try:
+            rid = int(header["rid"])
+        except (KeyError, ValueError, TypeError) as e:
+            self.dropped += 1
+            drops.count(self.SOCKET, "body", f"a reply from {worker} without a valid rid: {e!r}")
             return
         if tensors:  # the master moves metadata only; tensors go worker to worker
             self.dropped += 1
-            log.error("dropped a reply from %s carrying %d tensors", worker, len(tensors))
+            drops.count(self.SOCKET, "body", f"a reply from {worker} carrying {len(tensors)} tensors")
             return
         self.last_reply[worker] = time.monotonic()
         with self._lock:
@@ -213,7 +231,7 @@ class WorkerPool:
                     fut.set_exception(RemoteError(f"{worker}: {header.get('error')}"))
         except BadBody as e:
             self.dropped += 1
-            log.error("a malformed reply from %s: %s", worker, e)
+            drops.count(self.SOCKET, "body", f"a malformed reply from {worker}: {e}")
             if entry is not None:
                 entry[1].set_exception(RemoteError(f"{worker}: malformed reply: {e}"))
 
@@ -253,7 +271,7 @@ class WorkerPool:
                 done.set()
             while not self._out.empty():
                 worker, header = self._out.get()
-                wire.send(self.socks[worker], header, secret=self.secret)
+                wire.send(self.socks[worker], header, endpoint=self.endpoint, to=self.addresses[worker])
             for s in events:  # only the sockets with replies: a loop over all costs O(workers) per wake-up
                 name = by_sock.get(s)
                 while name is not None and s.poll(0):
@@ -267,7 +285,7 @@ class WorkerPool:
                     if now - self.last_reply[name] > self.timeout:
                         self._mark_lost(name, f"no heartbeat for {self.timeout:g} s")
                         continue
-                    wire.send(s, request(Ping(), next(ping_ids)), secret=self.secret)
+                    wire.send(s, request(Ping(), next(ping_ids)), endpoint=self.endpoint, to=self.addresses[name])
 
     def close(self) -> None:
         self._stop.set()

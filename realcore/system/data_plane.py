@@ -1,22 +1,21 @@
 """Data plane: tensors move worker to worker, never through the master.
 
 Each model worker keeps its samples in `Storage` and serves them on a ROUTER socket (its own
-thread); a peer that needs keys it does not hold fetches them with `DataClient`. Every message is
-authenticated; tensors are zero-copy frames.
+thread); a peer that needs keys it does not hold fetches them with `DataClient`. Every message goes
+through a wire.Endpoint (authenticated, addressed, single-use; drops counted); tensors are zero-copy
+frames.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
+import time
 
 import torch
 import zmq
 
 from realcore.api.data import Sample
-from realcore.system import wire
-
-log = logging.getLogger("realcore.data_plane")
+from realcore.system import drops, wire
 
 
 class Storage:
@@ -57,13 +56,19 @@ def _pack(storage: Storage, items: list[tuple[int, str]]) -> tuple[list[int], li
 
 
 class DataServer:
-    def __init__(self, host: str, secret: bytes, storage: Storage):
+    SOCKET = "data"  # its name in drop counts
+
+    def __init__(self, host: str, secret: bytes, storage: Storage, *, name: str = "worker",
+                 limits: wire.Limits | None = None):
         self.secret = secret
         self.storage = storage
+        limits = limits or wire.Limits.of()
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 1000)
+        wire.set_max_size(self.sock, limits.max_control_message_bytes)  # requests are metadata only
         port = self.sock.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
+        self.endpoint = wire.Endpoint(secret, name, socket=self.SOCKET, address=self.address, limits=limits)
         self.dropped = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="data-server", daemon=True)
@@ -71,17 +76,21 @@ class DataServer:
 
     def _serve(self) -> None:
         try:
-            identity, header, _ = wire.recv(self.sock, secret=self.secret, router=True)
+            peer, header, _ = wire.recv(self.sock, endpoint=self.endpoint, router=True)
+        except wire.BadMessage:
+            self.dropped += 1  # counted by the endpoint
+            return
+        try:
             items, rid = [(int(sid), str(key)) for sid, key in header["items"]], header["rid"]
-        except (wire.BadMessage, KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError) as e:
             self.dropped += 1
-            log.warning("dropped a bad data request (%s)", e)
+            drops.count(self.SOCKET, "body", f"a data request without valid items/rid: {e!r}")
             return
         try:
             layout, tensors = _pack(self.storage, items)
-            wire.send(self.sock, {"rid": rid, "layout": layout}, tensors, secret=self.secret, identity=identity)
+            wire.send(self.sock, {"rid": rid, "layout": layout}, tensors, endpoint=self.endpoint, to=peer)
         except KeyError as e:
-            wire.send(self.sock, {"rid": rid, "error": str(e)}, secret=self.secret, identity=identity)
+            wire.send(self.sock, {"rid": rid, "error": str(e)}, endpoint=self.endpoint, to=peer)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -97,9 +106,12 @@ class DataServer:
 class DataClient:
     """Fetches samples from peers' DataServers (used by one thread only)."""
 
-    def __init__(self, secret: bytes, timeout_s: float):
+    SOCKET = "data_client"  # its name in drop counts
+
+    def __init__(self, secret: bytes, timeout_s: float, *, name: str = "worker", limits: wire.Limits | None = None):
         self.secret = secret
         self.timeout_s = timeout_s
+        self.endpoint = wire.Endpoint(secret, name, socket=self.SOCKET, limits=limits)
         self._socks: dict[str, zmq.Socket] = {}
         self._rid = 0
 
@@ -107,6 +119,7 @@ class DataClient:
         if address not in self._socks:
             s = zmq.Context.instance().socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
+            wire.set_max_size(s, self.endpoint.limits.max_message_bytes)  # replies carry tensors
             s.connect(address)
             self._socks[address] = s
         return self._socks[address]
@@ -116,13 +129,20 @@ class DataClient:
         sent = {}
         for address, items in requests.items():
             self._rid += 1
-            wire.send(self._sock(address), {"rid": self._rid, "items": [list(i) for i in items]}, secret=self.secret)
+            wire.send(self._sock(address), {"rid": self._rid, "items": [list(i) for i in items]},
+                      endpoint=self.endpoint, to=address)
             sent[address] = (self._rid, items)
         out: dict[tuple[int, str], list[torch.Tensor]] = {}
+        deadline = time.monotonic() + self.timeout_s
         for address, (rid, items) in sent.items():
             while True:
-                _, header, tensors = wire.recv(self._sock(address), secret=self.secret, timeout_s=self.timeout_s,
-                                               what=f"data fetch from {address}")
+                try:
+                    _, header, tensors = wire.recv(self._sock(address), endpoint=self.endpoint,
+                                                   timeout_s=max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    raise TimeoutError(f"data fetch from {address}: no reply within {self.timeout_s:g} s") from None
+                except wire.BadMessage:
+                    continue  # counted by the endpoint; the real reply may still come
                 if header.get("rid") == rid:
                     break  # an older reply (from a timed-out call) is skipped
             if "error" in header:

@@ -12,11 +12,15 @@ server that stops answering for `system.heartbeat_timeout_s` leaves the routing;
 (re)starts is caught up to the current weights before it gets work (disk: the manager loads the
 current version's folder; memory: it is listed as `behind`, and the master pushes the weights).
 A server is ready when it is healthy and holds the current version.
+
+Dropped messages: the manager's own, and those of built-in servers (their weights socket, read from
+`/get_server_info`'s "drops"), go to the master in its heartbeat Status (realcore.system.drops).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import os
@@ -27,7 +31,7 @@ from dataclasses import dataclass
 
 from realcore.api.alloc import parse_allocation_mode
 from realcore.api.config import ExperimentConfig
-from realcore.system import keys
+from realcore.system import drops, keys, wire
 from realcore.system.control import ControlServer
 from realcore.system.name_resolve import make_name_resolver
 from realcore.system.protocol import (Allocate, Exit, Finish, Grant, Pause, Register, Registered, Reroute, Rerouted,
@@ -35,6 +39,7 @@ from realcore.system.protocol import (Allocate, Exit, Finish, Grant, Pause, Regi
 from realcore.system.staleness import Admission
 
 log = logging.getLogger("realcore.gserver_manager")
+DROPS_READ_S = 10.0  # how often the built-in servers' dropped-message counts are read
 
 
 @dataclass
@@ -45,6 +50,7 @@ class Server:
     healthy: bool = False
     failing_since: float | None = None
     load: int = 0  # rollouts in flight on it
+    drops: dict[str, int] | None = None  # its dropped-message totals as last read (built-in servers)
 
 
 def journal_path(cfg: ExperimentConfig, attempt: int) -> str:
@@ -68,7 +74,12 @@ class GServerManager:
         self.lock = threading.Lock()  # the server table, shared with the monitor thread
         self._rr = 0
         self._stop = threading.Event()
-        self.control = ControlServer(cfg.system.host, secret, self._status)
+        # Each server's drops ("socket/reason" -> n), summed over its restarts, for the master.
+        self.server_drops: dict[int, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+        self._drops_read = 0.0  # when the servers' drops were read last
+        drops.set_log_interval(cfg.system.drop_log_interval_s)
+        self.control = ControlServer(cfg.system.host, secret, self._status, name="gserver_manager",
+                                     limits=wire.Limits.of(cfg.system))
         self.resolver.put(keys.manager(cfg), json.dumps({"control": self.control.address, "pid": os.getpid()}), replace=True)
         self.monitor = threading.Thread(target=self._monitor, name="server-monitor", daemon=True)
         self.monitor.start()
@@ -79,8 +90,9 @@ class GServerManager:
         a = self.admission
         with self.lock:
             behind = [s.index for s in self.servers.values() if s.healthy and s.holds != a.state.version]
+            relayed = {f"gen_server/{i}": dict(c) for i, c in self.server_drops.items()}
         behind_str = ",".join(map(str, behind)) if self.cfg.rollout.weight_update == "memory" else ""
-        return Status("running" if a.restored else "waiting", os.getpid(),
+        return Status("running" if a.restored else "waiting", os.getpid(), relayed_drops=relayed,
                       info={"version": a.state.version, "running": a.running, "trained": a.trained, "behind": behind_str})
 
     def _ready(self) -> list[Server]:
@@ -248,8 +260,24 @@ class GServerManager:
             version = self.admission.state.version
             for s in [s for s in servers if s.healthy and s.holds != version]:
                 await self._catch_up(s, clients[s.index], version)
+            if self.engine == "local" and now - self._drops_read >= DROPS_READ_S:
+                self._drops_read = now
+                healthy = [s for s in servers if s.healthy]
+                infos = await asyncio.gather(*(clients[s.index].server_info() for s in healthy), return_exceptions=True)
+                for s, info in zip(healthy, infos):
+                    if isinstance(info, dict) and isinstance(info.get("drops"), dict):
+                        self._add_server_drops(s, info["drops"])
         finally:
             await asyncio.gather(*(c.close() for c in clients.values()))
+
+    def _add_server_drops(self, s: Server, totals: dict) -> None:
+        """Add what `s` dropped since it was last read (its totals start at 0 with each process)."""
+        with self.lock:
+            last = s.drops or {}
+            for k, n in totals.items():
+                if isinstance(k, str) and type(n) is int and n > last.get(k, 0):
+                    self.server_drops[s.index][k] += n - last.get(k, 0)
+            s.drops = {k: n for k, n in totals.items() if isinstance(k, str) and type(n) is int}
 
     def _mark(self, s: Server, ok: bool, now: float) -> None:
         with self.lock:
@@ -300,17 +328,17 @@ class GServerManager:
                                             heartbeat_timeout_s=sys_cfg.heartbeat_timeout_s, who="gserver_manager")
             if req is None:
                 continue
-            identity, rid, msg = req
+            peer, rid, msg = req
             if isinstance(msg, Exit):
-                self.control.send_reply(identity, rid)
+                self.control.send_reply(peer, rid)
                 return
             try:
                 if type(msg) not in handlers:
                     raise ValueError(f"unexpected command {msg.CMD.name}")
-                self.control.send_reply(identity, rid, handlers[type(msg)](msg))
+                self.control.send_reply(peer, rid, handlers[type(msg)](msg))
             except Exception as e:
                 log.error("%s failed:\n%s", msg.CMD.name, traceback.format_exc())
-                self.control.send_reply(identity, rid, error=f"{msg.CMD.name}: {type(e).__name__}: {e}")
+                self.control.send_reply(peer, rid, error=f"{msg.CMD.name}: {type(e).__name__}: {e}")
 
     def close(self) -> None:
         self._stop.set()

@@ -9,6 +9,7 @@ A recover checkpoint (recover.py) lets a restarted run continue from the step it
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -23,7 +24,7 @@ from realcore.api.alloc import parse_allocation_mode
 from realcore.api.config import ExperimentConfig
 from realcore.api.registry import lookup
 from realcore.dfg.graph import DataFlowGraph, MFCNode, build_graph
-from realcore.system import keys, recover
+from realcore.system import drops, keys, recover, wire
 from realcore.system.batch_source import DatasetSource, Group, StreamSource, source_keys
 from realcore.system.buffer import SampleBuffer, split_balanced
 from realcore.system.control import WorkerPool, wait_all
@@ -91,10 +92,14 @@ class Master:
                  for i, n in enumerate(self.names)}
         if self.async_mode:
             addrs[MANAGER] = json.loads(self.resolver.wait(keys.manager(cfg), timeout_s=timeout))["control"]
+        drops.set_log_interval(cfg.system.drop_log_interval_s)
         self.pool = WorkerPool(
             addrs, secret,
             heartbeat_interval_s=cfg.system.heartbeat_interval_s, heartbeat_timeout_s=cfg.system.heartbeat_timeout_s,
+            name="master", limits=wire.Limits.of(cfg.system),
         )
+        self.drop_tally = drops.Tally()
+        self.drop_totals: collections.Counter[str] = collections.Counter()  # "process/socket/reason" -> drops this attempt
         self.next_id = 0
         self.version = 0
         self.step = 0
@@ -207,6 +212,21 @@ class Master:
             metrics[f"time/{name}_s"] = metrics.get(f"time/{name}_s", 0.0) + time.perf_counter() - t0
             if node.trains:
                 self.version += 1
+
+    def log_drops(self, metrics: dict) -> None:
+        """Messages dropped since this run (attempt) started, as dropped/<process>/<socket>/<reason>
+        totals: the master's own, and those the workers and the manager (for itself and the
+        generation servers) reported in their last heartbeat. Rollout workers' came in the
+        manager's counters (counted into drop_totals by the caller)."""
+        reports = [("master", os.getpid(), drops.snapshot())]
+        for name, s in list(self.pool.status.items()):
+            if s is not None:
+                reports.append((name, s.pid, s.drops))
+                reports += [(relayed, s.pid, d) for relayed, d in s.relayed_drops.items()]
+        for process, pid, totals in reports:
+            for k, n in self.drop_tally.update((process, pid), totals).items():
+                self.drop_totals[f"{process}/{k}"] += n
+        metrics.update({f"dropped/{k}": n for k, n in self.drop_totals.items()})
 
     def release(self) -> None:
         ids = self.buffer.completed()
@@ -330,8 +350,12 @@ class Master:
                 reply = self.weights.publish(self.version)
                 metrics["time/weight_update_s"] = time.perf_counter() - t1
                 for k, total in getattr(reply, "counters", {}).items():  # this step's share of the totals
-                    metrics[k] = total - self.counters.get(k, 0)
-                    self.counters[k] = total
+                    share, self.counters[k] = total - self.counters.get(k, 0), total
+                    if k.startswith("dropped/"):  # a rollout worker's drops: logged as totals
+                        self.drop_totals[k.removeprefix("dropped/")] += share
+                    else:
+                        metrics[k] = share
+            self.log_drops(metrics)
             metrics["version"] = self.version
             metrics["time/step_s"] = time.perf_counter() - t0
             writer.write(metrics)

@@ -1,7 +1,7 @@
 """Control-plane messages: one dataclass per command body and per reply, mapped to msgpack.
 
 A request on the wire is `{"cmd": int, "rid": int, "body": {...}}`; a reply is `{"rid", "ok",
-"body", "error"}`. `body` is a dataclass's fields; the receiver rebuilds the dataclass with
+"body", "error"}` (wire.Endpoint adds the envelope that makes each message single-use). `body` is a dataclass's fields; the receiver rebuilds the dataclass with
 pydantic, so a missing, unknown or mistyped field is a `BadBody` (dropped and counted by the
 control server, never a crash deep in a handler). The reply type of each command is fixed here,
 so both sides agree on it in one place.
@@ -118,12 +118,16 @@ class Empty:
 
 @body
 class Status:
-    """A PING reply: what a worker is doing, and how many bad messages it dropped."""
+    """A PING reply: what a worker is doing, and the messages its process dropped: in all
+    (`dropped`) and per "socket/reason" (`drops`, totals since it started), plus those of the
+    processes it speaks for (`relayed_drops`, by process name: the manager's generation servers)."""
 
     state: str
     pid: int
     dropped: int = 0
     info: dict[str, int | float | str] = field(default_factory=dict)
+    drops: dict[str, int] = field(default_factory=dict)
+    relayed_drops: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 @message(Cmd.PING, Status)
@@ -248,7 +252,7 @@ class Finish:
     grant: int
     accepted: bool
     server: str
-    counters: dict[str, int] = field(default_factory=dict)  # e.g. reward errors of this rollout
+    counters: dict[str, int] = field(default_factory=dict)  # e.g. reward errors of this rollout, the worker's new drops
 
 
 @body

@@ -9,7 +9,8 @@ hands it the rollouts that died with its predecessor first.
 Failures stay small: a request to a server that stops answering (an error, or no health answer
 for `system.heartbeat_timeout_s`) runs again on another server; an agent episode that fails is
 retried `rollout.episode_retries` times, then its group is dropped and counted; a manager that
-restarts is found again at its new address and told what this worker is still running.
+restarts is found again at its new address and told what this worker is still running. Messages
+this worker dropped (realcore.system.drops) ride along in its FINISH counters to the master's metrics.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from realcore.api.data import tensor_to_text
 from realcore.api.registry import lookup
 from realcore.mfc.reward import reward_modules
 from realcore.mfc.reward_runner import RewardRunner
-from realcore.system import keys, wire
+from realcore.system import drops, keys, wire
 from realcore.system.name_resolve import make_name_resolver
 from realcore.system.protocol import Allocate, Finish, Register, RemoteError, Reroute, parse, request
 from realcore.system.sampler import EpochSampler
@@ -45,8 +46,9 @@ class ManagerClient:
     the manager stops answering and has published a new address (it was restarted), reconnect,
     re-register (`on_reconnect`) and send again; every manager command is idempotent."""
 
-    def __init__(self, cfg: ExperimentConfig, secret: bytes, on_reconnect):
+    def __init__(self, cfg: ExperimentConfig, secret: bytes, on_reconnect, *, name: str = "rollout_worker"):
         self.cfg, self.secret, self.on_reconnect = cfg, secret, on_reconnect
+        self.endpoint = wire.Endpoint(secret, name, socket="manager_client", limits=wire.Limits.of(cfg.system))
         self.resolver = make_name_resolver(cfg.system.name_resolve)
         self.ctx = zmq.asyncio.Context.instance()
         self.address = None
@@ -65,6 +67,7 @@ class ManagerClient:
             self.sock.close(0)
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        wire.set_max_size(self.sock, self.endpoint.limits.max_control_message_bytes)
         self.sock.connect(address)
         self.address = address
 
@@ -86,14 +89,17 @@ class ManagerClient:
     async def _call_once(self, msg, timeout_s: float):
         async with self._lock:  # one request in flight: replies come back in order
             rid = next(self._rids)
-            await self.sock.send_multipart(wire.encode(request(msg, rid), [], self.secret))
+            await self.sock.send_multipart(self.endpoint.seal(request(msg, rid), to=self.address))
             end = time.monotonic() + timeout_s
             while True:
                 try:
                     frames = await asyncio.wait_for(self.sock.recv_multipart(copy=False), max(0.0, end - time.monotonic()))
                 except asyncio.TimeoutError:
                     raise TimeoutError from None
-                header, _ = wire.decode(frames, self.secret)
+                try:
+                    _, header, _ = self.endpoint.open(frames)
+                except wire.BadMessage:
+                    continue  # counted by the endpoint; the real reply may still come
                 if header.get("rid") == rid:
                     break
         if not header.get("ok"):
@@ -180,6 +186,8 @@ class RolloutWorker:
         self.last_ok: dict[str, float] = {}  # server -> when it last answered /health
         self.active: collections.Counter[str] = collections.Counter()  # server -> requests in flight
         self.manager: ManagerClient | None = None
+        self.drops_reported: dict[str, int] = {}  # drops.snapshot() as of the last FINISH
+        drops.set_log_interval(cfg.system.drop_log_interval_s)
         log.info("rollout worker %d: %d prompts (skipped %s)", index, len(self.samples), loaded.skipped or "none")
 
     def client(self, server: str):
@@ -274,14 +282,24 @@ class RolloutWorker:
             accepted = keep_group([r for _, r in results], self.cfg.rollout.filter_equal_reward_groups)
         if accepted:
             await push.push(Group(f"r{self.index}:{seq}", grant, trajectory_sample(prompt_ids, results)))
+        counters.update(self.new_drops())
         await self.manager.call(Finish(self.index, seq, grant, accepted, server, counters))
         self.running.discard(seq)
 
+    def new_drops(self) -> dict[str, int]:
+        """Messages dropped since the last FINISH, as counters
+        {"dropped/rollout_worker/<index>/<socket>/<reason>": n} (the master logs their totals)."""
+        now, last, me = drops.snapshot(), self.drops_reported, f"dropped/rollout_worker/{self.index}"
+        new = {f"{me}/{k}": n - last.get(k, 0) for k, n in now.items() if n > last.get(k, 0)}
+        self.drops_reported = now
+        return new
+
     async def main(self) -> None:
         ctx = zmq.asyncio.Context.instance()
-        self.manager = ManagerClient(self.cfg, self.secret, self.register)
+        name, limits = f"rollout_worker/{self.index}", wire.Limits.of(self.cfg.system)
+        self.manager = ManagerClient(self.cfg, self.secret, self.register, name=name)
         self.manager.connect(self.manager_address)
-        push = StreamPusher(ctx, self.streams, self.secret, self.cfg.system.request_timeout_s)
+        push = StreamPusher(ctx, self.streams, self.secret, self.cfg.system.request_timeout_s, name=name, limits=limits)
         await self.register()
         health = asyncio.create_task(self.watch_health())
         tasks: set[asyncio.Task] = set()

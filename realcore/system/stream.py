@@ -7,13 +7,13 @@ STREAM_KEYS, "uid": the prompt's stable name, "grant": the admission that produc
 after key, one tensor per sequence. The
 model worker acknowledges a group once it is in its queue, and only then does the rollout worker
 report the rollout finished: so a rollout the manager counts as finished is never lost, whatever
-process dies next (cluster notes: never rely on ZeroMQ linger at exit).
+process dies next (cluster notes: never rely on ZeroMQ linger at exit). Both directions go through
+a wire.Endpoint: a trajectory replayed to a stream is dropped (counted), never trained on twice.
 """
 
 from __future__ import annotations
 
 import collections
-import logging
 import threading
 from dataclasses import dataclass
 
@@ -21,10 +21,8 @@ import torch
 import zmq
 
 from realcore.api.data import Sample
-from realcore.system import wire
+from realcore.system import drops, wire
 from realcore.system.staleness import is_stale
-
-log = logging.getLogger("realcore.stream")
 
 # What a trajectory carries (the async DFG's source keys). Per token: input_ids, loss_mask,
 # behav_logprobs; per sequence (1 element): rewards, version_start, version_end.
@@ -59,12 +57,17 @@ def decode_group(header: dict, tensors: list[torch.Tensor]) -> Group:
 class TrajectoryStream:
     """Model-worker side: a ROUTER socket read by its own thread into a queue of groups."""
 
-    def __init__(self, host: str, secret: bytes):
+    SOCKET = "stream"  # its name in drop counts
+
+    def __init__(self, host: str, secret: bytes, *, name: str = "worker", limits: wire.Limits | None = None):
         self.secret = secret
+        limits = limits or wire.Limits.of()
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        wire.set_max_size(self.sock, limits.max_message_bytes)
         port = self.sock.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
+        self.endpoint = wire.Endpoint(secret, name, socket=self.SOCKET, address=self.address, limits=limits)
         self.pending: collections.deque[Group] = collections.deque()
         self._lock = threading.Lock()  # pending is read by save() on the main thread
         self.received = 0
@@ -78,16 +81,20 @@ class TrajectoryStream:
             if not self.sock.poll(200):
                 continue
             try:
-                identity, header, tensors = wire.recv(self.sock, secret=self.secret, router=True)
+                peer, header, tensors = wire.recv(self.sock, endpoint=self.endpoint, router=True)
+            except wire.BadMessage:
+                self.dropped += 1  # counted by the endpoint
+                continue
+            try:
                 group = decode_group(header, tensors)
-            except (wire.BadMessage, KeyError, TypeError, ValueError) as e:
+            except (KeyError, TypeError, ValueError) as e:
                 self.dropped += 1
-                log.warning("dropped a bad trajectory (%s)", e)
+                drops.count(self.SOCKET, "body", f"a bad trajectory: {e!r}")
                 continue
             with self._lock:
                 self.pending.append(group)
                 self.received += 1
-            wire.send(self.sock, {"grant": group.grant}, secret=self.secret, identity=identity)
+            wire.send(self.sock, {"grant": group.grant}, endpoint=self.endpoint, to=peer)
 
     def take(self, n: int, *, current_version: int, max_head_offpolicyness: int):
         """Up to n pending groups that are fresh enough for the current version, and the grants
@@ -122,26 +129,31 @@ class StreamPusher:
     """Rollout-worker side (asyncio): one DEALER per data-parallel head, groups sent round robin,
     each send waiting for its acknowledgement (one at a time per head, so acks never cross)."""
 
-    def __init__(self, ctx, addresses: list[str], secret: bytes, timeout_s: float):
+    SOCKET = "stream_ack"  # its name in drop counts
+
+    def __init__(self, ctx, addresses: list[str], secret: bytes, timeout_s: float, *, name: str = "rollout_worker",
+                 limits: wire.Limits | None = None):
         import asyncio
         import itertools
 
         self.secret, self.timeout_s = secret, timeout_s
+        self.endpoint = wire.Endpoint(secret, name, socket=self.SOCKET, limits=limits)
         self.socks = []
         for address in addresses:
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            wire.set_max_size(sock, self.endpoint.limits.max_control_message_bytes)  # acks only
             sock.connect(address)
-            self.socks.append((sock, asyncio.Lock()))
+            self.socks.append((sock, address, asyncio.Lock()))
         self._next = itertools.cycle(range(len(self.socks)))
 
     async def push(self, group: Group) -> None:
         import asyncio
 
-        sock, lock = self.socks[next(self._next)]
+        sock, address, lock = self.socks[next(self._next)]
         header, tensors = encode_group(group)
-        async with lock:
-            await sock.send_multipart(wire.encode(header, tensors, self.secret))
+        async with lock:  # sealed under the lock: each head gets this sender's seqs in order
+            await sock.send_multipart(self.endpoint.seal(header, tensors, to=address))
             loop = asyncio.get_running_loop()
             deadline = loop.time() + self.timeout_s
             while True:  # an ack of an earlier, timed-out push may come first: skip it
@@ -153,12 +165,12 @@ class StreamPusher:
                 except asyncio.TimeoutError:
                     continue
                 try:
-                    ack, _ = wire.decode(frames, self.secret)
+                    _, ack, _ = self.endpoint.open(frames)
                 except wire.BadMessage:
-                    continue
+                    continue  # counted by the endpoint
                 if ack.get("grant") == group.grant:
                     return
 
     def close(self) -> None:
-        for sock, _ in self.socks:
+        for sock, _, _ in self.socks:
             sock.close(0)

@@ -4,30 +4,61 @@ A message is a list of frames:
 
     [header, tensor_0, ..., tensor_{n-1}, mac]
 
-- header: a msgpack map. Any msgpack-able dict, plus the reserved key ``_t`` = a list of
-  ``[dtype name, shape]``, one per tensor frame.
+- header: a msgpack map. Any msgpack-able dict, plus two reserved keys: ``_t`` = a list of
+  ``[dtype name, shape]``, one per tensor frame, and ``_e`` = the envelope ``[sender, seq, to,
+  ts]`` (below).
 - tensor_i: the raw bytes of a contiguous CPU tensor, sent zero-copy and received zero-copy
   (the received tensor is a view of the ZeroMQ frame's memory).
 - mac: HMAC-SHA256, keyed by the run's secret, over every preceding frame, each fed as its
   8-byte length then its bytes, so frame boundaries are authenticated too.
+
+The MAC proves a message came from the run, not that it is new: every socket owner therefore sends
+and receives through an `Endpoint`, which seals each message with an envelope inside the MAC:
+the sender's id (its name + random bytes, fresh per process start), a per-sender sequence number
+(strictly increasing), the receiver it is meant for (a bound socket's address, or the id of the
+endpoint a reply answers) and the wall-clock time. A receiving Endpoint accepts each (sender, seq)
+once, only when addressed to it, and nothing stamped before its own start minus
+`system.clock_skew_s`: a captured message replayed to the same, another or a restarted receiver is
+dropped (`BadMessage`, counted in realcore.system.drops). docs/wire.md has the details.
+
+Sizes are bounded: receiving sockets set ZMQ_MAXMSGSIZE (per frame) from `Limits`, and a sender
+refuses a frame its receiver would drop, naming the config key.
 
 Zero-copy send means ZeroMQ reads the tensor's memory *after* ``send`` returns: do not modify a
 sent tensor until the peer has acknowledged it (acknowledge at the application level anyway:
 cluster.md saw messages lost when a sender exited right after a burst).
 """
 
+from __future__ import annotations
+
+import collections
 import hashlib
 import hmac
+import itertools
 import math
 import os
 import secrets
+import threading
+import time
+from dataclasses import dataclass
 
 import msgpack
 import torch
 import zmq
 
+from realcore.api.config import SystemConfig
+from realcore.system import drops
+
 MAC_SIZE = 32  # bytes of HMAC-SHA256
 _META_KEY = "_t"
+_ENVELOPE_KEY = "_e"
+# The replay window (as IPsec's, RFC 4303 section 3.4.3): a sequence number up to this far below
+# the highest one seen from its sender is still accepted once, so messages of one sender that
+# reach a receiver out of order (over two connections, from two threads) are not lost.
+REPLAY_WINDOW = 1024
+# Senders remembered per receiver; the least recently heard one is forgotten first, and anything
+# it (or any sender not heard of) stamped before its last message is then refused as stale.
+MAX_SENDERS = 4096
 # Dtypes allowed on the wire, by name. A name is data, so decode() looks it up here rather than
 # calling getattr(torch, name) on whatever a peer sent.
 _DTYPES = {
@@ -40,11 +71,12 @@ _DTYPES = {
 
 
 class BadMessage(ValueError):
-    """A message that fails authentication or does not parse; the receiver drops and counts it."""
+    """A message the receiver drops (and counts): `reason` is one word (mac, malformed,
+    misaddressed, replay, stale), `detail` says what exactly."""
 
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason, self.detail = reason, detail
 
 
 def _buffer(frame) -> memoryview:
@@ -77,12 +109,7 @@ def _tensor_buffer(t: torch.Tensor) -> memoryview:
     return memoryview(flat.numpy())  # the numpy array keeps the tensor alive while zmq sends
 
 
-def encode(header: dict, tensors, secret: bytes) -> list:
-    """Frames for one message: [msgpack header, raw tensor buffers..., HMAC]."""
-    if not isinstance(header, dict):
-        raise ValueError(f"wire: header must be a dict, got {type(header).__name__}")
-    if _META_KEY in header:
-        raise ValueError(f"wire: header key {_META_KEY!r} is reserved for tensor metadata")
+def _encode(header: dict, tensors, secret: bytes) -> list:
     tensors = list(tensors)
     meta = [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in tensors]
     bufs = [_tensor_buffer(t) for t in tensors]
@@ -95,42 +122,58 @@ def encode(header: dict, tensors, secret: bytes) -> list:
     return frames
 
 
+def _check_header(header: dict) -> None:
+    if not isinstance(header, dict):
+        raise ValueError(f"wire: header must be a dict, got {type(header).__name__}")
+    for key in (_META_KEY, _ENVELOPE_KEY):
+        if key in header:
+            raise ValueError(f"wire: header key {key!r} is reserved")
+
+
+def encode(header: dict, tensors, secret: bytes) -> list:
+    """Frames for one message without an envelope: [msgpack header, raw tensor buffers..., HMAC].
+    The codec only; processes send through an Endpoint (replay protection)."""
+    _check_header(header)
+    return _encode(header, tensors, secret)
+
+
 def _parse_meta(meta, n_frames: int) -> list[tuple[torch.dtype, list[int]]]:
     if not isinstance(meta, list):
-        raise BadMessage(f"tensor metadata {_META_KEY!r} is missing or not a list")
+        raise BadMessage("malformed", f"tensor metadata {_META_KEY!r} is missing or not a list")
     if len(meta) != n_frames:
-        raise BadMessage(f"metadata lists {len(meta)} tensors but {n_frames} tensor frames came")
+        raise BadMessage("malformed", f"metadata lists {len(meta)} tensors but {n_frames} tensor frames came")
     out = []
     for i, m in enumerate(meta):
         ok = isinstance(m, list) and len(m) == 2 and isinstance(m[1], list)
         if not ok or m[0] not in _DTYPES or not all(isinstance(s, int) and s >= 0 for s in m[1]):
-            raise BadMessage(f"tensor {i}: bad metadata {m!r}")
+            raise BadMessage("malformed", f"tensor {i}: bad metadata {m!r}")
         out.append((_DTYPES[m[0]], m[1]))
     return out
 
 
 def decode(frames, secret: bytes) -> tuple[dict, list[torch.Tensor]]:
-    """Authenticate and parse frames from encode(); tensors are views of the frames' memory."""
+    """Authenticate and parse frames from encode(); tensors are views of the frames' memory.
+    A sealed message's envelope stays in the header under ``_e`` (Endpoint.open checks it)."""
     frames = list(frames)
     if len(frames) < 2:
-        raise BadMessage(f"truncated: {len(frames)} frame(s), need at least header and mac")
+        raise BadMessage("malformed", f"truncated: {len(frames)} frame(s), need at least header and mac")
     *body, tag = frames
     if not hmac.compare_digest(mac(body, secret), bytes(_buffer(tag))):
-        raise BadMessage("HMAC mismatch (wrong secret, tampered or truncated message)")
+        raise BadMessage("mac", "HMAC mismatch (wrong secret, tampered or truncated message)")
     try:
         # strict_map_key=False: int keys are allowed; the message is already authenticated.
         header = msgpack.unpackb(_buffer(body[0]), raw=False, strict_map_key=False)
     except Exception as e:  # msgpack raises several unrelated types on bad input
-        raise BadMessage(f"header is not valid msgpack: {e!r}") from e
+        raise BadMessage("malformed", f"header is not valid msgpack: {e!r}") from e
     if not isinstance(header, dict):
-        raise BadMessage(f"header is a {type(header).__name__}, not a map")
+        raise BadMessage("malformed", f"header is a {type(header).__name__}, not a map")
     specs = _parse_meta(header.pop(_META_KEY, None), len(body) - 1)
     tensors = []
     for i, ((dtype, shape), f) in enumerate(zip(specs, body[1:])):
         buf = _buffer(f)
         nbytes = math.prod(shape) * dtype.itemsize
         if buf.nbytes != nbytes:
-            raise BadMessage(f"tensor {i}: {buf.nbytes} bytes for {dtype} {shape} ({nbytes} expected)")
+            raise BadMessage("malformed", f"tensor {i}: {buf.nbytes} bytes for {dtype} {shape} ({nbytes} expected)")
         if nbytes == 0:
             tensors.append(torch.empty(shape, dtype=dtype))  # frombuffer rejects empty buffers
             continue
@@ -139,39 +182,178 @@ def decode(frames, secret: bytes) -> tuple[dict, list[torch.Tensor]]:
     return header, tensors
 
 
-def send(sock: zmq.Socket, header: dict, tensors=(), *, secret: bytes, identity: bytes | None = None) -> None:
-    """Send one message; `identity` is the peer's routing id when `sock` is a ROUTER."""
-    frames = encode(header, tensors, secret)
-    if identity is not None:
-        frames.insert(0, identity)
-    sock.send_multipart(frames, copy=False)
+# --- replay protection ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Size and clock settings of one process's sockets (SystemConfig's keys of the same names)."""
+
+    max_message_bytes: int  # a tensor frame (ZMQ_MAXMSGSIZE of tensor-carrying sockets)
+    max_control_message_bytes: int  # a header (ZMQ_MAXMSGSIZE of control sockets)
+    clock_skew_s: float
+
+    @classmethod
+    def of(cls, system: SystemConfig | None = None) -> Limits:
+        s = system if system is not None else SystemConfig()
+        control = min(s.max_control_message_bytes, s.max_message_bytes)  # lowering one lowers both
+        return cls(s.max_message_bytes, control, s.clock_skew_s)
+
+
+def set_max_size(sock: zmq.Socket, nbytes: int) -> None:
+    """ZMQ_MAXMSGSIZE: a peer that sends a larger frame is disconnected before ZeroMQ allocates
+    it (the socket goes on serving the others). Set it before bind/connect."""
+    sock.setsockopt(zmq.MAXMSGSIZE, int(nbytes))
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Where a received message came from; send a reply `to` it."""
+
+    sender: str  # the sender's endpoint id (authenticated)
+    routing_id: bytes | None = None  # its ROUTER routing identity; None on a DEALER
+
+
+class ReplayGuard:
+    """Which (sender, seq) a receiver has accepted: per sender the highest seq and a bitmask of
+    the REPLAY_WINDOW below it, least recently heard senders forgotten past MAX_SENDERS."""
+
+    def __init__(self, not_before: float, window: int = REPLAY_WINDOW, max_senders: int = MAX_SENDERS):
+        self.not_before = not_before  # reject anything stamped earlier (this receiver's start - skew)
+        self.window, self.max_senders = window, max_senders
+        self.forgotten_until = float("-inf")  # the last stamp of the senders forgotten so far
+        self._senders: collections.OrderedDict[str, list] = collections.OrderedDict()  # id -> [highest, mask, last ts]
+        self._lock = threading.Lock()
+
+    def accept(self, sender: str, seq: int, ts: float) -> None:
+        """Record (sender, seq) as received, or raise BadMessage (replay or stale)."""
+        if ts < self.not_before:
+            raise BadMessage("stale", f"{sender} #{seq} was sent {self.not_before - ts:.1f} s before this receiver's "
+                             "start minus system.clock_skew_s")
+        with self._lock:
+            state = self._senders.get(sender)
+            if state is None:
+                if ts <= self.forgotten_until:
+                    raise BadMessage("stale", f"{sender} #{seq}: an unknown sender's message older than the senders "
+                                     "this receiver forgot")
+                self._senders[sender] = [seq, 1, ts]
+                if len(self._senders) > self.max_senders:
+                    _, (_, _, last_ts) = self._senders.popitem(last=False)
+                    self.forgotten_until = max(self.forgotten_until, last_ts)
+                return
+            highest, mask, _ = state
+            if seq > highest:
+                state[0], state[1] = seq, ((mask << (seq - highest)) | 1) & ((1 << self.window) - 1)
+            else:
+                back = highest - seq
+                if back >= self.window:
+                    raise BadMessage("replay", f"{sender} #{seq} is {back} behind its latest, outside the replay window")
+                if mask >> back & 1:
+                    raise BadMessage("replay", f"{sender} #{seq} was received already")
+                state[1] = mask | (1 << back)
+            state[2] = max(state[2], ts)
+            self._senders.move_to_end(sender)
+
+
+class Endpoint:
+    """One socket owner's identity: seals what it sends (envelope + MAC) and opens what it
+    receives (MAC, envelope addressed to it, each (sender, seq) once, not stale). Drops are
+    counted under `socket` in realcore.system.drops.
+
+    `address`: the bound address of a listening socket (requests are addressed to it); a
+    connecting socket has none and receives only replies, addressed to its `id`. Thread-safe."""
+
+    def __init__(self, secret: bytes, name: str, *, socket: str, address: str | None = None,
+                 limits: Limits | None = None):
+        self.secret, self.socket, self.address = secret, socket, address
+        self.limits = limits or Limits.of()
+        self.id = f"{name}#{secrets.token_hex(8)}"
+        self._seq = itertools.count(1)  # next() is atomic under the GIL
+        self.guard = ReplayGuard(time.time() - self.limits.clock_skew_s)
+
+    def seal(self, header: dict, tensors=(), *, to: str | Peer) -> list:
+        """Frames for `header` + `tensors` to `to` (a bound address, or the Peer a reply answers;
+        on a ROUTER the frames start with its routing identity)."""
+        _check_header(header)
+        tensors = list(tensors)
+        lim = self.limits
+        for i, t in enumerate(tensors):
+            nbytes = t.numel() * t.element_size()
+            if nbytes > lim.max_message_bytes:
+                raise ValueError(f"wire: tensor {i} ({str(t.dtype).removeprefix('torch.')} {list(t.shape)}) is {nbytes} "
+                                 f"bytes, over system.max_message_bytes = {lim.max_message_bytes}: raise that key")
+        receiver = to.sender if isinstance(to, Peer) else to
+        envelope = [self.id, next(self._seq), receiver, time.time()]
+        frames = _encode({**header, _ENVELOPE_KEY: envelope}, tensors, self.secret)
+        if len(frames[0]) > lim.max_control_message_bytes:
+            raise ValueError(f"wire: a message header of {len(frames[0])} bytes is over "
+                             f"system.max_control_message_bytes = {lim.max_control_message_bytes}: raise that key")
+        if isinstance(to, Peer) and to.routing_id is not None:
+            frames.insert(0, to.routing_id)
+        return frames
+
+    def open(self, frames, *, router: bool = False) -> tuple[Peer, dict, list[torch.Tensor]]:
+        """(sender, header, tensors) of received frames; BadMessage (counted) if it is not for us."""
+        try:
+            return self._open(list(frames), router)
+        except BadMessage as e:
+            drops.count(self.socket, e.reason, e.detail)
+            raise
+
+    def _open(self, frames: list, router: bool) -> tuple[Peer, dict, list[torch.Tensor]]:
+        routing_id = None
+        if router:
+            if not frames:
+                raise BadMessage("malformed", "ROUTER message without an identity frame")
+            routing_id, frames = bytes(_buffer(frames[0])), frames[1:]
+        header, tensors = decode(frames, self.secret)
+        env = header.pop(_ENVELOPE_KEY, None)
+        ok = (isinstance(env, list) and len(env) == 4 and isinstance(env[0], str) and len(env[0]) <= 256
+              and type(env[1]) is int and env[1] > 0 and isinstance(env[2], str)
+              and type(env[3]) in (int, float) and math.isfinite(env[3]))
+        if not ok:
+            raise BadMessage("malformed", f"no valid envelope [sender, seq, to, ts] (got {env!r:.200})")
+        sender, seq, to, ts = env
+        if to != self.id and (self.address is None or to != self.address):
+            raise BadMessage("misaddressed", f"{sender} #{seq} is addressed to {to!r:.200}, not to this {self.socket} socket")
+        self.guard.accept(sender, seq, float(ts))
+        return Peer(sender, routing_id), header, tensors
+
+
+def send(sock: zmq.Socket, header: dict, tensors=(), *, endpoint: Endpoint, to: str | Peer) -> None:
+    """Send one message sealed by `endpoint` to `to` (a bound address, or the Peer to answer)."""
+    sock.send_multipart(endpoint.seal(header, tensors, to=to), copy=False)
 
 
 def recv(
     sock: zmq.Socket,
     *,
-    secret: bytes,
+    endpoint: Endpoint,
     router: bool = False,
     timeout_s: float | None = None,
     what: str | None = None,
-) -> tuple[bytes | None, dict, list[torch.Tensor]]:
-    """Receive one message -> (sender identity if `router` else None, header, tensors).
+) -> tuple[Peer, dict, list[torch.Tensor]]:
+    """Receive one message -> (its sender, header, tensors); `router`: `sock` is a ROUTER.
 
     Raises TimeoutError after `timeout_s` (None waits forever; `what` names the socket's purpose
-    in the message) and BadMessage for a message that fails decode (it is consumed either way).
+    in the message) and BadMessage for a message the endpoint refuses (consumed and counted).
     """
     if timeout_s is not None:
         ms = max(0, math.ceil(timeout_s * 1000))
         if not sock.poll(ms, zmq.POLLIN):
             raise TimeoutError(f"wire.recv: no message on {what or 'socket'} within {timeout_s:g} s")
-    frames = sock.recv_multipart(copy=False)
-    identity = None
-    if router:
-        if len(frames) < 1:
-            raise BadMessage("ROUTER message without an identity frame")
-        identity, frames = frames[0].bytes, frames[1:]
-    header, tensors = decode(frames, secret)
-    return identity, header, tensors
+    return endpoint.open(sock.recv_multipart(copy=False), router=router)
+
+
+def count_dropped(socket: str, reason: str, detail: str = "") -> None:
+    """Count a message refused above the wire (e.g. an HTTP request), like the wire's own drops."""
+    drops.count(socket, reason, detail)
+
+
+def dropped() -> dict[str, int]:
+    """This process's dropped-message counts {"socket/reason": n} (realcore.system.drops; here so
+    that backends, which import no other realcore.system module, can report them)."""
+    return drops.snapshot()
 
 
 def write_secret(path: str) -> bytes:
