@@ -23,7 +23,14 @@ import pytest
 from aiohttp import web
 
 from realcore.backends.gen_client import generate_resumable
-from realcore.backends.server_launch import engine_available, server_command, sglang_cpu_stub_dir, wait_http_ready
+from realcore.backends.server_launch import (
+    SGLANG_KEY_FILE,
+    engine_available,
+    server_command,
+    server_token,
+    sglang_cpu_stub_dir,
+    wait_http_ready,
+)
 from realcore.backends.vllm_client import VLLMClient
 
 pytestmark = pytest.mark.timeout(60)
@@ -86,6 +93,60 @@ def test_vllm_command_on_gpu_and_cpu():
     argv, env = server_command("vllm", **COMMON)  # cuda=None: asks torch, which has no CUDA here
     assert argv[-5:] == ["--dtype", "bfloat16", "--max-model-len", "1024", "--enforce-eager"]
     assert env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+def test_server_token_is_derived_from_the_secret_unless_given():
+    import hashlib
+    import hmac
+
+    a, b = server_token(b"s" * 32), server_token(b"t" * 32)
+    assert a == server_token(b"s" * 32) and a != b and len(a) == 64  # every process of a run derives the same
+    assert a == hmac.new(b"s" * 32, b"realcore generation server token", hashlib.sha256).hexdigest()
+    assert server_token(b"s" * 32, "explicit-token") == "explicit-token"
+
+
+def test_api_key_never_on_the_command_line(tmp_path):
+    import yaml
+
+    token = "sk-" + "9" * 40  # digits only after the prefix: must stay a YAML string
+    argv, env = server_command("vllm", **COMMON, cuda=False, api_key=token, private_dir=str(tmp_path))
+    assert token not in " ".join(argv) and env["VLLM_API_KEY"] == token and "--api-key" not in argv
+    assert not os.listdir(tmp_path)  # nothing written for vLLM
+
+    for cuda in (True, False):
+        argv, env = server_command("sglang", **COMMON, cuda=cuda, api_key=token, private_dir=str(tmp_path))
+        key_file = str(tmp_path / SGLANG_KEY_FILE)
+        assert token not in " ".join(argv) and token not in str(env) and "--api-key" not in argv
+        assert argv[argv.index("--config") + 1] == key_file and key_file.endswith(".yaml")  # SGLang wants .yaml
+        assert os.stat(key_file).st_mode & 0o777 == 0o600
+        with open(key_file) as f:
+            assert yaml.safe_load(f) == {"api-key": token}  # SGLang's --config: a key per flag
+    assert sorted(os.listdir(tmp_path)) == [SGLANG_KEY_FILE]  # rewritten in place, no temporary left
+    with pytest.raises(ValueError, match="private_dir"):
+        server_command("sglang", **COMMON, api_key=token)
+    argv, env = server_command("sglang", **COMMON, cuda=True)  # no key: no --config
+    assert "--config" not in argv
+
+
+def test_run_files_holding_the_token_are_private(tmp_path):
+    """An explicit rollout.server_token lands in the run's config.json: that file (an older run's
+    0644 one included) and every other file of the output dir that holds the token are 0600."""
+    from realcore.launch.config_loader import load_config
+    from realcore.launch.launcher import prepare_output
+    from realcore.launch.validate import validate
+
+    out, token = tmp_path / "run", "explicit-server-token-1234"
+    cfg = load_config(["experiment=async-ppo-math", f"output_dir={out}", f"rollout.server_token={token}"])
+    dfg, _ = validate(cfg)
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    os.chmod(out / "config.json", 0o644)
+    prepare_output(cfg, dfg)
+    server_command("sglang", **COMMON, cuda=True, api_key=token, private_dir=str(out))
+    holding = [os.path.join(d, f) for d, _, files in os.walk(out) for f in files
+               if token.encode() in open(os.path.join(d, f), "rb").read()]
+    assert sorted(os.path.basename(p) for p in holding) == [SGLANG_KEY_FILE, "config.json"]
+    assert all(os.stat(p).st_mode & 0o077 == 0 for p in holding)
 
 
 def test_sglang_cpu_stub_is_importable_as_vllm_custom_ops(tmp_path):
@@ -174,7 +235,7 @@ class FakeVLLM:
 
     TOKEN_S = 0.01
 
-    def __init__(self):
+    def __init__(self, token: str | None = None):
         self.bodies: list[dict] = []  # /v1/completions bodies, in arrival order
         self.rpcs: list[dict] = []
         self.pauses: list[str] = []
@@ -182,7 +243,9 @@ class FakeVLLM:
         self.running: dict[str, dict] = {}
         self.paused = False
         self.fail_rpc = False
-        app = web.Application()
+        self.unauthorized: list[str] = []  # paths asked without the token
+        self.token = token
+        app = web.Application(middlewares=[self.auth])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/collective_rpc", self.collective_rpc)
         app.router.add_post("/pause", self.pause)
@@ -191,6 +254,14 @@ class FakeVLLM:
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
         self.app = app
+
+    @web.middleware
+    async def auth(self, request, handler):
+        # As vLLM with an API key: every route but the public ones (here /health) needs it.
+        if self.token and request.path != "/health" and request.headers.get("Authorization") != f"Bearer {self.token}":
+            self.unauthorized.append(request.path)
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
 
     async def completions(self, request):
         body = await request.json()
@@ -284,16 +355,17 @@ class FakeVLLM:
         return web.json_response({"status": "aborted", "aborted": len(ids)})
 
 
-def with_fake(test):
-    """Run `test(client, fake)` against a fresh FakeVLLM, in a fresh event loop."""
+def with_fake(test, token: str = "fake-token"):
+    """Run `test(client, fake)` against a fresh FakeVLLM that requires `token`, in a fresh event loop."""
 
     async def main():
-        fake = FakeVLLM()
+        fake = FakeVLLM(token)
         runner, url = await start_app(fake.app)
-        client = VLLMClient(url, timeout_s=20)
+        client = VLLMClient(url, timeout_s=20, token=token)
         try:
             await client.wait_ready(10)
             await test(client, fake)
+            assert fake.unauthorized == []  # the client sent the token on every call
         finally:
             await client.close()
             await runner.cleanup()
@@ -467,12 +539,36 @@ def test_deadlines_and_health():
     asyncio.run(main())
 
 
+def test_vllm_client_without_the_token_is_refused():
+    async def main():
+        fake = FakeVLLM("right")
+        runner, url = await start_app(fake.app)
+        client = VLLMClient(url, timeout_s=5, token="wrong")
+        try:
+            with pytest.raises(TimeoutError, match="HTTP 401 \\(missing or wrong bearer token\\)"):
+                await client.wait_ready(1.0)
+            with pytest.raises(RuntimeError, match="HTTP 401"):
+                await client.generate([1], {"max_new_tokens": 1}, rid="x")
+            with pytest.raises(RuntimeError, match="HTTP 401"):
+                await client.pause("abort")
+            assert {"/v1/models", "/v1/completions", "/pause"} <= set(fake.unauthorized)
+        finally:
+            await client.close()
+            await runner.cleanup()
+
+    asyncio.run(main())
+
+
 # --- opt-in: the real servers on the tiny model ------------------------------------------------
+
+
+REAL_TOKEN = "real-server-token"
 
 
 def _launch(engine: str, model_path: str, log_path: str):
     port = free_port()
-    argv, env = server_command(engine, model_path=model_path, host="127.0.0.1", port=port, tp=1, seed=1, max_batch_size=8)
+    argv, env = server_command(engine, model_path=model_path, host="127.0.0.1", port=port, tp=1, seed=1, max_batch_size=8,
+                               api_key=REAL_TOKEN, private_dir=os.path.dirname(log_path))
     log = open(log_path, "w")
     proc = subprocess.Popen(argv, env={**os.environ, **env, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=subprocess.STDOUT)
     return proc, f"http://127.0.0.1:{port}"
@@ -553,8 +649,14 @@ def _real_engine_test(engine: str, client_cls, tmp_path) -> None:
     proc, url = _launch(engine, model_a, str(tmp_path / f"{engine}.log"))
 
     async def main():
-        await wait_http_ready(url, timeout_s=300, proc=proc)
-        client = client_cls(url, timeout_s=120)
+        await wait_http_ready(url, timeout_s=300, proc=proc, token=REAL_TOKEN)
+        intruder = client_cls(url, timeout_s=30, token="wrong")
+        try:  # the key reached the server without being on its command line
+            with pytest.raises(RuntimeError, match="HTTP 401"):
+                await intruder.generate([1, 2], {"max_new_tokens": 2}, rid="intruder")
+        finally:
+            await intruder.close()
+        client = client_cls(url, timeout_s=120, token=REAL_TOKEN)
         try:
             await _drive(client, model_a, model_b)
         finally:

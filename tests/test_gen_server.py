@@ -1,7 +1,9 @@
 """The built-in generation server (SGLang's API) and its client, against a real server process.
 
-One server subprocess serves model A (with a bearer token and an in-memory weights socket) for
-the whole file; tests that change its weights restore A (version "0") before they end.
+One server subprocess serves model A (with a bearer token, an in-memory weights socket and a 1 MiB
+body limit) for the whole file; tests that change its weights restore A (version "0") before they
+end. The engine thread's fault isolation is tested in-thread (a request that bypasses the HTTP
+validation).
 """
 
 from __future__ import annotations
@@ -27,13 +29,14 @@ pytestmark = pytest.mark.timeout(60)
 torch.set_num_threads(1)
 TOKEN = "test-token"
 SECRET = b"k" * 32
+MAX_BODY = 2**20
 PROMPT = [5, 17, 42, 9, 100]
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 SERVER = """
 import json, os, sys
 from realcore.backends.gen_server import run_server
 run_server(sys.argv[1], seed=3, max_batch_size=8, token=sys.argv[2], secret=bytes.fromhex(os.environ["SECRET_HEX"]),
-           on_ready=lambda a: print(json.dumps(a), flush=True))
+           max_body_bytes=int(sys.argv[3]), on_ready=lambda a: print(json.dumps(a), flush=True))
 """
 
 
@@ -75,7 +78,7 @@ def forward(models):
 def server(models, tmp_path_factory):
     log = open(tmp_path_factory.mktemp("log") / "server.log", "w+")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SECRET_HEX": SECRET.hex()}
-    argv = [sys.executable, "-c", SERVER, models["A"], TOKEN]
+    argv = [sys.executable, "-c", SERVER, models["A"], TOKEN, str(MAX_BODY)]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, env=env, text=True)
     line = proc.stdout.readline()  # on_ready's JSON, or "" if the server died
     if not line:
@@ -111,11 +114,17 @@ async def wait_until(client, pred, timeout_s: float = 10.0) -> dict:
     raise TimeoutError(f"server never reached the expected state; last info {info}")
 
 
-async def post(url: str, body, *, token: str | None = TOKEN, raw: bytes | None = None) -> tuple[int, dict]:
+async def post(url: str, body, *, token: str | None = TOKEN, raw=None) -> tuple[int, dict]:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     async with aiohttp.ClientSession(headers=headers) as s:
         async with s.post(url, json=None if raw is not None else body, data=raw) as r:
             return r.status, await r.json(content_type=None)
+
+
+async def request(method: str, url: str, headers: dict, body=None) -> tuple[int, str]:
+    async with aiohttp.ClientSession() as s:
+        async with s.request(method, url, headers=headers, json=body) as r:
+            return r.status, await r.text()
 
 
 async def restore_a(client, models) -> None:
@@ -331,25 +340,173 @@ def test_weight_updates_from_disk_and_memory(server, models):
     assert b3.output_ids == b.output_ids and b3.weight_version == "3" and info["dropped_weight_messages"] >= 1
 
 
-def test_auth(server):
+def test_every_endpoint_needs_the_token(server, models):
     url = server["http"]
+    endpoints = [  # in an order that leaves the server as it was
+        ("POST", "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}),
+        ("POST", "/update_weights_from_disk", {"model_path": models["A"], "weight_version": "0"}),
+        ("POST", "/pause_generation", {"mode": "abort"}),
+        ("POST", "/continue_generation", {}),
+        ("POST", "/abort_request", {"abort_all": True}),
+        ("GET", "/v1/models", None),
+        ("GET", "/health", None),
+        ("GET", "/get_server_info", None),
+    ]
+    wrong = [{}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}, {"Authorization": f"bearer {TOKEN}"},
+             {"Authorization": f"Bearer {TOKEN}x"}, {"Authorization": "Bearer \u00e9"}]
+
+    async def main():
+        for method, path, body in endpoints + [("GET", "/no/such/endpoint", None)]:
+            for headers in wrong:
+                status, text = await request(method, url + path, headers, body)
+                assert status == 401 and "token" in json.loads(text)["error"], (method, path, headers, status, text)
+        status, _ = await post(url + "/generate", None, token=None, raw=b"x" * (2 * MAX_BODY))
+        assert status == 401  # refused before its body is read
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        for method, path, body in endpoints:
+            status, text = await request(method, url + path, auth, body)
+            assert status == 200, (method, path, status, text)
+        status, text = await request("GET", url + "/no/such/endpoint", auth)
+        assert status == 404 and "\n" not in json.loads(text)["error"]
+
+    asyncio.run(main())
+    with pytest.raises(ValueError, match="needs a token"):
+        run_server("/nonexistent")  # on loopback too
+
+
+def _bad_bodies() -> list[tuple[str, bytes]]:
+    """(endpoint, raw body) pairs that must each answer 400; every field of every endpoint is hit."""
+    g = "/generate"
+
+    def gen(sp=None, **body):
+        return g, json.dumps({"input_ids": PROMPT, **body, **({"sampling_params": sp} if sp is not None else {})}).encode()
+
+    nested = b"[" * 100000 + b"]" * 100000
+    return [
+        # numbers that overflowed the engine thread, or are not finite, or are out of range
+        gen({"top_k": 2**63}), gen({"top_k": "9" * 400}), gen({"top_k": 2**31}), gen({"top_k": -2}),
+        (g, b'{"input_ids": [5, 17], "sampling_params": {"temperature": Infinity}}'),
+        (g, b'{"input_ids": [5, 17], "sampling_params": {"temperature": NaN}}'),
+        (g, b'{"input_ids": [5, 17], "sampling_params": {"temperature": 1e999}}'),
+        gen({"temperature": -1}), gen({"temperature": 1e6}), gen({"top_p": 0}), gen({"top_p": 1.5}),
+        gen({"max_new_tokens": 10**12}), gen({"max_new_tokens": 2**70}), gen({"max_new_tokens": 0}),
+        gen({"max_new_tokens": 4000}),  # prompt + max_new_tokens over the tiny model's context
+        # token ids outside the vocabulary, negative, huge
+        (g, b'{"input_ids": [1000000]}'), (g, b'{"input_ids": [[1, 2, 1000000000]]}'), (g, b'{"input_ids": [-5]}'),
+        (g, b'{"input_ids": [9223372036854775808]}'), gen({"stop_token_ids": [512]}), gen({"stop_token_ids": [-1]}),
+        gen({"stop_token_ids": list(range(300))}),
+        # not JSON, or JSON nested past the parser's depth limit
+        (g, nested), (g, b'{"input_ids": ' + nested + b"}"), (g, b"{not json"), (g, b"\x00\xff" * 100),
+        (g, b"1" * 5000), (g, b"[1, 2]"), (g, b'"just a string"'), (g, b"null"),
+        # wrong types, field by field
+        (g, b'{"input_ids": "abc"}'), (g, b'{"input_ids": [1.5]}'), (g, b'{"input_ids": [true]}'),
+        (g, b'{"input_ids": [[1, "a"]]}'), (g, b'{"input_ids": []}'), (g, b'{"input_ids": [[]]}'), (g, b"{}"),
+        gen("greedy"), gen({"temperature": "1.0"}), gen({"top_p": "1"}), gen({"top_k": 1.5}), gen({"top_k": True}),
+        gen({"max_new_tokens": "8"}), gen({"stop_token_ids": 5}), gen({"ignore_eos": "yes"}), gen({"n": 2}),
+        gen({"skip_special_tokens": 1}), gen({"min_p": 0.1}), gen(return_logprob=1), gen(rid=5), gen(rid={"a": 1}),
+        gen(rid=""), gen(rid="x" * 1000), gen(stream=True),
+        (g, json.dumps({"input_ids": [PROMPT, PROMPT], "rid": ["one"]}).encode()),
+        (g, json.dumps({"input_ids": [PROMPT, PROMPT], "rid": ["same", "same"]}).encode()),
+        (g, json.dumps({"input_ids": [PROMPT] * 9}).encode()),  # over max_batch_size (8)
+        (g, json.dumps({"input_ids": [[1] * 10] * 10000}).encode()),
+        # the control endpoints
+        ("/update_weights_from_disk", b'{"model_path": 5}'), ("/update_weights_from_disk", b'{"weight_version": "1"}'),
+        ("/update_weights_from_disk", b'{"model_path": "/x", "weight_version": 3}'),
+        ("/update_weights_from_disk", b'{"model_path": "/x", "load_format": "auto"}'),
+        ("/pause_generation", b'{"mode": 5}'), ("/pause_generation", b'{"mode": "later"}'),
+        ("/pause_generation", b'{"mode": "abort", "x": 1}'), ("/pause_generation", b"[" * 5000),
+        ("/continue_generation", b'{"x": 1}'), ("/continue_generation", b"[1]"),
+        ("/abort_request", b"{}"), ("/abort_request", b'{"rid": 5}'), ("/abort_request", b'{"abort_all": "yes"}'),
+    ]
+
+
+def test_bad_bodies_are_400s_and_the_server_goes_on(server):
+    url = server["http"]
+    params = {**GREEDY, "max_new_tokens": 30}
+
+    async def chunks():  # no Content-Length: the limit is found while reading
+        for _ in range(4):
+            yield b"1" * (MAX_BODY // 2)
 
     async def fn(client):
-        for token in (None, "wrong"):
-            for path in ("/generate", "/pause_generation", "/get_server_info"):
-                status, out = await post(url + path, {"input_ids": PROMPT}, token=token)
-                assert status == 401 and "token" in out["error"]
-        async with aiohttp.ClientSession() as s:
-            async with s.get(url + "/health") as r:
-                assert r.status == 200  # the one public endpoint
-            async with s.get(url + "/v1/models") as r:
-                assert r.status == 401
-        status, _ = await post(url + "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}})
-        assert status == 200
+        before = await client.generate(PROMPT, params, rid="before")
+        for path, raw in _bad_bodies():
+            status, out = await post(url + path, None, raw=raw)
+            message = out.get("error", out.get("message"))
+            assert status == 400 and isinstance(message, str) and "\n" not in message and len(message) < 1000, (
+                path, raw[:80], status, out)
+        status, out = await post(url + "/generate", None, raw=b"[" + b"1," * MAX_BODY + b"1]")
+        assert status == 413 and "max_http_body_bytes" in out["error"]
+        status, out = await post(url + "/generate", None, raw=chunks())
+        assert status == 413 and "max_http_body_bytes" in out["error"]
+        info = await client.server_info()
+        after = await client.generate(PROMPT, params, rid="after")
+        return before, after, info
 
-    drive(server, fn)
-    with pytest.raises(ValueError, match="needs a token"):
-        run_server("/nonexistent", host="0.0.0.0")
+    before, after, info = drive(server, fn)
+    assert after.output_ids == before.output_ids and after.finish_reason == "length"
+    assert after.output_logprobs == pytest.approx(before.output_logprobs, abs=1e-5)
+    assert info["paused"] is None and info["num_requests"] == 0 and info["weight_version"] == "0"
+    assert (info["vocab_size"], info["max_http_body_bytes"]) == (512, MAX_BODY)
+
+
+def test_batch_generate_matches_single_requests(server):
+    url = server["http"]
+    prompts = [PROMPT, [7, 3, 250, 11]]
+    params = {**GREEDY, "max_new_tokens": 12}
+
+    async def fn(client):
+        single = [await client.generate(p, params, rid=f"single-{i}") for i, p in enumerate(prompts)]
+        body = {"input_ids": prompts, "rid": ["b-0", "b-1"], "sampling_params": params, "return_logprob": True}
+        status, out = await post(url + "/generate", body)
+        return single, status, out
+
+    single, status, out = drive(server, fn)
+    assert status == 200 and isinstance(out, list) and [o["meta_info"]["id"] for o in out] == ["b-0", "b-1"]
+    for one, o in zip(single, out):
+        assert o["output_ids"] == one.output_ids
+        assert [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]] == pytest.approx(one.output_logprobs, abs=1e-4)
+
+
+def test_engine_thread_fails_only_the_request_that_raises(models):
+    """A request that gets past the HTTP validation and raises in the engine thread (top_k = 2**63
+    overflowed there and exited the whole run) fails alone; the batch it joined finishes, exactly."""
+    import concurrent.futures
+    import threading
+
+    from realcore.backends.gen_server import EngineLoop, RequestFailed, _Generate, _Weights
+
+    core = EngineLoop(load_model(models["A"]), load_tokenizer(models["A"]), seed=0)
+    thread = threading.Thread(target=core.run, daemon=True)
+    thread.start()
+
+    def submit(make) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        core.submit(make(lambda v: fut.done() or fut.set_result(v)))
+        return fut
+
+    greedy = GenerationConfig(n_samples=1, greedy=True, ignore_eos=True, max_new_tokens=60, max_batch_size=8)
+    overflow = greedy.model_copy(update={"greedy": False, "top_k": 2**63})  # as the engine got it before
+    try:
+        alone = submit(lambda done: _Generate("alone", PROMPT, greedy, True, done)).result(60)
+        good = submit(lambda done: _Generate("good", PROMPT, greedy, True, done))
+        deadline = time.monotonic() + 30
+        while core.stats["decode_steps"] < 70 and time.monotonic() < deadline:  # "good" is decoding
+            time.sleep(0.005)
+        bad = submit(lambda done: _Generate("bad", [7, 3, 250], overflow, True, done)).result(60)
+        assert isinstance(bad, RequestFailed) and "'bad'" in str(bad) and "Overflow" in str(bad), bad
+        good = good.result(60)
+        assert good["output_ids"] == alone["output_ids"] and good["meta_info"]["finish_reason"]["type"] == "length"
+        # A command that raises inside the engine thread (here: weights it cannot copy) fails alone too.
+        params = {n: torch.empty(p.shape, device="meta") for n, p in core.model.named_parameters()}
+        failed = submit(lambda done: _Weights(params, "9", done)).result(30)
+        assert isinstance(failed, RequestFailed) and "meta" in str(failed)
+        after = submit(lambda done: _Generate("after", PROMPT, greedy, True, done)).result(60)
+        assert after["output_ids"] == alone["output_ids"] and after["meta_info"]["weight_version"] == "0"
+        assert thread.is_alive() and core.error is None
+    finally:
+        core.stopping.set()
+        thread.join(30)
 
 
 def test_engine_honours_ignore_eos(models):

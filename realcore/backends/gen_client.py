@@ -81,7 +81,10 @@ def sampling_params(gconfig) -> dict:
 
 
 class GenClient:
-    """One server speaking SGLang's API. Create and use it inside one event loop."""
+    """One server speaking SGLang's API. Create and use it inside one event loop.
+
+    `token`: the server's bearer token (a run's: realcore.backends.server_launch.server_token),
+    sent on every call, health and readiness probes included (docs/security.md)."""
 
     def __init__(self, base_url: str, *, token: str | None = None, timeout_s: float = 600.0):
         self.base_url = base_url.rstrip("/")
@@ -201,7 +204,7 @@ async def generate_resumable(
 
 def push_weights(
     address: str, secret: bytes, version: str, state_dict: dict[str, torch.Tensor], timeout_s: float,
-    connect_timeout_s: float = CONTROL_TIMEOUT_S,
+    connect_timeout_s: float = CONTROL_TIMEOUT_S, limits: wire.Limits | None = None,
 ) -> None:
     """Send weights to a built-in server's in-memory update socket (`on_ready(...)["weights"]`)
     and wait until they are applied. The tensors must stay unchanged until this returns (zero-copy).
@@ -213,15 +216,17 @@ def push_weights(
 
     names = list(state_dict)
     tensors = [state_dict[n].detach().cpu() for n in names]
+    endpoint = wire.Endpoint(secret, "push_weights", socket="weights_reply", limits=limits)  # the reply is addressed to it
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    wire.set_max_size(sock, endpoint.limits.max_control_message_bytes)
     sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only on a live connection: send waits for one
     sock.setsockopt(zmq.SNDTIMEO, int(connect_timeout_s * 1000))
     monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     try:
         sock.connect(address)
         try:
-            wire.send(sock, {"version": str(version), "names": names}, tensors, secret=secret)
+            wire.send(sock, {"version": str(version), "names": names}, tensors, endpoint=endpoint, to=address)
         except zmq.Again:
             raise ConnectionError(f"push_weights: no connection to {address} within {connect_timeout_s:g} s") from None
         poller = zmq.Poller()
@@ -232,7 +237,7 @@ def push_weights(
         if sock not in ready:
             recv_monitor_message(monitor)
             raise ConnectionError(f"push_weights: {address} closed the connection before it answered")
-        _, header, _ = wire.recv(sock, secret=secret)
+        _, header, _ = wire.recv(sock, endpoint=endpoint)
     finally:
         sock.disable_monitor()
         monitor.close(0)

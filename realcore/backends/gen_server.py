@@ -10,6 +10,11 @@ asyncio side through `loop.call_soon_threadsafe`. With a `secret`, a ZeroMQ ROUT
 in-memory weight updates (realcore.system.wire: HMAC-checked, unauthenticated messages dropped
 and counted) and queues them to the engine thread like a disk update.
 
+Hardening (docs/security.md): every endpoint, /health included, answers 401 without the bearer
+token; bodies are bounded (`max_body_bytes`, 413) and validated by realcore.backends.http_schemas
+before the engine sees them (400, one line); a command or decode step that raises inside the engine
+thread fails the request(s) at fault (500), never the thread, which goes on serving.
+
 Pause modes (SGLang's): `abort` returns every running request now (partial output, finish_reason
 abort); `retract` holds them and drops their KV cache, so on continue they resume from
 prompt + output so far with the weights current then; `in_place` stops decoding and keeps the KV
@@ -25,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import hmac
-import ipaddress
 import logging
 import os
 import queue
@@ -38,23 +42,30 @@ import torch
 import zmq
 from aiohttp import web
 
-from realcore.api.config import GenerationConfig
+from realcore.api.config import GenerationConfig, SystemConfig
 from realcore.api.engine import GenerationResult
+from realcore.backends import http_schemas
 from realcore.backends.generation import GenerationEngine, read_hf_weights
+from realcore.backends.http_schemas import one_line
 from realcore.backends.models import load_model, load_tokenizer
 from realcore.system import wire
 
 log = logging.getLogger(__name__)
-PAUSE_MODES = ("abort", "retract", "in_place")
-SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
-SGLANG_SAMPLING_EPS = 1e-6  # SGLang treats a temperature below this as greedy
-# Sampling params that only shape SGLang's text output (we return token ids) are accepted and ignored.
-_TEXT_ONLY_PARAMS = ("skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
+DEFAULT_MAX_BODY_BYTES = SystemConfig.model_fields["max_http_body_bytes"].default
+NO_CONTEXT_LIMIT = 1 << 20  # tokens, for a model that declares no max_position_embeddings
 CONTROL_TIMEOUT_S = 60.0  # a control command waits for at most one decode step; this is generous
 _IDLE_POLL_S = 0.05
 
 
 # --- commands to the engine thread (each carries `done`, called once with a result or an exception) ---
+
+
+class Unavailable(RuntimeError):
+    """The engine thread stopped or did not answer in time (HTTP 503)."""
+
+
+class RequestFailed(RuntimeError):
+    """The engine thread raised while running this one request or command (HTTP 500)."""
 
 
 @dataclass
@@ -64,6 +75,7 @@ class _Generate:
     gconfig: GenerationConfig
     return_logprob: bool
     done: Callable[[Any], None]
+    restarted: bool = False  # it was in a failed decode step once and started again
 
 
 @dataclass
@@ -90,54 +102,7 @@ class _Weights:
     done: Callable[[Any], None]
 
 
-# --- request parsing ------------------------------------------------------------------------------
-
-
-def _one_line(e: Exception) -> str:
-    errors = getattr(e, "errors", None)  # pydantic: one entry per field, joined on one line
-    if callable(errors):
-        return "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in errors())
-    return str(e).splitlines()[0] if str(e) else type(e).__name__
-
-
-def parse_generate(
-    body: Any, *, vocab_size: int, max_batch_size: int
-) -> tuple[str | None, list[int], GenerationConfig, bool]:
-    """SGLang's /generate body -> (rid, input_ids, GenerationConfig, return_logprob); ValueError if bad."""
-    if not isinstance(body, dict):
-        raise ValueError("generate: the body must be a JSON object")
-    ids = body.get("input_ids")
-    if not isinstance(ids, list) or not ids or not all(type(t) is int and 0 <= t < vocab_size for t in ids):
-        raise ValueError(f"generate: input_ids must be a non-empty list of token ids in [0, {vocab_size})")
-    rid, logprob, sp = body.get("rid"), body.get("return_logprob", False), body.get("sampling_params", {})
-    if rid is not None and not isinstance(rid, str):
-        raise ValueError("generate: rid must be a string")
-    if not isinstance(logprob, bool) or not isinstance(sp, dict):
-        raise ValueError("generate: return_logprob must be a bool and sampling_params an object")
-    sp = {k: v for k, v in sp.items() if k not in _TEXT_ONLY_PARAMS and v is not None}
-    if sp.pop("n", 1) != 1:
-        raise ValueError("generate: sampling_params.n must be 1 (send one request per sample)")
-    temperature = sp.pop("temperature", 1.0)
-    if type(temperature) not in (int, float) or temperature < 0:
-        raise ValueError(f"generate: sampling_params.temperature must be a number >= 0, got {temperature!r}")
-    greedy = temperature < SGLANG_SAMPLING_EPS
-    top_k = sp.pop("top_k", -1)
-    fields = {
-        "temperature": 1.0 if greedy else temperature,
-        "greedy": greedy,
-        "top_k": 0 if top_k in (-1, 0) else top_k,  # SGLang disables top-k with -1, realcore with 0
-        "top_p": sp.pop("top_p", 1.0),
-        "max_new_tokens": sp.pop("max_new_tokens", SGLANG_DEFAULT_MAX_NEW_TOKENS),
-        "stop_token_ids": sp.pop("stop_token_ids", []),
-        "ignore_eos": sp.pop("ignore_eos", False),
-    }
-    if sp:
-        raise ValueError(f"generate: sampling_params {sorted(sp)} are not supported by the built-in server")
-    try:
-        gconfig = GenerationConfig(n_samples=1, max_batch_size=max_batch_size, **fields)
-    except ValueError as e:
-        raise ValueError(f"generate: bad sampling_params: {_one_line(e)}") from None
-    return rid, ids, gconfig, logprob
+# --- replies ------------------------------------------------------------------------------------
 
 
 def generate_reply(c: _Generate, res: GenerationResult, prompt_tokens: int, version: str, tokenizer) -> dict:
@@ -189,17 +154,17 @@ class EngineLoop:
                     n = self.engine.n_running()
                     self.stats["max_running_requests"] = max(self.stats["max_running_requests"], n)
                     self.stats["decode_steps"] += 1
-                    self._finish(self.engine.step())
-        except BaseException as e:  # a bug: fail every waiter loudly rather than hang them
+                    self._step()
+        except BaseException as e:  # a bug of this loop itself: fail every waiter loudly rather than hang them
             log.exception("gen_server: the engine thread failed")
             self.error = e
         finally:
             self.stopping.set()
-            self._fail_all(RuntimeError(f"gen_server: the engine stopped ({self._why()})"))
+            self._fail_all(Unavailable(f"gen_server: the engine stopped ({self._why()})"))
 
     def submit(self, command) -> None:
         if self.stopping.is_set():
-            raise RuntimeError(f"gen_server: the engine stopped ({self._why()})")
+            raise Unavailable(f"gen_server: the engine stopped ({self._why()})")
         self.inbox.put(command)
 
     def _why(self) -> str:
@@ -209,10 +174,56 @@ class EngineLoop:
         try:
             command = self.inbox.get(timeout=_IDLE_POLL_S) if block else self.inbox.get_nowait()
             while True:
-                self._handlers[type(command)](command)
+                self._run(command)
                 command = self.inbox.get_nowait()
         except queue.Empty:
             pass
+
+    def _run(self, command) -> None:
+        try:
+            self._handlers[type(command)](command)
+        except Exception as e:  # one command fails, alone; the engine goes on (a second `done` is ignored)
+            what = type(command).__name__.lstrip("_").lower()
+            log.exception("gen_server: a %s command failed in the engine thread", what)
+            command.done(RequestFailed(f"gen_server: {what} failed in the engine: {one_line(e)}"))
+
+    def _step(self) -> None:
+        try:
+            finished = self.engine.step()
+        except Exception as e:
+            self._isolate(e)
+            return
+        self._finish(finished)
+
+    def _isolate(self, error: Exception) -> None:
+        """A decode step raised: find the request(s) at fault and fail only those.
+
+        The batch's KV cache may be half-updated, so it is dropped. Each request of the step then
+        runs alone for one token on a scratch engine: one that raises there fails (500); the others
+        start again from their prompts (they were not answered yet). A request in a second failed
+        step fails without a probe, so a fault that shows only in a batch cannot loop forever."""
+        log.error("gen_server: a decode step failed (%s); isolating the request(s) at fault", one_line(error),
+                  exc_info=error)
+        involved = list(self.by_erid.values())
+        self.engine.retract()  # running -> waiting, cache dropped
+        self.engine.abort()  # and every waiting request ends: the engine is empty
+        self.by_erid, self.erid = {}, {}
+        for c in involved:
+            why = "it was in two failed decode steps" if c.restarted else self._probe(c)
+            if why is not None:
+                c.done(RequestFailed(f"generate: request {c.rid!r} failed in the engine: {why}"))
+            else:
+                c.restarted = True
+                self._add(c)
+
+    def _probe(self, c: _Generate) -> str | None:
+        """Run `c` alone for one token on a scratch engine: why it fails, or None."""
+        try:
+            scratch = GenerationEngine(self.model, self.tokenizer, seed=0)
+            scratch.generate([c.input_ids], c.gconfig.model_copy(update={"max_new_tokens": 1}))
+        except Exception as e:
+            return one_line(e)
+        return None
 
     def _fail_all(self, error: Exception) -> None:
         waiting = list(self.by_erid.values()) + self.held
@@ -229,7 +240,12 @@ class EngineLoop:
         for erid, res in finished:
             c = self.by_erid.pop(erid)
             del self.erid[c.rid]
-            c.done(generate_reply(c, res, len(c.input_ids), self.weight_version, self.tokenizer))
+            try:
+                reply = generate_reply(c, res, len(c.input_ids), self.weight_version, self.tokenizer)
+            except Exception as e:
+                log.exception("gen_server: the reply to request %r failed", c.rid)
+                reply = RequestFailed(f"generate: the reply to request {c.rid!r} failed: {one_line(e)}")
+            c.done(reply)
 
     def _add(self, c: _Generate) -> None:
         if c.rid in self.erid:
@@ -237,7 +253,7 @@ class EngineLoop:
             return
         try:
             erid = self.engine.add_request(c.input_ids, c.gconfig)
-        except ValueError as e:
+        except ValueError as e:  # e.g. longer than the model's context
             c.done(e)
             return
         self.erid[c.rid], self.by_erid[erid] = erid, c
@@ -304,61 +320,69 @@ class WeightsReceiver:
     """A ROUTER socket on its own thread: authenticated {"version", "names"} + one tensor frame per
     name -> a weight update queued to the engine thread; replies {"ok": true} once applied."""
 
-    def __init__(self, core: EngineLoop, host: str, secret: bytes):
+    def __init__(self, core: EngineLoop, host: str, secret: bytes, limits: wire.Limits | None = None):
         self.core, self.secret = core, secret
+        limits = limits or wire.Limits.of()
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        wire.set_max_size(self.sock, limits.max_message_bytes)  # one frame = one weight tensor
         self.address = f"tcp://{host}:{self.sock.bind_to_random_port(f'tcp://{host}')}"
-        self.dropped = 0  # unauthenticated or unparsable messages
+        self.endpoint = wire.Endpoint(secret, "gen_server", socket="weights", address=self.address, limits=limits)
+        self.dropped = 0  # unauthenticated, unparsable or replayed messages (counted by wire too)
         self.thread = threading.Thread(target=self._run, name="gen_server-weights", daemon=True)
 
     def _run(self) -> None:
         while not self.core.stopping.is_set():
             try:
-                identity, header, tensors = wire.recv(self.sock, secret=self.secret, router=True, timeout_s=0.1)
+                peer, header, tensors = wire.recv(self.sock, endpoint=self.endpoint, router=True, timeout_s=0.1)
             except TimeoutError:
                 continue
-            except wire.BadMessage as e:
-                self.dropped += 1
-                log.warning("gen_server: dropped a weights message (%s)", e.reason)
+            except wire.BadMessage:
+                self.dropped += 1  # counted and logged (rate-limited) by the endpoint
                 continue
-            wire.send(self.sock, self._apply(header, tensors), secret=self.secret, identity=identity)
+            wire.send(self.sock, self._apply(header, tensors), endpoint=self.endpoint, to=peer)
         self.sock.close()
 
     def _apply(self, header: dict, tensors: list[torch.Tensor]) -> dict:
         names, version = header.get("names"), header.get("version")
-        if not isinstance(names, list) or len(names) != len(tensors) or not isinstance(version, str):
-            return {"ok": False, "error": "weights: header needs version (str) and one name per tensor frame"}
+        if (not isinstance(names, list) or len(names) != len(tensors) or not all(isinstance(n, str) for n in names)
+                or not isinstance(version, str)):
+            return {"ok": False, "error": "weights: header needs version (str) and one name (str) per tensor frame"}
         result: concurrent.futures.Future = concurrent.futures.Future()
+
+        def done(value) -> None:  # once: the engine thread may report a failed command a second time
+            if not result.done():
+                result.set_result(value)
+
         try:
-            self.core.submit(_Weights(dict(zip(names, tensors)), version, result.set_result))
+            self.core.submit(_Weights(dict(zip(names, tensors)), version, done))
             outcome = result.result(timeout=CONTROL_TIMEOUT_S)
         except (RuntimeError, TimeoutError) as e:
             outcome = e
         if isinstance(outcome, BaseException):
-            return {"ok": False, "error": _one_line(outcome)}
+            return {"ok": False, "error": one_line(outcome)}
         return {"ok": True}
 
 
 # --- HTTP -----------------------------------------------------------------------------------------
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
 
 
 class Server:
     """The aiohttp handlers; each forwards one command to the engine thread and awaits its result."""
 
-    def __init__(self, core: EngineLoop, *, model_path: str, token: str | None, max_batch_size: int):
-        self.core, self.model_path, self.token, self.max_batch_size = core, model_path, token, max_batch_size
+    def __init__(self, core: EngineLoop, *, model_path: str, token: str, max_batch_size: int, max_body_bytes: int):
+        self.core, self.model_path, self.max_batch_size = core, model_path, max_batch_size
+        self.max_body_bytes = max_body_bytes
+        self._authorization = f"Bearer {token}".encode()
+        context = getattr(core.model.config, "max_position_embeddings", None) or NO_CONTEXT_LIMIT
+        self.limits = http_schemas.Limits(vocab_size=core.model.get_input_embeddings().num_embeddings,
+                                          max_context=context, max_batch_size=max_batch_size)
         self.receiver: WeightsReceiver | None = None
-        self.app = web.Application(middlewares=[self._middleware], client_max_size=64 * 2**20)
+        self.app = web.Application(middlewares=[self._middleware], client_max_size=max_body_bytes)
         self.app.add_routes([
             web.post("/generate", self.generate),
             web.post("/update_weights_from_disk", self.update_weights_from_disk),
@@ -372,17 +396,38 @@ class Server:
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler):
-        public = request.method == "GET" and request.path == "/health"
-        if self.token is not None and not public:
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
-                return web.json_response({"error": "missing or wrong bearer token"}, status=401)
+        # Every endpoint, /health included: any local user can reach a loopback port.
+        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        # Refused requests are counted like refused wire messages (socket "http"): they reach the
+        # master's metrics through the manager, which reads /get_server_info.
+        if not hmac.compare_digest(given, self._authorization):
+            wire.count_dropped("http", "auth", f"{request.method} {request.path}")
+            return _error(401, "missing or wrong bearer token (Authorization: Bearer <the run's server token>)")
         try:
             return await handler(request)
-        except ValueError as e:  # a user error: bad body, bad parameters, refused update
-            return web.json_response({"error": _one_line(e)}, status=400)
-        except RuntimeError as e:  # the engine thread stopped
-            return web.json_response({"error": _one_line(e)}, status=503)
+        except web.HTTPException as e:  # aiohttp's own answers: 404, 405, 413 (the body is over the limit)
+            if e.status < 400:
+                raise
+            if e.status == 413:
+                wire.count_dropped("http", "size", request.path)
+                return _error(413, f"{request.path}: the body is larger than max_http_body_bytes ({self.max_body_bytes})")
+            wire.count_dropped("http", "route", f"{request.method} {request.path}")
+            return _error(e.status, f"{request.method} {request.path}: {e.reason}")
+        except ValueError as e:  # a bad body, bad parameters, a refused command
+            wire.count_dropped("http", "body", f"{request.path}: {one_line(e)[:200]}")
+            return _error(400, one_line(e))
+        except Unavailable as e:  # the engine thread stopped or does not answer
+            return _error(503, one_line(e))
+        except Exception as e:  # the engine failed this request (RequestFailed) or a bug here: this request only
+            if not isinstance(e, RequestFailed):
+                log.exception("gen_server: %s %s failed", request.method, request.path)
+            return _error(500, one_line(e))
+
+    async def _read(self, request: web.Request) -> bytes:
+        """The body, refused (413) past max_body_bytes before it is read when its length is declared."""
+        if request.content_length is not None and request.content_length > self.max_body_bytes:
+            raise web.HTTPRequestEntityTooLarge(max_size=self.max_body_bytes, actual_size=request.content_length)
+        return await request.read()  # aiohttp stops at client_max_size for a chunked body (413)
 
     async def _call(self, make: Callable[[Callable[[Any], None]], Any], timeout_s: float | None = CONTROL_TIMEOUT_S):
         """Queue `make(done)` to the engine thread and await what it passes to `done`."""
@@ -390,7 +435,7 @@ class Server:
         fut = loop.create_future()
 
         def settle(value) -> None:
-            if fut.done():  # cancelled: the client went away
+            if fut.done():  # cancelled (the client went away), or settled already
                 return
             if isinstance(value, BaseException):
                 fut.set_exception(value)
@@ -407,62 +452,58 @@ class Server:
         try:
             return await asyncio.wait_for(fut, timeout_s)
         except asyncio.TimeoutError:
-            raise RuntimeError(f"gen_server: the engine thread did not answer within {timeout_s:g} s") from None
+            raise Unavailable(f"gen_server: the engine thread did not answer within {timeout_s:g} s") from None
 
-    @staticmethod
-    async def _body(request: web.Request) -> dict:
+    async def _generate_one(self, rid: str, ids: list[int], gconfig: GenerationConfig, logprob: bool) -> dict:
         try:
-            body = await request.json() if request.can_read_body else {}
-        except ValueError:
-            raise ValueError(f"{request.path}: the body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise ValueError(f"{request.path}: the body must be a JSON object")
-        return body
-
-    async def generate(self, request: web.Request) -> web.Response:
-        vocab = self.core.model.get_input_embeddings().num_embeddings
-        body = await self._body(request)
-        rid, ids, gconfig, logprob = parse_generate(body, vocab_size=vocab, max_batch_size=self.max_batch_size)
-        rid = rid if rid is not None else os.urandom(8).hex()
-        try:
-            reply = await self._call(lambda done: _Generate(rid, ids, gconfig, logprob, done), timeout_s=None)
+            return await self._call(lambda done: _Generate(rid, ids, gconfig, logprob, done), timeout_s=None)
         except asyncio.CancelledError:  # the client went away: stop spending steps on it
             if not self.core.stopping.is_set():
                 self.core.submit(_Abort(rid, lambda _: None))
             raise
-        return web.json_response(reply)
+
+    async def generate(self, request: web.Request) -> web.Response:
+        req = http_schemas.parse_generate(await self._read(request), self.limits)
+        batch = isinstance(req, http_schemas.BatchGenerateRequest)
+        prompts = req.input_ids if batch else [req.input_ids]
+        given = (req.rid or [None] * len(prompts)) if batch else [req.rid]
+        rids = [rid if rid is not None else os.urandom(8).hex() for rid in given]
+        gconfig = req.sampling_params.gconfig(self.limits)
+        jobs = [asyncio.ensure_future(self._generate_one(rid, ids, gconfig, req.return_logprob))
+                for rid, ids in zip(rids, prompts)]
+        try:
+            replies = await asyncio.gather(*jobs)
+        except BaseException:  # one failed (or the client went away): the batch's other requests stop too
+            for job in jobs:
+                job.cancel()
+            raise
+        return web.json_response(replies if batch else replies[0])
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
-        path, version = body.get("model_path"), body.get("weight_version")
         try:
-            if not isinstance(path, str) or not (version is None or isinstance(version, (str, int))):
-                raise ValueError("update_weights_from_disk: needs model_path (str) and optionally weight_version (str)")
-            tensors = await asyncio.to_thread(read_hf_weights, path)  # off the engine thread: decoding goes on
-            await self._call(lambda done: _Weights(tensors, None if version is None else str(version), done))
-        except ValueError as e:
-            return web.json_response({"success": False, "message": _one_line(e)}, status=400)
-        self.model_path = path
-        return web.json_response({"success": True, "message": f"loaded {path}"})
+            body = http_schemas.parse(http_schemas.UpdateWeightsFromDiskRequest, await self._read(request),
+                                      request.path)
+            tensors = await asyncio.to_thread(read_hf_weights, body.model_path)  # off the engine thread: decoding goes on
+            await self._call(lambda done: _Weights(tensors, body.weight_version, done))
+        except ValueError as e:  # SGLang's shape for a refused update
+            wire.count_dropped("http", "body", f"{request.path}: {one_line(e)[:200]}")
+            return web.json_response({"success": False, "message": one_line(e)}, status=400)
+        self.model_path = body.model_path
+        return web.json_response({"success": True, "message": f"loaded {body.model_path}"})
 
     async def pause_generation(self, request: web.Request) -> web.Response:
-        mode = (await self._body(request)).get("mode", "abort")
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"pause_generation: mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
-        await self._call(lambda done: _Pause(mode, done))
+        body = http_schemas.parse(http_schemas.PauseGenerationRequest, await self._read(request), request.path)
+        await self._call(lambda done: _Pause(body.mode, done))
         return web.json_response({"success": True})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
+        http_schemas.parse(http_schemas.ContinueGenerationRequest, await self._read(request), request.path)
         await self._call(lambda done: _Continue(done))
         return web.json_response({"success": True})
 
     async def abort_request(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
-        rid = body.get("rid")
-        if body.get("abort_all") is True:
-            rid = None
-        elif not isinstance(rid, str):
-            raise ValueError('abort_request: send {"rid": str} or {"abort_all": true}')
+        body = http_schemas.parse(http_schemas.AbortRequest, await self._read(request), request.path)
+        rid = None if body.abort_all else body.rid
         await self._call(lambda done: _Abort(rid, done))
         return web.json_response({"success": True})
 
@@ -474,7 +515,9 @@ class Server:
 
     async def server_info(self, request: web.Request) -> web.Response:
         dropped = self.receiver.dropped if self.receiver is not None else 0
-        info = {"model_path": self.model_path, "max_batch_size": self.max_batch_size, "dropped_weight_messages": dropped}
+        info = {"model_path": self.model_path, "max_batch_size": self.max_batch_size, "dropped_weight_messages": dropped,
+                "max_context": self.limits.max_context, "vocab_size": self.limits.vocab_size,
+                "max_http_body_bytes": self.max_body_bytes, "drops": wire.dropped()}
         return web.json_response({**info, **self.core.info()})
 
 
@@ -490,24 +533,31 @@ def run_server(
     max_batch_size: int = 64,
     token: str | None = None,
     secret: bytes | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    limits: wire.Limits | None = None,
     on_ready: Callable[[dict], None] | None = None,
     stop_on_sigterm: bool = True,
 ) -> None:
     """Serve `model_path` until SIGTERM (returns), SystemExit or KeyboardInterrupt (propagate).
 
-    `on_ready({"http": "http://host:port", "weights": "tcp://host:port" or None})` is called once
-    listening; "weights" is the in-memory update socket, present when `secret` is given."""
-    if token is None and not _is_loopback(host):
-        raise ValueError(f"gen_server: binding {host!r} (not loopback) needs a token (rollout.server_token)")
+    `token` is required: every endpoint answers 401 without `Authorization: Bearer <token>`
+    (realcore passes realcore.backends.server_launch.server_token). Bodies over `max_body_bytes`
+    answer 413. `on_ready({"http": "http://host:port", "weights": "tcp://host:port" or None})` is
+    called once listening; "weights" is the in-memory update socket, present when `secret` is given."""
+    if not token:
+        raise ValueError("gen_server: needs a token (every endpoint answers 401 without it; realcore derives one "
+                         "from the run's secret, or takes rollout.server_token)")
     if max_batch_size <= 0:
         raise ValueError(f"gen_server: max_batch_size must be > 0, got {max_batch_size}")
+    if max_body_bytes <= 0:
+        raise ValueError(f"gen_server: max_body_bytes must be > 0, got {max_body_bytes}")
     core = EngineLoop(load_model(model_path), load_tokenizer(model_path), seed=seed)
-    server = Server(core, model_path=model_path, token=token, max_batch_size=max_batch_size)
+    server = Server(core, model_path=model_path, token=token, max_batch_size=max_batch_size, max_body_bytes=max_body_bytes)
     engine_thread = threading.Thread(target=core.run, name="gen_server-engine", daemon=True)
     engine_thread.start()
     try:
         if secret is not None:
-            server.receiver = WeightsReceiver(core, host, secret)
+            server.receiver = WeightsReceiver(core, host, secret, limits)
             server.receiver.thread.start()
         asyncio.run(_serve(server, host, port, on_ready, stop_on_sigterm))
     finally:

