@@ -60,6 +60,59 @@ def prepare_model(cfg: ModelConfig, seed: int) -> str:
     raise ValueError(f"model.name: unknown model {cfg.name!r}; known names are {list(KNOWN_NAMES)} (or set model.path)")
 
 
+def check_model_dir(path: str):
+    """Cheap checks of an HF directory before any process loads it; returns its transformers config.
+
+    Why: a broken config.json or a truncated weights file (an interrupted copy) otherwise fails
+    only inside the workers, after the whole run started. A safetensors file is checked by its
+    header (`safe_open` maps the file and checks the header covers it exactly), not by loading it.
+    """
+    from safetensors import SafetensorError, safe_open
+    from transformers import AutoConfig
+
+    config_path = os.path.join(path, "config.json")
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"model.path: {config_path} is not valid JSON ({e})") from None
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as e:  # transformers raises many types for a config it cannot use
+        first = " ".join(str(e).split()).split(". ")[0]  # its messages go on with advice to upgrade
+        raise ValueError(f"model.path: transformers cannot use {config_path}: {first}") from None
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    index_path = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        try:
+            with open(index_path, encoding="utf-8") as f:
+                shards = set(json.load(f)["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"model.path: {index_path} is not a valid safetensors index ({e})") from None
+        missing = sorted(shards - set(files))
+        if missing:
+            raise ValueError(f"model.path: {index_path} names {missing[0]}, which is not in {path}")
+    if not files and not any(f.endswith(".bin") for f in os.listdir(path)):
+        raise ValueError(f"model.path: no weights (*.safetensors or *.bin) in {path}")
+    for name in files:
+        try:
+            with safe_open(os.path.join(path, name), framework="pt"):
+                pass
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"model.path: {os.path.join(path, name)} is truncated or damaged ({e})") from None
+    return config
+
+
+def context_length(config) -> int | None:
+    """Positions the model supports (max_position_embeddings of its text config), or None if it names none."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(text, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 def load_model(path: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
     """Load a causal LM from an HF directory (SDPA attention, eval mode)."""
     from transformers import AutoModelForCausalLM

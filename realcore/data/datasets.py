@@ -121,6 +121,11 @@ def build_shard(
     return LoadedDataset(samples, n_rows, sum(skipped.values()), dict(skipped))
 
 
+def describe_skips(skipped: Mapping[str, int]) -> str:
+    """'bad json 5, missing field 3' (largest first), or 'none'."""
+    return ", ".join(f"{why} {n}" for why, n in sorted(skipped.items(), key=lambda kv: -kv[1])) or "none"
+
+
 def _check_shard(rank: int, world: int) -> None:
     if world < 1 or not 0 <= rank < world:
         raise ValueError(f"dataset shard: rank {rank} is not in [0, world={world})")
@@ -154,6 +159,8 @@ def load_jsonl(cfg: DatasetConfig, tokenizer, *, rank: int, world: int, use_chat
     path = os.path.expanduser(cfg.path)
     if not os.path.isfile(path):
         raise ValueError(f"dataset.path: no such file {cfg.path!r}")
+    if not os.access(path, os.R_OK):
+        raise ValueError(f"dataset.path: cannot read {cfg.path!r} (permission denied)")
     return build_shard(_jsonl_rows(path, rank, world), cfg, tokenizer, use_chat_template=use_chat_template)
 
 

@@ -1,12 +1,14 @@
 """`python -m realcore.launch key=value ...`: validate, prepare, start the workers, watch them.
 
 Exit codes: 0 done; 1 a worker failed (recover_mode=auto: once the restarts are used up); 2 bad
-config (one line, no traceback); 75 preempted (a recover checkpoint holds the run: launch the same
+config or input, or the output_dir / trial is in use by another launcher (one line, no traceback,
+before any worker starts); 75 preempted (a recover checkpoint holds the run: launch the same
 command again with recover_mode=resume or auto); 130 interrupted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -14,11 +16,13 @@ import time
 
 from realcore.api.alloc import AllocationMode
 from realcore.api.config import ExperimentConfig
+from realcore.data.datasets import describe_skips
 from realcore.dfg.graph import DataFlowGraph, GraphError
 from realcore.launch.config_loader import ConfigError, load_config
 from realcore.launch.local import Proc, spawn, spawn_command, tail
+from realcore.launch.run_lock import hold_run
 from realcore.launch.supervise import Supervisor, begin_attempt, record, write_pids
-from realcore.launch.validate import check_model_layout, check_ray, check_slurm, validate
+from realcore.launch.validate import check_inputs, check_model_layout, check_ray, check_slurm, validate
 from realcore.system import keys
 from realcore.system.name_resolve import make_name_resolver
 from realcore.system.process import PREEMPTED_EXIT
@@ -27,19 +31,10 @@ from realcore.system.process import PREEMPTED_EXIT
 def run_on_cluster(cfg: ExperimentConfig, dfg: DataFlowGraph, alloc: AllocationMode, dry_run: bool) -> int:
     """Submit the run as one Slurm job (realcore/launch/slurm.py) or as Ray tasks
     (realcore/launch/ray_scheduler.py) and follow it."""
-    from realcore.api.config import NameResolveConfig
-
-    nr = cfg.system.name_resolve
-    if nr.type == "fs" and nr.root == NameResolveConfig().root:
-        # /tmp is node-local on clusters: keep the keys next to the outputs (a shared filesystem).
-        nr.root = os.path.join(cfg.output_dir, ".name_resolve")
     if not dry_run:
-        make_name_resolver(nr).clear(keys.scope(cfg))
+        make_name_resolver(cfg.system.name_resolve).clear(keys.scope(cfg))
     config_path, secret_path = prepare_output(cfg, dfg)
     if cfg.scheduler == "ray":
-        if dry_run:
-            print("realcore: config error: --dry-run is for scheduler=slurm", file=sys.stderr)
-            return 2
         from realcore.launch.ray_scheduler import run_ray
 
         rc = run_ray(cfg, alloc, config_path, secret_path, child_env(cfg))
@@ -50,6 +45,15 @@ def run_on_cluster(cfg: ExperimentConfig, dfg: DataFlowGraph, alloc: AllocationM
     if rc == 0 and not dry_run:
         print(f"realcore: done; metrics in {os.path.join(cfg.output_dir, 'metrics.jsonl')}", flush=True)
     return rc
+
+
+def cluster_name_resolve(cfg: ExperimentConfig) -> None:
+    from realcore.api.config import NameResolveConfig
+
+    nr = cfg.system.name_resolve
+    if nr.type == "fs" and nr.root == NameResolveConfig().root:
+        # /tmp is node-local on clusters: keep the keys next to the outputs (a shared filesystem).
+        nr.root = os.path.join(cfg.output_dir, ".name_resolve")
 
 
 def prepare_output(cfg: ExperimentConfig, dfg: DataFlowGraph) -> tuple[str, str]:
@@ -64,7 +68,10 @@ def prepare_output(cfg: ExperimentConfig, dfg: DataFlowGraph) -> tuple[str, str]
         os.remove(secret_path)
     write_secret(secret_path)
     config_path = os.path.join(out, "config.json")
-    with open(config_path, "w") as f:
+    # 0600: it may hold rollout.server_token. O_CREAT's mode applies to a new file only: fchmod an old one.
+    fd = os.open(config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as f:
         f.write(cfg.model_dump_json(indent=2))
     draw(dfg, os.path.join(out, "dfg.png"))
     return config_path, secret_path
@@ -94,23 +101,26 @@ def live_workers(entries: dict[str, str]) -> list[int]:
 
 def start_engine_servers(cfg: ExperimentConfig, alloc: AllocationMode, env: dict, logs: str) -> list[Proc]:
     """SGLang or vLLM servers: started here on free ports and published; the manager waits for
-    each to answer before any rollout starts."""
+    each to answer before any rollout starts. Each requires the run's bearer token, derived here
+    from the run's secret as every worker derives it (run_worker), and kept off the command line."""
     import socket
 
-    from realcore.backends.server_launch import server_command
+    from realcore.backends.server_launch import server_command, server_token
     from realcore.system import keys
+    from realcore.system.wire import load_secret
 
     resolver = make_name_resolver(cfg.system.name_resolve)
+    out = os.path.abspath(cfg.output_dir)
+    token = server_token(load_secret(os.path.join(out, ".secret")), cfg.rollout.server_token)  # prepare_output wrote it
 
     def server(i: int) -> Proc:
         # A restart gets a new port: the manager tells a restarted server (to catch up) by its address.
         with socket.socket() as s:
             s.bind((cfg.system.host, 0))
             port = s.getsockname()[1]
-        extra = ["--api-key", cfg.rollout.server_token] if cfg.rollout.server_token else []
         argv, extra_env = server_command(alloc.backend, model_path=cfg.model.path, host=cfg.system.host, port=port,
                                          tp=alloc.gen.tp, seed=cfg.seed + 1000 * i,
-                                         max_batch_size=cfg.generation.max_batch_size, extra_args=extra)
+                                         max_batch_size=cfg.generation.max_batch_size, api_key=token, private_dir=out)
         proc = spawn_command(f"gen_server/{i}", argv, env={**env, **extra_env}, log_path=os.path.join(logs, f"gen_server-{i}.log"))
         resolver.put(keys.gen_server(cfg, i), json.dumps({"http": f"http://{cfg.system.host}:{port}", "weights": None}), replace=True)
         return proc
@@ -152,34 +162,48 @@ def start_processes(cfg: ExperimentConfig, alloc: AllocationMode, config_path: s
 def main(argv: list[str]) -> int:
     dry_run = "--dry-run" in argv
     argv = [a for a in argv if a != "--dry-run"]
-    try:
-        cfg = load_config(argv)
-        dfg, alloc = validate(cfg)
-        if cfg.scheduler == "slurm":
-            check_slurm(cfg, alloc, dry_run)
-        if cfg.scheduler == "ray":
-            check_ray(cfg, alloc)
-        from transformers.utils import logging as hf_logging
-
-        from realcore.backends.models import prepare_model
-
-        hf_logging.disable_progress_bar()  # building a model here must not break the one-line errors
-
+    with contextlib.ExitStack() as held:  # the run's locks, released when the launcher ends (or dies)
         try:
-            cfg.model.path = prepare_model(cfg.model, cfg.seed)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        check_model_layout(cfg, alloc)
-    except (ConfigError, GraphError) as e:
-        print(f"realcore: config error: {e}", file=sys.stderr)
-        return 2
+            cfg, dfg, alloc = check_all(argv, dry_run, held)
+        except (ConfigError, GraphError) as e:
+            print(f"realcore: config error: {e}", file=sys.stderr)
+            return 2
+        if cfg.scheduler in ("slurm", "ray"):
+            return run_on_cluster(cfg, dfg, alloc, dry_run)
+        return run_local(cfg, dfg, alloc)
+
+
+def check_all(argv: list[str], dry_run: bool,
+              held: contextlib.ExitStack) -> tuple[ExperimentConfig, DataFlowGraph, AllocationMode]:
+    """Every check that needs no worker, config first, then the model and the dataset. The run's
+    locks are taken (into `held`) before the model is built, so a second launch stops at once."""
+    cfg = load_config(argv)
+    if dry_run and cfg.scheduler != "slurm":
+        raise ConfigError("--dry-run is for scheduler=slurm")
+    dfg, alloc = validate(cfg)
+    if cfg.scheduler == "slurm":
+        check_slurm(cfg, alloc, dry_run)
+    if cfg.scheduler == "ray":
+        check_ray(cfg, alloc)
     cfg.output_dir = os.path.abspath(cfg.output_dir)
-    if cfg.scheduler in ("slurm", "ray"):
-        return run_on_cluster(cfg, dfg, alloc, dry_run)
-    if dry_run:
-        print("realcore: config error: --dry-run is for cluster schedulers (scheduler=slurm)", file=sys.stderr)
-        return 2
-    return run_local(cfg, dfg, alloc)
+    if cfg.scheduler != "local":
+        cluster_name_resolve(cfg)
+    held.enter_context(hold_run(cfg))
+    from transformers.utils import logging as hf_logging
+
+    from realcore.backends.models import prepare_model
+
+    hf_logging.disable_progress_bar()  # building a model here must not break the one-line errors
+    try:
+        cfg.model.path = prepare_model(cfg.model, cfg.seed)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    loaded = check_inputs(cfg, alloc)
+    check_model_layout(cfg, alloc)
+    if cfg.mode == "async":  # in sync mode the master reports its model workers' counts
+        print(f"realcore: dataset: {loaded.n_rows} rows, {len(loaded.samples)} usable, "
+              f"skipped {describe_skips(loaded.skipped)}", flush=True)
+    return cfg, dfg, alloc
 
 
 def run_local(cfg: ExperimentConfig, dfg: DataFlowGraph, alloc: AllocationMode) -> int:

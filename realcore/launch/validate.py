@@ -3,18 +3,25 @@
 from __future__ import annotations
 
 import importlib.util
+import re
+from collections import Counter
 
 from realcore.api.alloc import AllocationMode, parse_allocation_mode
 from realcore.api.config import ExperimentConfig
 from realcore.api.registry import lookup
+from realcore.data.datasets import SKIP_TOO_LONG, LoadedDataset, describe_skips
 from realcore.dfg.graph import DataFlowGraph, build_graph
 from realcore.launch.config_loader import ConfigError, import_user_modules
 from realcore.system.batch_source import source_keys
 
+NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,127}")
+
 
 def validate(cfg: ExperimentConfig) -> tuple[DataFlowGraph, AllocationMode]:
-    """Everything that can be checked before a process starts."""
+    """What the config alone tells (after loading `imports`); check_inputs reads the model and dataset."""
+    check_names(cfg)
     import_user_modules(cfg)
+    check_registered(cfg)
     try:
         alloc = parse_allocation_mode(cfg.allocation_mode)
     except ValueError as e:
@@ -23,11 +30,6 @@ def validate(cfg: ExperimentConfig) -> tuple[DataFlowGraph, AllocationMode]:
         raise ConfigError(f"allocation_mode: mode=async needs generation servers, e.g. local.d2p1t1+{cfg.allocation_mode}")
     if alloc.gen is not None:
         check_generation_servers(cfg, alloc)
-    if cfg.mode == "async":
-        try:
-            lookup("agent", cfg.rollout.agent)
-        except KeyError as e:
-            raise ConfigError(f"rollout.agent: {e.args[0]}") from None
     mesh = alloc.train
     for role, r in cfg.roles().items():
         if r.backend == "torch" and (mesh.pp, mesh.tp, mesh.cp, mesh.ep) != (1, 1, 1, 1):
@@ -50,6 +52,100 @@ def validate(cfg: ExperimentConfig) -> tuple[DataFlowGraph, AllocationMode]:
         if cfg.trainer.batch_size % node.n_seqs:
             raise ConfigError(f"mfcs ({node.name}).n_seqs: {node.n_seqs} does not divide trainer.batch_size {cfg.trainer.batch_size}")
     return dfg, alloc
+
+
+def check_names(cfg: ExperimentConfig) -> None:
+    """experiment_name and trial_name name folders and name-resolution keys: no '/', no '..'."""
+    for key in ("experiment_name", "trial_name"):
+        value = getattr(cfg, key)
+        if not NAME.fullmatch(value) or ".." in value:
+            raise ConfigError(f"{key}: {value!r} is not a valid name (up to 128 letters, digits and _ . + = -, "
+                              "starting with a letter, digit or _, no '..')")
+
+
+def check_registered(cfg: ExperimentConfig) -> None:
+    """Names the workers look up in the registries (MFC types: build_graph, with the node's name)."""
+    named = [("reward.type", "reward", cfg.reward.type), ("dataset.type", "dataset", cfg.dataset.type)]
+    if cfg.mode == "async":
+        named.append(("rollout.agent", "agent", cfg.rollout.agent))
+    for key, kind, name in named:
+        try:
+            lookup(kind, name)
+        except KeyError as e:
+            raise ConfigError(f"{key}: {e.args[0]}") from None
+
+
+def check_inputs(cfg: ExperimentConfig, alloc: AllocationMode) -> LoadedDataset:
+    """What the model directory and the dataset tell, read here before any worker starts: the model's
+    files are whole, every dataset shard has a usable row, prompts plus max_new_tokens fit the
+    model's context. Returns the dataset as one shard (rows, usable, skip counts)."""
+    from realcore.backends.models import check_model_dir, context_length, load_tokenizer
+
+    try:
+        hf_config = check_model_dir(cfg.model.path)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    try:
+        tokenizer = load_tokenizer(cfg.model.path)
+    except Exception as e:  # transformers raises many types for a tokenizer it cannot load
+        why = " ".join(str(e).split())
+        raise ConfigError(f"model.path: cannot load the tokenizer of {cfg.model.path}: {why}") from None
+    loaded = check_dataset(cfg, alloc, tokenizer)
+    if any(getattr(_mfc_class(m.type), "generates", False) for m in cfg.mfcs) or cfg.mode == "async":
+        check_context(cfg, context_length(hf_config), loaded)
+    return loaded
+
+
+def check_dataset(cfg: ExperimentConfig, alloc: AllocationMode, tokenizer) -> LoadedDataset:
+    """Load every shard as the workers will (one per rollout worker in async mode, one per data-parallel
+    replica in sync mode): each needs a usable row, else the message gives the skip counts."""
+    ds = cfg.dataset
+    if cfg.mode == "async":
+        world, holders = cfg.rollout.n_workers, "rollout.n_workers"
+    else:
+        world, holders = alloc.train.dp, "data-parallel size"
+    load = lookup("dataset", ds.type)
+    shards = []
+    for rank in range(world):
+        try:
+            shards.append(load(ds, tokenizer, rank=rank, world=world, use_chat_template=cfg.model.use_chat_template))
+        except ValueError as e:
+            why = " ".join(str(e).split())
+            raise ConfigError(why if why.startswith("dataset") else f"dataset.type={ds.type}: {why}") from None
+        except Exception as e:  # a user's dataset: one line; its workers would fail the same way
+            why = " ".join(str(e).split())
+            raise ConfigError(f"dataset.type={ds.type}: loading failed: {type(e).__name__}: {why}") from None
+    skipped = sum((Counter(s.skipped) for s in shards), Counter())
+    whole = LoadedDataset([x for s in shards for x in s.samples], sum(s.n_rows for s in shards),
+                          sum(skipped.values()), dict(skipped))
+    where = f"dataset.path: {ds.path}" if ds.type == "jsonl" else f"dataset.type={ds.type}"
+    hint = "; raise dataset.max_prompt_len?" if SKIP_TOO_LONG in skipped else ""
+    if not whole.samples:
+        raise ConfigError(f"{where}: no usable row ({_rows(whole.n_rows)}; skipped {describe_skips(skipped)}){hint}")
+    for rank, s in enumerate(shards):
+        if not s.samples:
+            raise ConfigError(f"{where}: shard {rank} of {world} ({holders} {world}) has no usable row ({_rows(s.n_rows)}; "
+                              f"skipped {describe_skips(s.skipped)}): fewer shards or more rows{hint}")
+    return whole
+
+
+def _rows(n: int) -> str:
+    return f"{n} row" if n == 1 else f"{n} rows"
+
+
+def check_context(cfg: ExperimentConfig, context: int | None, loaded: LoadedDataset) -> None:
+    """Generation needs room: the engines refuse a prompt whose length plus max_new_tokens exceeds
+    the model's positions, which would otherwise fail every request of the run."""
+    if context is None:
+        return
+    new = cfg.generation.max_new_tokens
+    if new >= context:
+        raise ConfigError(f"generation.max_new_tokens: {new} leaves no room for a prompt in the model's context of "
+                          f"{context} tokens (max_position_embeddings of {cfg.model.path})")
+    longest = max((int(t.numel()) for s in loaded.samples for t in s.get("prompt_ids", ())), default=0)
+    if longest + new > context:
+        raise ConfigError(f"generation.max_new_tokens: {new} + the longest prompt ({longest} tokens) exceeds the model's "
+                          f"context of {context} tokens; lower it or dataset.max_prompt_len")
 
 
 def _mfc_class(type_name: str):

@@ -12,10 +12,8 @@ import json
 import logging
 import os
 import traceback
-from datetime import timedelta
 from types import SimpleNamespace
 
-import torch
 import torch.distributed as dist
 
 from realcore.api.alloc import parse_allocation_mode
@@ -23,7 +21,7 @@ from realcore.api.config import ExperimentConfig
 from realcore.api.data import SequenceSample
 from realcore.api.registry import dataset_keys, lookup
 from realcore.dfg.graph import build_graph
-from realcore.system import keys
+from realcore.system import drops, keys, wire
 from realcore.system.batch_source import source_keys
 from realcore.system.control import ControlServer
 from realcore.system.data_plane import DataClient, DataServer, Storage
@@ -49,16 +47,17 @@ class ModelWorker:
         self.state = "created"
         self.storage = Storage()
         self.resolver = make_name_resolver(cfg.system.name_resolve)
-        host = cfg.system.host
-        self.control = ControlServer(host, secret, self._status)
-        self.data = DataServer(host, secret, self.storage)
-        self.client = DataClient(secret, cfg.system.request_timeout_s)
+        host, name, limits = cfg.system.host, f"model_worker/{index}", wire.Limits.of(cfg.system)
+        drops.set_log_interval(cfg.system.drop_log_interval_s)
+        self.control = ControlServer(host, secret, self._status, name=name, limits=limits)
+        self.data = DataServer(host, secret, self.storage, name=name, limits=limits)
+        self.client = DataClient(secret, cfg.system.request_timeout_s, name=name, limits=limits)
         self.peers: dict[int, str] = {}
         self.engines: dict = {}
         self.mfcs = {name: lookup("mfc", n.type)(cfg, next(m for m in cfg.mfcs if m.name == name))
                      for name, n in self.dfg.nodes.items()}
         self.dataset: list = []
-        self.stream = TrajectoryStream(host, secret) if cfg.mode == "async" and self.head else None
+        self.stream = TrajectoryStream(host, secret, name=name, limits=limits) if cfg.mode == "async" and self.head else None
         self.generator = None  # sync mode with generation servers: where `generate` MFCs sample
         info = {"control": self.control.address, "data": self.data.address, "pid": os.getpid()}
         if self.stream is not None:
@@ -115,19 +114,9 @@ class ModelWorker:
                                 timeout_s=r.request_timeout_s, ready_timeout_s=timeout)
 
     def _init_process_group(self) -> None:
-        cfg = self.cfg
-        key = keys.dist_init(cfg)
-        if self.index == 0:
-            import socket
+        from realcore.system.rendezvous import init_mesh
 
-            with socket.socket() as s:
-                s.bind((cfg.system.host, 0))
-                port = s.getsockname()[1]
-            self.resolver.put(key, f"tcp://{cfg.system.host}:{port}", replace=True)
-        addr = self.resolver.wait(key, timeout_s=cfg.system.startup_timeout_s)
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, init_method=addr, rank=self.index, world_size=self.world,
-                                timeout=timedelta(seconds=cfg.system.request_timeout_s))
+        init_mesh(self.cfg, self.resolver, self.index, self.world)
 
     def fetch(self, msg: Fetch) -> Fetched:
         """Samples for the master's ids: the next of this dataset shard (sync), or up to `n`
@@ -235,7 +224,8 @@ class ModelWorker:
             failed = []
             for address in msg.servers if self.index == 0 else []:
                 try:  # a server that died is caught up after its restart; the others get the weights now
-                    push_weights(address, self.control.secret, str(msg.version), state, self.cfg.system.request_timeout_s)
+                    push_weights(address, self.control.secret, str(msg.version), state, self.cfg.system.request_timeout_s,
+                                 limits=wire.Limits.of(self.cfg.system))
                 except (ConnectionError, TimeoutError) as e:
                     log.warning("weights not pushed to %s: %s", address, e)
                     failed.append(address)
@@ -270,30 +260,30 @@ class ModelWorker:
         sys_cfg = self.cfg.system
         while True:
             if held and self.state != "paused":
-                identity, rid, msg = held.pop(0)
+                peer, rid, msg = held.pop(0)
             else:
                 req = self.control.next_request(startup_timeout_s=sys_cfg.startup_timeout_s,
                                                 heartbeat_timeout_s=sys_cfg.heartbeat_timeout_s, who=f"model_worker/{self.index}")
                 if req is None:
                     continue
-                identity, rid, msg = req
+                peer, rid, msg = req
             if isinstance(msg, Exit):
-                self.control.send_reply(identity, rid)
+                self.control.send_reply(peer, rid)
                 return
             if isinstance(msg, (Pause, Start)):
                 self.state = "paused" if isinstance(msg, Pause) else "running"
-                self.control.send_reply(identity, rid)
+                self.control.send_reply(peer, rid)
             elif self.state == "paused":
-                held.append((identity, rid, msg))
+                held.append((peer, rid, msg))
             else:
-                self._execute(identity, rid, msg)
+                self._execute(peer, rid, msg)
 
-    def _execute(self, identity: bytes, rid: int, msg) -> None:
+    def _execute(self, peer: wire.Peer, rid: int, msg) -> None:
         try:
-            self.control.send_reply(identity, rid, self.handle(msg))
+            self.control.send_reply(peer, rid, self.handle(msg))
         except Exception as e:
             log.error("%s failed:\n%s", msg.CMD.name, traceback.format_exc())
-            self.control.send_reply(identity, rid, error=f"{msg.CMD.name}: {type(e).__name__}: {e}")
+            self.control.send_reply(peer, rid, error=f"{msg.CMD.name}: {type(e).__name__}: {e}")
 
     def close(self) -> None:
         self.control.close()
