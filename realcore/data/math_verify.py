@@ -1,9 +1,15 @@
 """Math answer checking: extract the final answer of a response and compare it with the reference.
 
-Comparison is numeric first (int / decimal / fraction, relative tolerance 1e-6) and symbolic (sympy)
-only when the numeric path cannot decide. sympy can hang or eat memory on adversarial input
-(`9**9**9**9`), so the symbolic check runs in one spawned worker process, reused across calls and
-killed and recreated when an answer exceeds its time limit.
+Model text is untrusted. Extraction is linear in the response's length (one pass for braces, no
+regex that can backtrack badly); answers are parsed by math_parse.py, which cannot run code and
+bounds every size, never by sympy's `parse_expr` (Python eval). Comparison, cheapest first:
+normalised text; exact rationals (1/2 = 0.5 = \\frac{1}{2}, relative tolerance 1e-6 for decimals);
+for expressions with variables or irrationals, values at a few fixed points (different there =
+different); only what is still undecided goes to sympy's `simplify(a - b) == 0`, which can still be
+slow, so it runs in one spawned worker process that receives parsed trees (data, not text), reused
+across calls and killed and recreated past its time limit. The reward runner's child process around
+the whole reward (realcore/mfc/reward_runner.py) is the second barrier. docs/math-verifier.md has
+the rules and how this compares with `math-verify`.
 """
 
 from __future__ import annotations
@@ -17,153 +23,266 @@ import os
 import re
 import signal
 import threading
+import time
 from fractions import Fraction
 
 from realcore.api.registry import register_reward
+from realcore.data.math_parse import (
+    MAX_ANSWER_CHARS,
+    MAX_ITEMS,
+    Answer,
+    has_percent,
+    is_text,
+    normalize,
+    parse_answer,
+    text_key,
+)
+from realcore.data.math_tree import Unparsable, approx, exact, free_symbols, to_sympy
+
+__all__ = ["extract_answer", "math_equal", "math_reward", "normalize", "symbolic_equal"]
 
 # ----------------------------------------------------------------------------------------------
-# Extraction
+# Extraction (linear time: `"\\boxed{" * 8000` must not rescan the text per occurrence)
+
+_BOXED = re.compile(r"\\boxed")
+_BOXED_TOKEN = re.compile(r"\s+([^\s$]+)")  # "\boxed 7": \s+ cannot backtrack into [^\s$]
+# A leading minus only when it is not a binary operator ("5-3" -> "3", not "-3").
+_NUMBER = re.compile(r"(?:(?<![\w)])-)?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|\.\d+)")
 
 
-def _braced(s: str, i: int) -> tuple[str, int] | None:
-    """`s[i] == "{"`: the content up to the matching brace and the index after it (None if unbalanced)."""
-    depth = 0
-    for j in range(i, len(s)):
-        if s[j] == "{":
-            depth += 1
-        elif s[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return s[i + 1 : j], j + 1
-    return None
+def _matching_braces(text: str) -> dict[int, int]:
+    """Index of each "{" that has a matching "}" -> index of that "}" (one pass with a stack)."""
+    stack, match = [], {}
+    for i, c in enumerate(text):
+        if c == "{":
+            stack.append(i)
+        elif c == "}" and stack:
+            match[stack.pop()] = i
+    return match
 
 
 def _boxed(text: str) -> str | None:
     """Content of the last well-formed `\\boxed{...}` (nested braces ok) or `\\boxed N`."""
-    for m in reversed(list(re.finditer(r"\\boxed", text))):
-        rest = m.end()
-        if rest < len(text) and text[rest] == "{":
-            got = _braced(text, rest)
-            if got is not None:
-                return got[0].strip()
+    starts = [m.end() for m in _BOXED.finditer(text)]
+    match = _matching_braces(text) if starts else {}
+    for i in reversed(starts):
+        if i < len(text) and text[i] == "{":
+            j = match.get(i)
+            if j is not None:
+                return text[i + 1 : j].strip()
         else:
-            tok = re.match(r"\s+([^\s$]+)", text[rest:])
+            tok = _BOXED_TOKEN.match(text, i)
             if tok:
                 return tok.group(1).rstrip(".")
     return None
 
 
-# A leading minus only when it is not a binary operator ("5-3" -> "3", not "-3").
-_NUMBER = re.compile(r"(?:(?<![\w)])-)?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|\.\d+)")
+def _hashes(text: str) -> str | None:
+    """GSM8K's final answer: the rest of the line after the last `####` that has one."""
+    i = text.rfind("####")
+    while i != -1:
+        j = i + 4
+        while j < len(text) and text[j].isspace():
+            j += 1
+        end = text.find("\n", j)
+        line = text[j : end if end != -1 else len(text)].strip()
+        if line:
+            return line
+        i = text.rfind("####", 0, i)
+    return None
+
+
+def _answer_is(text: str) -> str | None:
+    """What follows the last "answer is": an inline `$...$`, else a number ("The final answer is
+    $\\frac14$. I hope it is correct." is how many models end, without a box)."""
+    i = text.lower().rfind("answer is")
+    if i == -1:
+        return None
+    j = i + len("answer is")
+    while j < len(text) and (text[j].isspace() or text[j] == ":"):
+        j += 1
+    if text.startswith("$", j):
+        k = text.find("$", j + 1, j + 1 + MAX_ANSWER_CHARS)
+        if k != -1 and text[j + 1 : k].strip():
+            return text[j + 1 : k].strip()
+        j += 1  # a currency sign: "the answer is $5."
+    m = _NUMBER.match(text, j)
+    if m is None or (m.end() < len(text) and text[m.end()].isalnum()):  # "is 1e5", "is 5x": not just a number
+        return None
+    return m.group()
 
 
 def extract_answer(text: str) -> str | None:
-    """The final answer in `text`: last `\\boxed{}`, else GSM8K `#### N`, else the last number."""
+    """The final answer in `text`: last `\\boxed{}`, else GSM8K `#### N`, else what follows the last
+    "answer is" (`$...$` or a number), else the last number."""
     boxed = _boxed(text)
     if boxed:
         return boxed
-    hashes = re.findall(r"####\s*([^\n]+)", text)
-    if hashes and hashes[-1].strip():
-        return hashes[-1].strip()
-    numbers = _NUMBER.findall(text)
-    return numbers[-1] if numbers else None
+    hashes = _hashes(text)
+    if hashes:
+        return hashes
+    stated = _answer_is(text)
+    if stated:
+        return stated
+    last = None
+    for last in _NUMBER.finditer(text):
+        pass
+    return last.group() if last else None
 
 
 # ----------------------------------------------------------------------------------------------
-# Normalisation and numeric comparison
+# Comparison
 
-
-_FRAC = re.compile(r"\\[dt]?frac")
-
-
-def _replace_frac(s: str) -> str:
-    """`\\frac{a}{b}` (also `\\dfrac`, `\\tfrac`, `\\frac12`) -> `a/b` for plain tokens, else `(a)/(b)`."""
-    out, i = [], 0
-    while True:
-        m = _FRAC.search(s, i)
-        if m is None:
-            return "".join(out) + s[i:]
-        out.append(s[i : m.start()])
-        j, parts = m.end(), []
-        for _ in range(2):
-            if j < len(s) and s[j] == "{":
-                got = _braced(s, j)
-                if got is None:
-                    return "".join(out) + s[m.start() :]
-                parts.append(got[0])
-                j = got[1]
-            elif j < len(s):  # \frac12: single-character arguments
-                parts.append(s[j])
-                j += 1
-        if len(parts) != 2:
-            return "".join(out) + s[m.start() :]
-        parts = [_replace_frac(p) for p in parts]
-        plain = all(re.fullmatch(r"-?[\w.]+", p) for p in parts)
-        out.append(f"{parts[0]}/{parts[1]}" if plain else f"({parts[0]})/({parts[1]})")
-        i = j
-
-
-def _replace_text(s: str) -> str:
-    """`\\text{abc}` (also `\\textbf`, `\\mbox`) -> `abc`."""
-    while (m := re.search(r"\\(?:text\w*|mbox)\{", s)) is not None:
-        got = _braced(s, m.end() - 1)
-        if got is None:
-            break
-        s = s[: m.start()] + got[0] + s[got[1] :]
-    return s
-
-
-def normalize(s: str) -> str:
-    s = _replace_text(s)
-    s = re.sub(r"\s+", "", s)
-    s = s.replace("\u2212", "-").replace("$", "").replace("\\%", "").replace("%", "")
-    s = re.sub(r"\\left|\\right|\\[,!;:]", "", s)
-    s = re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", s)  # thousands separators only: "(1,2)" keeps its comma
-    s = _replace_frac(s)
-    s = s.rstrip(".")
-    return s
-
-
-def _as_number(s: str) -> Fraction | None:
-    s = re.sub(r"\(([-\d./]+)\)", r"\1", s)  # "(1/3)", "(-1)/(2)"; "2/(1/2)" -> "2/1/2" is rejected below
-    # Fraction() also accepts "nan", "inf" and "1e999999999" (slow to build): none is an answer.
-    if not re.fullmatch(r"[-+]?[\d./]+(?:e[-+]?\d{1,3})?", s):
-        return None
-    try:
-        return Fraction(s)
-    except (ValueError, ZeroDivisionError):
-        return None
+_REL_TOL = 1e-6  # for two rational constants: "0.3333333" is 1/3
+_FLOAT_REL_TOL = 1e-4  # values at a point: only a clear difference decides (floats lose digits)
+_POINTS = (Fraction(7, 11), Fraction(13, 8), Fraction(19, 7), Fraction(5, 13), Fraction(23, 17))
 
 
 def _numbers_equal(a: Fraction, b: Fraction) -> bool:
     if a == b:
         return True
     try:
-        return math.isclose(float(a), float(b), rel_tol=1e-6)
+        return math.isclose(float(a), float(b), rel_tol=_REL_TOL)
     except OverflowError:  # beyond float range and not exactly equal
         return False
 
 
+def _env(names: list[str], k: int) -> dict[str, Fraction]:
+    """Point k: distinct, positive (sqrt and log stay real), not simple values."""
+    return {name: _POINTS[(k + j) % len(_POINTS)] + j for j, name in enumerate(names)}
+
+
+def _differ_somewhere(a: list, b: list, names: list[str]) -> bool:
+    """True if `a` and `b` certainly differ: exactly at a rational point, or clearly in floats."""
+    for k in range(3):
+        env = _env(names, k)
+        try:
+            ea, eb = exact(a, env), exact(b, env)
+        except (ArithmeticError, Unparsable):  # 1/0 at this point, or a number too large
+            ea = eb = None
+        if ea is not None and eb is not None:
+            if ea != eb:
+                return True
+            continue
+        try:
+            fenv = {n: float(v) for n, v in env.items()}
+            fa, fb = approx(a, fenv), approx(b, fenv)
+        except (ArithmeticError, ValueError, KeyError):
+            continue
+        if math.isfinite(fa) and math.isfinite(fb) and not math.isclose(fa, fb, rel_tol=_FLOAT_REL_TOL, abs_tol=1e-9):
+            return True
+    return False
+
+
+def _values_equal(a: list, b: list, deadline: float) -> bool:
+    if a == b:
+        return True
+    names = sorted(free_symbols(a) | free_symbols(b))
+    if not names:
+        try:
+            ea, eb = exact(a), exact(b)
+        except (ArithmeticError, Unparsable):  # 1/0, or a constant too large to decide
+            return False
+        if ea is not None and eb is not None:
+            return _numbers_equal(ea, eb)
+        try:
+            fa, fb = approx(a, {}), approx(b, {})
+            if math.isinf(fa) and fa == fb:  # oo - oo is not 0 to sympy
+                return True
+        except (ArithmeticError, ValueError):
+            pass
+    if _differ_somewhere(a, b, names):
+        return False
+    remaining = deadline - time.monotonic()
+    return remaining > 0 and symbolic_equal(a, b, remaining)
+
+
+def _items_equal(a: list, b: list, deadline: float) -> bool:
+    """Two items: expressions, or equations ("x=3" and "2+1=3" also equal "3"; "x=3" and "y=3" differ)."""
+    if a[0] == "eq" and b[0] == "eq":
+        if _values_equal(a[1], b[1], deadline) and _values_equal(a[2], b[2], deadline):
+            return True
+        return _same_equation(a, b, deadline)
+    if a[0] == "eq" or b[0] == "eq":
+        eq, other = (a, b) if a[0] == "eq" else (b, a)
+        named = eq[1][0] == "sym" or not free_symbols(eq[1])  # "x = 3" or a computation "2 + 1 = 3"
+        return named and _values_equal(eq[2], other, deadline)
+    return _values_equal(a, b, deadline)
+
+
+def _same_equation(a: list, b: list, deadline: float) -> bool:
+    """`l1 = r1` and `l2 = r2` are one equation if l1 - r1 = c (l2 - r2) for a constant c != 0
+    ("2x + 3y = 6" and "4x + 6y = 12", "x = 3" and "3 = x"); c is read off at one point."""
+    d1, d2 = ["add", a[1], ["neg", a[2]]], ["add", b[1], ["neg", b[2]]]
+    names = sorted(free_symbols(d1) | free_symbols(d2))
+    if not names:
+        return False
+    try:
+        v1, v2 = exact(d1, _env(names, 0)), exact(d2, _env(names, 0))
+    except (ArithmeticError, Unparsable):
+        return False
+    if v1 is None or v2 is None or v1 == 0 or v2 == 0:
+        return False
+    c = v1 / v2
+    return _values_equal(d1, ["mul", ["num", c.numerator, c.denominator], d2], deadline)
+
+
+def _answers_equal(a: Answer, b: Answer, deadline: float) -> bool:
+    unordered = {"set", "list"}
+    if a.kind in unordered and b.kind in unordered:
+        return _same_multiset(a.items, b.items, deadline)
+    if a.kind != b.kind or len(a.items) != len(b.items) or a.brackets != b.brackets:
+        return False
+    if a.kind == "union":  # of intervals: order does not matter, brackets do
+        left = list(b.items)
+        for x in a.items:
+            j = next((j for j, y in enumerate(left) if _answers_equal(x, y, deadline)), None)
+            if j is None:
+                return False
+            left.pop(j)
+        return True
+    return all(_items_equal(x, y, deadline) for x, y in zip(a.items, b.items))
+
+
+def _same_multiset(xs: list, ys: list, deadline: float) -> bool:
+    if len(xs) != len(ys) or len(xs) > MAX_ITEMS:
+        return False
+    left = list(ys)
+    for x in xs:  # greedy matching: equality is transitive, so a match never needs undoing
+        j = next((j for j, y in enumerate(left) if _items_equal(x, y, deadline)), None)
+        if j is None:
+            return False
+        left.pop(j)
+    return True
+
+
+def math_equal(pred: str, gold: str, *, timeout_s: float = 2.0) -> bool:
+    """Whether `pred` and `gold` denote the same answer; `timeout_s` bounds the time spent in sympy."""
+    if not pred or not gold or len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
+        return False
+    a, b = normalize(pred), normalize(gold)
+    if not a or not b:
+        return False
+    if a == b:
+        return True
+    try:
+        pa, pb = parse_answer(a), parse_answer(b)
+    except Unparsable:  # not math we can read (or beyond the size bounds): compare as text
+        return text_key(a) == text_key(b)
+    deadline = time.monotonic() + timeout_s
+    if _answers_equal(pa, pb, deadline):
+        return True
+    for text, answer, other in ((pred, pa, pb), (gold, pb, pa)):  # "50%" is 50 (above) or 0.5
+        if has_percent(text) and answer.kind == "expr" and answer.items[0][0] != "eq":
+            hundredth = Answer("expr", [["div", answer.items[0], ["num", 100, 1]]])
+            if _answers_equal(hundredth, other, deadline):
+                return True
+    # "Yes" and "yes" parse as products of different symbols; as words they are one answer.
+    return is_text(a) and is_text(b) and text_key(a) == text_key(b)
+
+
 # ----------------------------------------------------------------------------------------------
 # Symbolic comparison in a worker process
-
-# parse_expr evaluates its input as Python, so only arithmetic characters and known function names
-# reach it; model output must never be able to call `open` or `exit`.
-_SAFE_CHARS = re.compile(r"[0-9a-zA-Z+\-*/^().]*")
-_SAFE_NAMES = {"sqrt", "sin", "cos", "tan", "cot", "sec", "csc", "asin", "acos", "atan", "sinh", "cosh",
-               "tanh", "log", "ln", "exp", "pi", "oo", "Abs", "abs"}  # fmt: skip
-
-
-def _latex_to_sympy(s: str) -> str | None:
-    """Normalised LaTeX -> sympy syntax, or None if it contains anything outside the safe subset."""
-    s = re.sub(r"\\sqrt\{", "sqrt{", s)
-    s = s.replace("\\cdot", "*").replace("\\times", "*").replace("\\infty", "oo")
-    s = re.sub(r"\\([a-zA-Z]+)", r"\1", s).replace("{", "(").replace("}", ")")
-    if not _SAFE_CHARS.fullmatch(s) or re.search(r"\.(?!\d)", s):
-        return None
-    if any(len(n) > 1 and n not in _SAFE_NAMES for n in re.findall(r"[a-zA-Z]+", s)):
-        return None
-    return s
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -177,18 +296,12 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def _worker_main(conn, parent_pid: int) -> None:
-    """Worker loop: receive a JSON [a, b] pair, answer b"1" / b"0"; exit when the parent's end closes."""
+    """Worker loop: receive a JSON [tree, tree] pair, answer b"1" / b"0"; exit when the parent's end
+    closes. Trees are built into sympy objects by constructors: no text is ever parsed here."""
     _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     from sympy import simplify
-    from sympy.parsing.sympy_parser import (
-        convert_xor,
-        implicit_multiplication_application,
-        parse_expr,
-        standard_transformations,
-    )
 
-    transformations = standard_transformations + (implicit_multiplication_application, convert_xor)
     conn.send_bytes(b"ready")
     while True:
         try:
@@ -196,9 +309,8 @@ def _worker_main(conn, parent_pid: int) -> None:
         except EOFError:
             return
         try:
-            diff = parse_expr(a, transformations=transformations) - parse_expr(b, transformations=transformations)
-            ok = bool(simplify(diff) == 0)
-        except Exception:  # parse errors, TypeError on non-expressions, MemoryError, RecursionError
+            ok = bool(simplify(to_sympy(a) - to_sympy(b)) == 0)
+        except Exception:  # a malformed tree, TypeError on non-expressions, MemoryError, RecursionError
             ok = False
         conn.send_bytes(b"1" if ok else b"0")
 
@@ -244,8 +356,9 @@ def _get_worker() -> dict:
     return _worker
 
 
-def symbolic_equal(a: str, b: str, timeout_s: float = 2.0) -> bool:
-    """sympy `simplify(a - b) == 0` in the worker; False on timeout (worker recreated) or any error."""
+def symbolic_equal(a: list, b: list, timeout_s: float = 2.0) -> bool:
+    """sympy `simplify(a - b) == 0` of two parsed trees in the worker; False on timeout (worker
+    recreated) or any error."""
     with _lock:
         w = _get_worker()
         try:
@@ -259,26 +372,7 @@ def symbolic_equal(a: str, b: str, timeout_s: float = 2.0) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------
-# Public comparison and reward
-
-
-def math_equal(pred: str, gold: str, *, timeout_s: float = 2.0) -> bool:
-    """Whether `pred` and `gold` denote the same value (numeric first, then symbolic with a time limit)."""
-    try:
-        a, b = normalize(pred), normalize(gold)
-    except RecursionError:  # \frac nested hundreds deep
-        return False
-    if not a or not b:
-        return False
-    if a == b:
-        return True
-    na, nb = _as_number(a), _as_number(b)
-    if na is not None and nb is not None:
-        return _numbers_equal(na, nb)
-    sa, sb = _latex_to_sympy(a), _latex_to_sympy(b)
-    if sa is None or sb is None:
-        return False
-    return symbolic_equal(sa, sb, timeout_s)
+# Reward
 
 
 @register_reward("math")
