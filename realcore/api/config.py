@@ -224,6 +224,24 @@ class SystemConfig(_Strict):
         120.0, gt=0, description="SIGTERM to the launcher: the step in progress finishes and a recover checkpoint is "
         "written within this, then the run exits 75; past it, everything is killed")
     name_resolve: NameResolveConfig = NameResolveConfig()
+    max_http_body_bytes: int = Field(
+        16 * 2**20, ge=2**16, description="largest request body the built-in generation server reads (413 above "
+        "it). The largest legitimate body is a /generate batch: max_batch_size prompts of up to the model's context "
+        "as JSON token ids, at most 8 bytes each ('151643, '): the default fits 64 prompts of 30k tokens")
+    # ZeroMQ wire limits and replay protection (realcore/system/wire.py, docs/wire.md).
+    max_message_bytes: int = Field(
+        2**31, gt=0, description="largest frame a tensor-carrying ZeroMQ socket accepts (ZMQ_MAXMSGSIZE; one frame "
+        "is one tensor, the largest being one weight tensor of an in-memory weight update); a sender fails naming "
+        "this key when a tensor is larger, a receiver drops the connection of a peer that sends one")
+    max_control_message_bytes: int = Field(
+        64 * 2**20, gt=0, description="largest control message (and message header) a socket accepts: control "
+        "sockets carry msgpack metadata only (capped at max_message_bytes)")
+    clock_skew_s: float = Field(
+        30.0, ge=0, description="a receiver rejects messages stamped earlier than its own start minus this (replays "
+        "captured before it restarted); also the clock difference between hosts that is tolerated")
+    drop_log_interval_s: float = Field(
+        60.0, gt=0, description="a dropped message is logged the first time its (socket, reason) occurs, then in at "
+        "most one summary line per this many seconds; every drop is counted in metrics.jsonl (dropped/*)")
 
 
 class ExperimentConfig(_Strict):
