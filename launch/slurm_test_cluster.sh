@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A throw-away Slurm cluster on this host for tests: munge, slurmctld and 4 virtual slurmd nodes
 # (n1..n4, 127.0.0.1), all state under DIR. Needs root and the Debian packages
-# slurmctld slurmd slurm-client munge (see /work/shared/notes/cluster.md).
+# slurmctld slurmd slurm-client munge (see docs/test-clusters.md).
 #
 #   launch/slurm_test_cluster.sh up DIR      # prints the SLURM_CONF to export; waits until nodes are idle
 #   launch/slurm_test_cluster.sh down DIR    # cancels jobs, stops the daemons, leaves DIR

@@ -3,7 +3,7 @@
 import pytest
 
 from realcore.api.alloc import ParallelDims, parse_allocation_mode
-from realcore.api.registry import dataset_keys, register_mfc
+from realcore.api.registry import dataset_keys
 from realcore.dfg.draw import draw
 from realcore.dfg.graph import GraphError, build_graph
 from realcore.launch.config_loader import ConfigError, import_user_modules, load_config
@@ -93,6 +93,33 @@ def test_duplicate_producer_unknown_type_unknown_model():
     mfcs[3]["inputs"].remove("ref_logprobs")
     with pytest.raises(GraphError, match=r"ppo.kl_coef > 0"):
         _rebuild(cfg, mfcs)
+
+
+def test_mfc_max_tokens_per_mb_only_where_it_micro_batches():
+    cfg = cfg_with()
+    mfcs = _mfcs(cfg)
+    mfcs[2]["max_tokens_per_mb"] = 64  # ref_inf (inference) and actor_train (ppo_update) take it
+    mfcs[3]["max_tokens_per_mb"] = 128
+    _rebuild(cfg, mfcs)
+    for i, (name, mfc_type) in enumerate([("actor_gen", "generate"), ("reward", "reward")]):
+        mfcs = _mfcs(cfg)
+        mfcs[i]["max_tokens_per_mb"] = 64
+        where = rf"mfcs\[{i}\] \({name}\).max_tokens_per_mb"
+        with pytest.raises(GraphError, match=rf"{where}: MFC type '{mfc_type}' runs no"):
+            _rebuild(cfg, mfcs)
+
+
+def test_gradient_checkpointing_needs_a_trainable_role():
+    with pytest.raises(ConfigError, match="ref: .*gradient_checkpointing: only a trainable role"):
+        load_config(["experiment=ppo-math", "++ref.gradient_checkpointing=true"])
+    assert cfg_with("actor.gradient_checkpointing=true").actor.gradient_checkpointing
+
+
+def test_registries_are_the_documented_extension_points():
+    from realcore.api import registry
+
+    assert sorted(registry._REGISTRIES) == ["agent", "dataset", "mfc", "reward"]
+    assert not hasattr(registry, "register_env")  # environments come with their own contract later
 
 
 def test_user_mfc_registered_from_yaml(tmp_path, monkeypatch):

@@ -1,6 +1,6 @@
 """Real megatron-core on CPU over gloo: TP=2 and PP=2 (1F1B) GPTModels match a TP=1 reference.
 
-Pattern (notes/megatron-cpu.md): one process builds a TP=1 reference with a fixed seed and
+Pattern (docs/megatron-cpu.md): one process builds a TP=1 reference with a fixed seed and
 saves weights, logits, loss and grads (safetensors, no pickle); then 2 processes slice the
 same weights into their TP shards / PP stages and must reproduce logits, loss and gradients.
 """

@@ -227,3 +227,63 @@ def test_engine_matches_reference(root, mesh, kind, megatron):
     os.environ["OMP_NUM_THREADS"] = "1"
     world = parse_mesh(mesh).world_size
     mp.spawn(_worker, args=(world, _free_port(), hf_path, out, mesh, megatron), nprocs=world, join=True)
+
+
+def _layer_calls(engine) -> list[int]:
+    """Count forward calls of every transformer layer of the engine (Megatron's recompute calls the layers
+    again, hooks included)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    calls = [0]
+    for chunk in engine.chunks:
+        for m in chunk.modules():
+            if isinstance(m, TransformerLayer):
+                m.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+def _recompute_worker(rank, world, port, hf_path, mesh):
+    """gradient_checkpointing: the same gradients and losses, every layer run twice per micro-batch in training;
+    a call's max_tokens_per_mb: more micro-batches, the same log-probs."""
+    torch.set_num_threads(1)
+    from realcore.api.alloc import parse_mesh
+    from realcore.backends.batching import split_by_budget
+    from realcore.backends.megatron.engine import MegatronEngine
+
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dims, data = parse_mesh(mesh), _data()
+    n_mb = len(split_by_budget([len(x) for x in data["input_ids"]], 24))
+    plain = MegatronEngine(hf_path, _role(), dims, total_steps=STEPS)
+    ckpt = MegatronEngine(hf_path, _role().model_copy(update={"gradient_checkpointing": True}), dims, total_steps=STEPS)
+    assert plain.config.recompute_granularity is None and ckpt.config.recompute_granularity == "full"
+    layers = plain.config.num_layers // dims.pp  # layers on this rank
+    calls = {"plain": _layer_calls(plain), "ckpt": _layer_calls(ckpt)}
+    stats = {k: e.forward_backward(data, _loss_fn, _n_tokens) for k, e in (("plain", plain), ("ckpt", ckpt))}
+    assert calls["plain"][0] == n_mb * layers and calls["ckpt"][0] == 2 * n_mb * layers, (calls, n_mb, layers)
+    assert stats["ckpt"]["loss"] == pytest.approx(stats["plain"]["loss"], rel=1e-6)
+    grads = {"plain": plain.hf_state_dict(grads=True), "ckpt": ckpt.hf_state_dict(grads=True)}
+    if rank == 0:
+        for name, g in grads["plain"].items():
+            _assert_close(grads["ckpt"][name], g, f"grad {name}")
+    losses = {k: [e.train_batch(data, _loss_fn, _n_tokens)["loss"] for _ in range(2)]
+              for k, e in (("plain", plain), ("ckpt", ckpt))}
+    assert losses["ckpt"] == pytest.approx(losses["plain"], rel=RTOL), losses
+
+    # A per-call budget (an MFC's max_tokens_per_mb) changes the split of that call only.
+    calls["plain"][0] = 0
+    default = plain.logprobs(data["input_ids"])
+    assert calls["plain"][0] == n_mb * layers
+    calls["plain"][0] = 0
+    small = plain.logprobs(data["input_ids"], max_tokens_per_mb=12)
+    n_small = len(split_by_budget([len(x) for x in data["input_ids"]], 12))
+    assert n_small > n_mb and calls["plain"][0] == n_small * layers
+    for a, b in zip(small, default):
+        _assert_close(a, b, "logprobs with max_tokens_per_mb=12")
+    torch.distributed.destroy_process_group()
+
+
+def test_gradient_checkpointing_and_call_budget(root):
+    """TP=2 with sequence parallel (the RNG tracker and SP gathers run again in the recompute)."""
+    hf_path = _hf_dir(root, "untied")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    mp.spawn(_recompute_worker, args=(2, _free_port(), hf_path, "d1p1t2"), nprocs=2, join=True)

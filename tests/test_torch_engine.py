@@ -213,3 +213,86 @@ def test_save_hf_roundtrip_and_frozen_role(model_dir, tmp_path):
     assert not any(p.requires_grad for p in frozen.model.parameters()) and not frozen.model.training
     with pytest.raises(ValueError, match="not trainable"):
         frozen.train_batch(make_data([4], seed=7), nll_loss, n_loss_tokens)
+
+
+def _count_forwards(module: torch.nn.Module) -> list[int]:
+    """Tokens of every forward call of `module` (HF passes input_ids as a keyword)."""
+    calls: list[int] = []
+    module.register_forward_hook(lambda mod, args, kwargs, out: calls.append(int(kwargs["input_ids"].shape[1])),
+                                 with_kwargs=True)
+    return calls
+
+
+def _mfc(mfc_type: str, budget: int | None):
+    """An MFC object as the model worker builds it: (ExperimentConfig, its MFCConfig)."""
+    from realcore.api.config import ExperimentConfig, MFCConfig
+    from realcore.api.registry import lookup
+
+    m = MFCConfig(name=f"{mfc_type}-{budget}", type=mfc_type, model="actor", max_tokens_per_mb=budget)
+    cfg = ExperimentConfig(experiment_name="t", output_dir="/tmp/unused", mfcs=[m])
+    return lookup("mfc", mfc_type)(cfg, m)
+
+
+def test_mfc_max_tokens_per_mb_overrides_the_role_for_that_mfc_only(model_dir):
+    import realcore.mfc  # noqa: F401  (registers the built-in MFCs)
+    from realcore.api.data import SequenceSample
+
+    lens = [7, 12, 3, 20, 9, 1, 15]  # 67 tokens: one micro-batch under the role's budget, three under 25
+    assert split_by_budget(lens, 25) == [[0, 1, 2], [3], [4, 5, 6]]
+    data = make_data(lens, seed=8)
+    g = torch.Generator().manual_seed(8)
+    data["behav_logprobs"] = [-torch.rand(n, generator=g) for n in lens]
+    data["rewards"] = [torch.tensor([float(i % 2)]) for i in range(len(lens))]
+    batch = SequenceSample.from_flat([0, 1], [3, 4], data)  # two prompts, groups of 3 and 4
+
+    # inference: two MFCs on one engine, only the one with the key micro-batches differently.
+    eng = TorchEngine(model_dir, trainable_role(10_000), total_steps=10)
+    calls = _count_forwards(eng.model)
+    small = _mfc("inference", 25).run(eng, batch).flat("logprobs")
+    assert calls == [22, 20, 25]
+    calls.clear()
+    default = _mfc("inference", None).run(eng, batch).flat("logprobs")
+    assert calls == [67] and eng.role.max_tokens_per_mb == 10_000
+    for a, b in zip(small, default):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+    # ppo_update and sft_update: the same split in training; the update itself does not change.
+    for mfc_type in ("ppo_update", "sft_update"):
+        results = {}
+        for budget, expected in ((25, [22, 20, 25]), (None, [67])):
+            eng = TorchEngine(model_dir, trainable_role(10_000), total_steps=10)
+            calls = _count_forwards(eng.model)
+            stats = _mfc(mfc_type, budget).run(eng, batch)
+            assert calls == expected, (mfc_type, budget)
+            results[budget] = (stats, {n: p.detach().clone() for n, p in eng.model.named_parameters()})
+        (s25, p25), (sdef, pdef) = results[25], results[None]
+        for k in ("loss", "grad_norm"):
+            assert s25[k] == pytest.approx(sdef[k], rel=1e-5), (mfc_type, k)
+        for n in pdef:
+            torch.testing.assert_close(p25[n], pdef[n], rtol=1e-5, atol=1e-7, msg=n)
+
+
+def _counted(fn, calls: list):
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+def test_gradient_checkpointing_recomputes_layers_same_update(model_dir):
+    data = make_data([7, 12, 3, 20], seed=9)
+    results = {}
+    for ckpt in (False, True):
+        role = trainable_role(10_000).model_copy(update={"gradient_checkpointing": ckpt})
+        eng = TorchEngine(model_dir, role, total_steps=10)
+        layer_calls = []
+        for layer in eng.model.model.layers:  # count MLP forwards (module hooks do not run in the recompute)
+            layer.mlp.forward = _counted(layer.mlp.forward, layer_calls)
+        stats = eng.train_batch(data, nll_loss, n_loss_tokens)
+        results[ckpt] = (stats, len(layer_calls), {n: p.detach().clone() for n, p in eng.model.named_parameters()})
+    (s0, n0, p0), (s1, n1, p1) = results[False], results[True]
+    assert n0 == 2 and n1 == 4  # 2 layers, one micro-batch: each layer runs again in backward
+    assert s1["loss"] == pytest.approx(s0["loss"], rel=1e-6)
+    assert s1["grad_norm"] == pytest.approx(s0["grad_norm"], rel=1e-5)
+    for n in p0:
+        torch.testing.assert_close(p1[n], p0[n], rtol=1e-5, atol=1e-7, msg=n)

@@ -66,11 +66,23 @@ class RoleConfig(_Strict):
 
     backend: Literal["torch", "megatron"] | None = Field(
         None, description="torch | megatron; None: torch for the actor, the actor's backend for other roles")
-    megatron: MegatronConfig = MegatronConfig()
-    trainable: bool = False
-    optimizer: OptimizerConfig = OptimizerConfig()
-    max_tokens_per_mb: int = Field(4096, gt=0, description="token budget of one micro-batch")
-    gradient_checkpointing: bool = False
+    megatron: MegatronConfig = Field(default_factory=MegatronConfig, description="read by backend=megatron only")
+    trainable: bool = Field(False, description="has an optimizer: MFCs that train (ppo_update, sft_update) need it")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="used when trainable")
+    max_tokens_per_mb: int = Field(
+        4096, gt=0, description="token budget of one packed micro-batch of a forward (and backward) pass; a longer "
+        "sequence gets a micro-batch of its own. An MFC's own max_tokens_per_mb overrides it for that MFC")
+    gradient_checkpointing: bool = Field(
+        False, description="trainable roles: keep only each transformer layer's input and recompute the layer in "
+        "backward (less activation memory, about one more forward of compute). torch: HF gradient checkpointing; "
+        "megatron: megatron-core full recompute, one layer per unit")
+
+    @model_validator(mode="after")
+    def _check(self) -> "RoleConfig":
+        if self.gradient_checkpointing and not self.trainable:
+            raise ValueError("gradient_checkpointing: only a trainable role runs backward (set trainable: true "
+                             "or drop it)")
+        return self
 
 
 class DatasetConfig(_Strict):
@@ -140,6 +152,9 @@ class RolloutConfig(_Strict):
     request_retries: int = Field(3, ge=0, description="a request whose server fails or goes silent runs again on another server, this many times")
     episode_retries: int = Field(2, ge=0, description="a failing agent episode is retried this many times, then its group is dropped and counted")
     server_token: str | None = Field(None, description="bearer token; required when a server binds a non-loopback address")
+    server_python: str | None = Field(
+        None, description="the interpreter that runs SGLang/vLLM servers (e.g. /opt/sglang-venv/bin/python), so the "
+        "engine can live in its own environment; None: realcore's own (sys.executable)")
 
 
 class TrainerConfig(_Strict):
@@ -154,15 +169,18 @@ class TrainerConfig(_Strict):
 class MFCConfig(_Strict):
     """One node of the dataflow graph."""
 
-    name: str
+    name: str = Field(description="unique node name (logs, stats `time/NAME_s`, errors)")
     type: str = Field(description="a registered MFC implementation")
     model: str | None = Field(None, description="model role; None for model-free MFCs (reward)")
-    inputs: list[str] = Field(default_factory=list)
-    outputs: list[str] = Field(default_factory=list)
+    inputs: list[str] = Field(default_factory=list, description="buffer keys it reads (data source or other MFCs)")
+    outputs: list[str] = Field(default_factory=list, description="names it writes (output_remap renames them)")
     input_remap: dict[str, str] = Field(default_factory=dict, description="buffer key -> name the MFC reads")
     output_remap: dict[str, str] = Field(default_factory=dict, description="name the MFC writes -> buffer key")
     n_seqs: int | None = Field(None, gt=0, description="samples per call; default trainer.batch_size")
-    max_tokens_per_mb: int | None = Field(None, gt=0)
+    max_tokens_per_mb: int | None = Field(
+        None, gt=0, description="this MFC's micro-batch token budget, passed to its engine calls (logprobs, "
+        "train_batch); None: the role's max_tokens_per_mb. Only for MFC types that micro-batch (inference, "
+        "ppo_update, sft_update): on others it is an error")
 
 
 class NameResolveConfig(_Strict):

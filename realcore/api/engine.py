@@ -35,8 +35,11 @@ class Engine(ABC):
     version: int = 0  # completed optimizer updates
 
     @abstractmethod
-    def logprobs(self, input_ids: list[torch.Tensor], temperature: float = 1.0) -> list[torch.Tensor]:
-        """Per-token log-probs of each sequence (float32, same length; position 0 is 0)."""
+    def logprobs(self, input_ids: list[torch.Tensor], temperature: float = 1.0, *,
+                 max_tokens_per_mb: int | None = None) -> list[torch.Tensor]:
+        """Per-token log-probs of each sequence (float32, same length; position 0 is 0).
+        `max_tokens_per_mb`: token budget of one micro-batch of this call (an MFC's own
+        `MFCConfig.max_tokens_per_mb`); None: the role's `RoleConfig.max_tokens_per_mb`."""
 
     @abstractmethod
     def train_batch(
@@ -47,10 +50,11 @@ class Engine(ABC):
         *,
         n_minibatches: int = 1,
         temperature: float = 1.0,
+        max_tokens_per_mb: int | None = None,
     ) -> dict[str, float]:
         """One optimizer step per minibatch over `data` (must hold `input_ids`; all keys per-token).
         Losses are token-weighted across micro-batches and data-parallel ranks. Returns averaged
-        stats plus `grad_norm` and `lr`."""
+        stats plus `grad_norm` and `lr`. `max_tokens_per_mb` as in `logprobs`."""
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], gconfig: Any) -> list[GenerationResult]:

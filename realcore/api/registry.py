@@ -1,4 +1,4 @@
-"""Registries at the user extension points: MFCs, rewards, datasets, agents, environments.
+"""Registries at the user extension points: MFCs, rewards, datasets, agents.
 
 A user module listed in the experiment's `imports:` registers its own entries with these decorators;
 the graph is built after those imports, so YAML can name them.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-_REGISTRIES: dict[str, dict[str, Any]] = {"mfc": {}, "reward": {}, "dataset": {}, "agent": {}, "env": {}}
+_REGISTRIES: dict[str, dict[str, Any]] = {"mfc": {}, "reward": {}, "dataset": {}, "agent": {}}
 
 
 def _register(kind: str, name: str, obj: Any) -> Any:
@@ -36,8 +36,10 @@ def register_mfc(name: str) -> Callable:
     `model` is the role's Engine; for a model-free MFC it only has `.tokenizer` (the actor's).
     `batch` holds the MFC's inputs under the names it reads (after `input_remap`); it returns its
     declared outputs under the names it writes. Class attributes: `needs_model` (bool), `trains`
-    (bool: a call updates the policy); optional classmethod `check_config(cfg, mfc)` raising
-    ValueError, called when the graph is built."""
+    (bool: a call updates the policy), `micro_batches` (bool: it passes `mfc.max_tokens_per_mb` to
+    the engine's `logprobs`/`train_batch`; without it, setting that key is a graph error), optional
+    `generates` (bool: it only samples, so with generation servers its `model` is a client of them);
+    optional classmethod `check_config(cfg, mfc)` raising ValueError, called when the graph is built."""
     return lambda cls: _register("mfc", name, cls)
 
 
@@ -67,7 +69,3 @@ def dataset_keys(cfg: Any) -> tuple[str, ...]:
 
 def register_agent(name: str) -> Callable:
     return lambda obj: _register("agent", name, obj)
-
-
-def register_env(name: str) -> Callable:
-    return lambda obj: _register("env", name, obj)

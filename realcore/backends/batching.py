@@ -27,6 +27,8 @@ def lr_factor(step: int, opt: OptimizerConfig, total_steps: int) -> float:
 def split_by_budget(lens: list[int], budget: int) -> list[list[int]]:
     """Greedy, in-order split of sequence indices into micro-batches of at most `budget` tokens
     (a sequence longer than the budget gets a micro-batch of its own)."""
+    if budget <= 0:
+        raise ValueError(f"max_tokens_per_mb must be > 0, got {budget}")
     mbs: list[list[int]] = []
     cur: list[int] = []
     cur_tokens = 0

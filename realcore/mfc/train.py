@@ -19,6 +19,7 @@ class PPOUpdate:
 
     needs_model = True
     trains = True
+    micro_batches = True  # passes mfc.max_tokens_per_mb to the engine
 
     @classmethod
     def check_config(cls, cfg, mfc) -> None:
@@ -36,6 +37,7 @@ class PPOUpdate:
     def __init__(self, cfg, mfc):
         self.ppo = cfg.ppo
         self.temperature = cfg.generation.temperature
+        self.max_tokens_per_mb = mfc.max_tokens_per_mb  # None: the role's budget
 
     def loss_fn(self, logprobs, entropy, data):
         mask = data["loss_mask"].float()
@@ -69,7 +71,8 @@ class PPOUpdate:
         stats = {}
         for _ in range(self.ppo.ppo_epochs):
             stats = model.train_batch(
-                data, self.loss_fn, _n_tokens, n_minibatches=self.ppo.ppo_n_minibatches, temperature=self.temperature
+                data, self.loss_fn, _n_tokens, n_minibatches=self.ppo.ppo_n_minibatches, temperature=self.temperature,
+                max_tokens_per_mb=self.max_tokens_per_mb,
             )
         stats["ppo/adv_abs_mean"] = float(adv.abs().mean()) if len(adv) else 0.0
         return stats
@@ -81,9 +84,10 @@ class SFTUpdate:
 
     needs_model = True
     trains = True
+    micro_batches = True  # passes mfc.max_tokens_per_mb to the engine
 
     def __init__(self, cfg, mfc):
-        pass
+        self.max_tokens_per_mb = mfc.max_tokens_per_mb  # None: the role's budget
 
     @staticmethod
     def loss_fn(logprobs, entropy, data):
@@ -94,4 +98,4 @@ class SFTUpdate:
 
     def run(self, model, batch: SequenceSample):
         data = {k: batch.flat(k) for k in ("input_ids", "loss_mask")}
-        return model.train_batch(data, self.loss_fn, _n_tokens)
+        return model.train_batch(data, self.loss_fn, _n_tokens, max_tokens_per_mb=self.max_tokens_per_mb)

@@ -1,4 +1,4 @@
-"""CPU compatibility layer for megatron-core 0.16.1 (see /work/shared/notes/megatron-cpu.md).
+"""CPU compatibility layer for megatron-core 0.16.1 (docs/megatron-cpu.md says what and why).
 
 Megatron assumes CUDA everywhere (`torch.cuda.current_device()`, CUDA RNG state, streams,
 `device="cuda"` literals, `param.type() == "torch.cuda.FloatTensor"`). On a machine without

@@ -75,13 +75,19 @@ class MegatronEngine(Engine):
         from realcore.backends.megatron.convert import mcore_config_from_hf
 
         d, m = self.dims, self.mcfg
+        recompute = {}
+        if self.role.gradient_checkpointing and self.role.trainable:
+            # Megatron's own full recompute, one layer per unit: like HF gradient checkpointing, only each
+            # layer's input is kept and the layer runs again in backward (tensor_parallel.checkpoint,
+            # which restores the RNG tracker's states, so dropout masks would repeat exactly).
+            recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         return mcore_config_from_hf(
             self.hf_config,
             tensor_model_parallel_size=d.tp, pipeline_model_parallel_size=d.pp, context_parallel_size=d.cp,
             expert_model_parallel_size=d.ep, virtual_pipeline_model_parallel_size=m.virtual_pipeline_stages,
             sequence_parallel=self.sp, batch_p2p_comm=m.batch_p2p_comm, overlap_p2p_comm=m.overlap_p2p_comm,
             pipeline_dtype=torch.float32, params_dtype=torch.float32, calculate_per_token_loss=True,
-            moe_token_dispatcher_type=m.moe_token_dispatcher,
+            moe_token_dispatcher_type=m.moe_token_dispatcher, **recompute,
         )
 
     def _build_chunk(self, v: int, hf_state: LazyHFState):
@@ -259,11 +265,12 @@ class MegatronEngine(Engine):
             for c in self.chunks:
                 c.train()
 
-    def logprobs(self, input_ids: list[torch.Tensor], temperature: float = 1.0) -> list[torch.Tensor]:
+    def logprobs(self, input_ids: list[torch.Tensor], temperature: float = 1.0, *,
+                 max_tokens_per_mb: int | None = None) -> list[torch.Tensor]:
         from megatron.core import parallel_state as ps
 
         lens = [int(x.numel()) for x in input_ids]
-        mbs, seq_len = self._micro_batches(input_ids, self.role.max_tokens_per_mb)
+        mbs, seq_len = self._micro_batches(input_ids, max_tokens_per_mb or self.role.max_tokens_per_mb)
         batches = [{"ids": torch.cat([input_ids[i] for i in mb]).long(), "lens": [lens[i] for i in mb]} for mb in mbs]
         batches = self._pad_micro_batches(batches)
 
@@ -287,25 +294,28 @@ class MegatronEngine(Engine):
     # ---- training ----
 
     def train_batch(self, data: dict[str, list[torch.Tensor]], loss_fn: LossFn, loss_weight_fn: LossWeightFn, *,
-                    n_minibatches: int = 1, temperature: float = 1.0) -> dict[str, float]:
+                    n_minibatches: int = 1, temperature: float = 1.0,
+                    max_tokens_per_mb: int | None = None) -> dict[str, float]:
         if self.optimizer is None:
             raise ValueError("train_batch: this model role is not trainable (role.trainable is False)")
         lens = check_train_data(data)
         results = []
         for chunk in split_minibatches(len(lens), n_minibatches):
             mb_data = {k: [v[i] for i in chunk] for k, v in data.items()}
-            results.append(self._train_minibatch(mb_data, loss_fn, loss_weight_fn, temperature))
+            results.append(self._train_minibatch(mb_data, loss_fn, loss_weight_fn, temperature, max_tokens_per_mb))
         return mean_over_minibatches(results)
 
-    def forward_backward(self, data, loss_fn: LossFn, loss_weight_fn: LossWeightFn, temperature: float = 1.0) -> dict[str, float]:
-        """Gradients of the global token-mean loss in the DDP grad buffers (no optimizer step)."""
+    def forward_backward(self, data, loss_fn: LossFn, loss_weight_fn: LossWeightFn, temperature: float = 1.0,
+                         max_tokens_per_mb: int | None = None) -> dict[str, float]:
+        """Gradients of the global token-mean loss in the DDP grad buffers (no optimizer step).
+        `max_tokens_per_mb`: this call's micro-batch token budget (None: the role's)."""
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import finalize_model_grads
 
         for c in self.chunks:
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
-        mbs, seq_len = self._micro_batches(data["input_ids"], self.role.max_tokens_per_mb)
+        mbs, seq_len = self._micro_batches(data["input_ids"], max_tokens_per_mb or self.role.max_tokens_per_mb)
         batches = []
         for idx in mbs:
             packed = {k: torch.cat([v[i] for i in idx]).to(self.device) for k, v in data.items()}
@@ -346,8 +356,8 @@ class MegatronEngine(Engine):
                     weights[k] = weights.get(k, 0.0) + float(v[1])
         return reduce_weighted(sums, weights, None, dist.get_world_size())
 
-    def _train_minibatch(self, data, loss_fn, loss_weight_fn, temperature) -> dict[str, float]:
-        stats = self.forward_backward(data, loss_fn, loss_weight_fn, temperature)
+    def _train_minibatch(self, data, loss_fn, loss_weight_fn, temperature, max_tokens_per_mb) -> dict[str, float]:
+        stats = self.forward_backward(data, loss_fn, loss_weight_fn, temperature, max_tokens_per_mb)
         lr = self.role.optimizer.lr * lr_factor(self.version, self.role.optimizer, self.total_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr

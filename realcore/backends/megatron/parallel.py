@@ -1,7 +1,7 @@
 """Megatron parallel state for a realcore mesh, and config checks for Megatron's known pitfalls.
 
 `check_megatron_config` runs in the launcher before any process starts, so a bad combination is
-one clear line instead of a silently wrong gradient (see notes/megatron-cpu.md).
+one clear line instead of a silently wrong gradient (docs/megatron-cpu.md lists them).
 """
 
 from __future__ import annotations
