@@ -34,14 +34,14 @@ setup(
         # The tests use every optional backend that runs on a CPU machine.
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "redis==8.1.0", "etcd-sdk-python==0.0.7", "protobuf==7.36.2",
                 "ray==2.60.0"],
-        # megatron-core 0.17+ needs Python >= 3.12; 0.16.1 is the last for 3.11 (shared notes).
+        # megatron-core 0.17+ requires Python >= 3.12 (its Requires-Python); 0.16.1 is the last for 3.11.
         "megatron": ["megatron-core==0.16.1"],
         # SGLang / vLLM are installed by the user (GPU builds; see README).
         "sglang": [],
         "vllm": [],
         "ray": ["ray==2.60.0"],
         # Name resolution servers. etcd-sdk-python (module `pyetcd`) needs protobuf but does not
-        # declare it; the old `etcd3` client breaks on protobuf >= 4 (shared notes).
+        # declare it; the old `etcd3` client breaks on protobuf >= 4.
         "redis": ["redis==8.1.0"],
         "etcd": ["etcd-sdk-python==0.0.7", "protobuf==7.36.2"],
     },

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from test_e2e_sync import assert_all_gone
+from test_e2e_sync import assert_all_gone, assert_clean_logs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -26,6 +26,9 @@ def run_async(tmp_path, *overrides, steps=4):
     metrics = [json.loads(x) for x in open(out / "metrics.jsonl")]
     assert [m["step"] for m in metrics] == list(range(1, steps + 1))
     assert_all_gone(str(out))
+    # Every process ends cleanly: its HTTP sessions closed, no task left pending, nothing logged as
+    # an error, also by the rollout side, which the launcher stops with SIGTERM at the end.
+    assert_clean_logs(str(out), r.stdout, r.stderr)
     return out, metrics
 
 

@@ -6,6 +6,7 @@ is killed or the launcher is interrupted, and a forged message is dropped while 
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import zmq
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["model=tiny", "trainer.batch_size=4", "generation.n_samples=2", "generation.max_new_tokens=8"]
+KILL_TO_EXIT_S = 10.0  # a worker's death to the launcher's exit (a loaded CI machine: ~2 s idle)
 
 
 def launch_cmd(out, *overrides, cache):
@@ -45,6 +47,18 @@ def assert_all_gone(out, timeout=15):
         time.sleep(0.2)
     assert not [n for n, p in pids.items() if alive(p)], f"left behind: {pids}"
     return pids
+
+
+BAD_LOG_LINE = re.compile(r"\bERROR\b|Traceback|Unclosed|Task was destroyed|never awaited")
+
+
+def assert_clean_logs(out, *console: str) -> None:
+    """A run that went as it should leaves no error in any log: every process's (OUTPUT_DIR/logs/)
+    and the console's (the launcher and the master)."""
+    texts = {name: open(os.path.join(out, "logs", name), errors="replace").read() for name in os.listdir(os.path.join(out, "logs"))}
+    texts.update({f"console {i}": text for i, text in enumerate(console)})
+    bad = [f"{name}: {line}" for name, text in texts.items() for line in text.splitlines() if BAD_LOG_LINE.search(line)]
+    assert not bad, "\n".join(bad[:20])
 
 
 def wait_for_metrics(out, n, proc, timeout=240):
@@ -78,16 +92,19 @@ def test_ppo_math_runs_to_completion(tmp_path, cache):
     assert model.num_parameters() > 0
     assert oct(os.stat(os.path.join(out, ".secret")).st_mode & 0o777) == "0o600"
     assert_all_gone(out)
+    assert_clean_logs(out, r.stdout, r.stderr)
 
 
 def _forge_and_ping(out):
     """Send a message signed with a wrong key to model_worker/0, then a real ping: it must be
     dropped, counted, and the worker must keep answering."""
-    from realcore.system import wire
-    from realcore.system.name_resolve import FileNameResolver, scoped_key
+    from realcore.api.config import ExperimentConfig
+    from realcore.system import keys, wire
+    from realcore.system.name_resolve import make_name_resolver
     from realcore.system.protocol import Exit, Ping, request
 
-    addr = json.loads(FileNameResolver(f"{out}/nr").get(scoped_key("ppo-math", "trial0", "model_worker", "0")))["control"]
+    cfg = ExperimentConfig.model_validate_json(open(os.path.join(out, "config.json")).read())
+    addr = json.loads(make_name_resolver(cfg.system.name_resolve).get(keys.model_worker(cfg, 0)))["control"]
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(addr)
@@ -101,7 +118,7 @@ def _forge_and_ping(out):
 
 def test_killed_worker_stops_everything(tmp_path, cache):
     out = str(tmp_path / "run")
-    proc = subprocess.Popen(launch_cmd(out, "trainer.total_steps=1000", cache=cache), cwd=REPO,
+    proc = subprocess.Popen(launch_cmd(out, "trainer.total_steps=1000", "system.shutdown_timeout_s=30", cache=cache), cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for_metrics(out, 1, proc)
@@ -111,11 +128,17 @@ def test_killed_worker_stops_everything(tmp_path, cache):
         wait_for_metrics(out, 2, proc)  # the forged EXIT changed nothing
         pids = json.load(open(os.path.join(out, "pids.json")))
         os.kill(pids["model_worker/1"], signal.SIGKILL)
+        killed = time.monotonic()
         _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - killed
     finally:
         proc.kill()
     assert proc.returncode == 1
     assert "model_worker/1 died (killed by SIGKILL)" in err
+    # Nobody waits on the dead worker: the launcher sees the death (it polls every 0.2 s), and the
+    # master and the other worker exit on its SIGTERM at once. A wait for the dead one's EXIT reply
+    # (as the master did) or for the grace period would take system.shutdown_timeout_s, 30 s here.
+    assert took < KILL_TO_EXIT_S, f"the run ended {took:.1f} s after the kill"
     assert_all_gone(out)
 
 
@@ -183,20 +206,3 @@ def test_dfg_show_writes_png(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "actor_train [ppo_update on actor]" in r.stdout
     assert png.read_bytes()[:4] == b"\x89PNG"
-
-
-def test_second_launch_of_a_live_trial_is_refused(tmp_path, cache):
-    out = str(tmp_path / "run")
-    proc = subprocess.Popen(launch_cmd(out, "trainer.total_steps=1000", cache=cache), cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_for_metrics(out, 1, proc)
-        r = subprocess.run(launch_cmd(str(tmp_path / "run2"), f"system.name_resolve.root={out}/nr", cache=cache),
-                           cwd=REPO, capture_output=True, text=True, timeout=120)
-        assert r.returncode == 2 and "ppo-math/trial0 is already running here" in r.stderr
-        wait_for_metrics(out, 2, proc)  # the first run was not disturbed
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
-    finally:
-        proc.kill()
-    assert_all_gone(out)

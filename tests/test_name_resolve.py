@@ -168,6 +168,33 @@ def test_two_runs_are_isolated(nr):
     assert nr.find("exp") == {} and len(nr.find("exp2")) == 2
 
 
+def _run_cfg(output_dir: str):
+    from realcore.api.config import ExperimentConfig, MFCConfig
+
+    return ExperimentConfig(experiment_name="exp", trial_name="trial0", output_dir=output_dir,
+                            mfcs=[MFCConfig(name="n", type="t")])
+
+
+def test_one_trial_in_two_output_dirs_keeps_two_scopes(nr, tmp_path, monkeypatch):
+    """The default trial0 launched into two output_dirs: two runs, each with its own keys; a run's
+    (re)start clears its own scope only. The same output_dir, relative or absolute, is one run."""
+    from realcore.system import keys
+
+    a, b = _run_cfg(str(tmp_path / "a")), _run_cfg(str(tmp_path / "b"))
+    assert keys.scope(a) != keys.scope(b)
+    for cfg in (a, b):
+        assert keys.scope(cfg).startswith("exp/trial0/run-")
+        for key in (keys.model_worker(cfg, 0), keys.manager(cfg), keys.gen_server(cfg, 1), keys.dist_init(cfg)):
+            assert key.startswith(keys.scope(cfg) + "/")
+            nr.put(key, cfg.output_dir)
+    nr.clear(keys.scope(a))  # run a starts again
+    assert nr.find(keys.scope(a)) == {}
+    assert set(nr.find(keys.scope(b)).values()) == {b.output_dir} and len(nr.find(keys.scope(b))) == 4
+    assert nr.get(keys.model_worker(b, 0)) == b.output_dir
+    monkeypatch.chdir(tmp_path)
+    assert keys.scope(_run_cfg("a")) == keys.scope(a) and keys.scope(_run_cfg("a/")) == keys.scope(a)
+
+
 N_RACE_KEYS = 50
 
 

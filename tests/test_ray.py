@@ -66,8 +66,11 @@ def test_killed_worker_is_named_and_the_rest_stop(cluster, tmp_path):
         while not (os.path.exists(f"{out}/metrics.jsonl") and open(f"{out}/metrics.jsonl").read()):
             assert proc.poll() is None and time.time() < deadline, proc.communicate()
             time.sleep(0.5)
-        keys = f"{out}/.name_resolve/ppo-math/trial0/model_worker"
-        pids = {i: json.load(open(f"{keys}/{i}/.value"))["pid"] for i in (0, 1)}
+        from realcore.api.config import ExperimentConfig
+        from realcore.system import keys as rc_keys
+
+        cfg = ExperimentConfig.model_validate_json(open(f"{out}/config.json").read())
+        pids = {i: json.load(open(f"{out}/.name_resolve/{rc_keys.model_worker(cfg, i)}/.value"))["pid"] for i in (0, 1)}
         os.kill(pids[1], signal.SIGKILL)
         _, err = proc.communicate(timeout=120)
     finally:

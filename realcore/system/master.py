@@ -106,6 +106,7 @@ class Master:
         self.weights = make_weight_sync(self) if self.alloc.gen is not None else None
         self.source = StreamSource(self) if self.async_mode else DatasetSource(self)
         self.preempt_requested = False
+        self.terminated = False  # SIGTERM: whoever sent it stops every process of the run
         self.counters: dict[str, int] = {}  # rollout workers' totals (reward errors, ...) logged so far
 
     # --- calls --------------------------------------------------------------------------------
@@ -283,6 +284,10 @@ class Master:
                              "resume with the allocation_mode it was written with")
         return state, path
 
+    def _on_term(self, exit_handler, signum, frame) -> None:
+        self.terminated = True
+        exit_handler(signum, frame)
+
     def _on_preempt(self, signum, frame) -> None:
         log.warning("preempted: finishing step %d, then writing a recover checkpoint and stopping", self.step + 1)
         self.preempt_requested = True
@@ -304,6 +309,9 @@ class Master:
         # Preemption (the launcher got SIGTERM): checkpoint at the end of this step. SIGTERM itself
         # still means "stop now", as for every worker.
         signal.signal(signal.SIGUSR2, self._on_preempt)
+        on_term = signal.getsignal(signal.SIGTERM)
+        if callable(on_term):  # run_worker's exit_on_sigterm; SIG_IGN under a Slurm task runner stays
+            signal.signal(signal.SIGTERM, lambda signum, frame: self._on_term(on_term, signum, frame))
         resumed = self.resume_from()
         path = None
         if resumed is not None:
@@ -371,7 +379,12 @@ class Master:
                 raise Preempted(f"preempted after step {step}")
 
     def shutdown(self) -> None:
-        """Ask every live worker to exit (best effort, bounded), then close sockets."""
+        """Ask every live worker to exit (best effort, bounded), then close sockets. Not after a
+        SIGTERM: the launcher (or task runner) that sent it stops every process itself, and a worker
+        that died (often why the run stops) would hold the master here until the deadline."""
+        if self.terminated:
+            self.pool.close()
+            return
         try:
             futs = {n: self.pool.request(n, Exit()) for n in self.pool.names if n not in self.pool.lost}
             wait_all(futs, self.cfg.system.shutdown_timeout_s, "exit")
