@@ -7,9 +7,10 @@ fp32, one thread) at batch 1 and batch 32, for the same model and the same ~40-t
 (arithmetic questions through the tokenizer's chat template): (a) realcore's built-in
 `GenerationEngine`, (b) `model.generate` with `use_cache=True` and left padding + attention mask,
 (c) vLLM's offline `LLM.generate` (fp32, eager, one bound core) when `import vllm` works in this
-interpreter, else a note. For the vLLM row run this file with a vLLM interpreter and `--path` to
-the cached model, e.g. `/work/venv-vllm/bin/python bench/generation.py --path
-~/.cache/realcore/smollm2-135m-instruct` (that venv lacks the GGUF package `--model` converts from).
+interpreter, else a note. For the vLLM row run this file with a vLLM interpreter (vLLM in its own
+venv: docs/engines.md) and `--path` to the cached model, e.g. `VENV/bin/python bench/generation.py
+--path ~/.cache/realcore/smollm2-135m-instruct` (such a venv lacks the GGUF package `--model`
+converts from).
 
 Every engine generates exactly N tokens per prompt, EOS included if the model emits it (checked).
 "same tokens as HF" counts sequences (1 + 32) whose greedy tokens equal transformers' exactly.

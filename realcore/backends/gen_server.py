@@ -1,7 +1,8 @@
 """The built-in generation engine behind an HTTP server that speaks SGLang's API (0.5.x).
 
 Why SGLang's API: the same client (realcore.backends.gen_client) drives this server in CI and a
-real SGLang server on GPUs (shared/notes/inference-engines.md lists the endpoints we mirror).
+real SGLang server on GPUs (docs/engines.md lists the endpoints we mirror). `python -m
+realcore.serve` runs it stand-alone, with SGLang's flag names.
 
 Threads: one engine thread owns the model. It takes commands (new requests, aborts, pauses,
 weight updates) from a thread-safe queue between decode steps, so new requests join the running
@@ -30,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import hmac
+import ipaddress
 import logging
 import os
 import queue
@@ -374,10 +376,11 @@ def _error(status: int, message: str) -> web.Response:
 class Server:
     """The aiohttp handlers; each forwards one command to the engine thread and awaits its result."""
 
-    def __init__(self, core: EngineLoop, *, model_path: str, token: str, max_batch_size: int, max_body_bytes: int):
+    def __init__(self, core: EngineLoop, *, model_path: str, token: str | None, max_batch_size: int,
+                 max_body_bytes: int):
         self.core, self.model_path, self.max_batch_size = core, model_path, max_batch_size
         self.max_body_bytes = max_body_bytes
-        self._authorization = f"Bearer {token}".encode()
+        self._authorization = f"Bearer {token}".encode() if token else None  # None: run_server checked loopback
         context = getattr(core.model.config, "max_position_embeddings", None) or NO_CONTEXT_LIMIT
         self.limits = http_schemas.Limits(vocab_size=core.model.get_input_embeddings().num_embeddings,
                                           max_context=context, max_batch_size=max_batch_size)
@@ -400,7 +403,7 @@ class Server:
         given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
         # Refused requests are counted like refused wire messages (socket "http"): they reach the
         # master's metrics through the manager, which reads /get_server_info.
-        if not hmac.compare_digest(given, self._authorization):
+        if self._authorization is not None and not hmac.compare_digest(given, self._authorization):
             wire.count_dropped("http", "auth", f"{request.method} {request.path}")
             return _error(401, "missing or wrong bearer token (Authorization: Bearer <the run's server token>)")
         try:
@@ -524,6 +527,16 @@ class Server:
 # --- entry point ----------------------------------------------------------------------------------
 
 
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or "localhost") is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: not known to be loopback
+        return False
+
+
 def run_server(
     model_path: str,
     *,
@@ -537,14 +550,18 @@ def run_server(
     limits: wire.Limits | None = None,
     on_ready: Callable[[dict], None] | None = None,
     stop_on_sigterm: bool = True,
+    no_token_on_loopback: bool = False,
 ) -> None:
     """Serve `model_path` until SIGTERM (returns), SystemExit or KeyboardInterrupt (propagate).
 
     `token` is required: every endpoint answers 401 without `Authorization: Bearer <token>`
-    (realcore passes realcore.backends.server_launch.server_token). Bodies over `max_body_bytes`
-    answer 413. `on_ready({"http": "http://host:port", "weights": "tcp://host:port" or None})` is
-    called once listening; "weights" is the in-memory update socket, present when `secret` is given."""
-    if not token:
+    (realcore passes realcore.backends.server_launch.server_token). The one exception is the
+    stand-alone server (`python -m realcore.serve`, as SGLang without --api-key): with
+    `no_token_on_loopback`, a loopback `host` may serve without a token. Bodies over
+    `max_body_bytes` answer 413. `on_ready({"http": "http://host:port", "weights": "tcp://host:port"
+    or None})` is called once listening; "weights" is the in-memory update socket, present when
+    `secret` is given."""
+    if not token and not (no_token_on_loopback and is_loopback(host)):
         raise ValueError("gen_server: needs a token (every endpoint answers 401 without it; realcore derives one "
                          "from the run's secret, or takes rollout.server_token)")
     if max_batch_size <= 0:

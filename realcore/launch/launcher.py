@@ -1,7 +1,7 @@
 """`python -m realcore.launch key=value ...`: validate, prepare, start the workers, watch them.
 
 Exit codes: 0 done; 1 a worker failed (recover_mode=auto: once the restarts are used up); 2 bad
-config or input, or the output_dir / trial is in use by another launcher (one line, no traceback,
+config or input, or the output_dir is in use by another launcher (one line, no traceback,
 before any worker starts); 75 preempted (a recover checkpoint holds the run: launch the same
 command again with recover_mode=resume or auto); 130 interrupted.
 """
@@ -86,23 +86,24 @@ def child_env(cfg: ExperimentConfig) -> dict:
     return env
 
 
-def live_workers(entries: dict[str, str]) -> list[int]:
-    """Pids of this host's processes that an earlier run of the same experiment/trial published."""
-    pids = []
-    for value in entries.values():
-        try:
-            pid = int(json.loads(value)["pid"])
-            os.kill(pid, 0)
-        except (ValueError, KeyError, TypeError, ProcessLookupError, PermissionError):
-            continue
-        pids.append(pid)
-    return pids
+def resolve_local_host(cfg: ExperimentConfig) -> None:
+    """scheduler=local: `system.host=auto` (or `system.interface`) becomes this machine's address
+    here, once, before anything starts, so config.json, every worker and every server command line
+    carry the address itself (SGLang would be given the literal `--host auto`). On a cluster each
+    worker resolves its own node's address (run_worker)."""
+    from realcore.system.process import node_address
+
+    try:
+        cfg.system.host = node_address(cfg.system.host, cfg.system.interface)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def start_engine_servers(cfg: ExperimentConfig, alloc: AllocationMode, env: dict, logs: str) -> list[Proc]:
     """SGLang or vLLM servers: started here on free ports and published; the manager waits for
     each to answer before any rollout starts. Each requires the run's bearer token, derived here
-    from the run's secret as every worker derives it (run_worker), and kept off the command line."""
+    from the run's secret as every worker derives it (run_worker), and kept off the command line.
+    `rollout.server_python` runs them (SGLang/vLLM in an environment of their own)."""
     import socket
 
     from realcore.backends.server_launch import server_command, server_token
@@ -120,7 +121,8 @@ def start_engine_servers(cfg: ExperimentConfig, alloc: AllocationMode, env: dict
             port = s.getsockname()[1]
         argv, extra_env = server_command(alloc.backend, model_path=cfg.model.path, host=cfg.system.host, port=port,
                                          tp=alloc.gen.tp, seed=cfg.seed + 1000 * i,
-                                         max_batch_size=cfg.generation.max_batch_size, api_key=token, private_dir=out)
+                                         max_batch_size=cfg.generation.max_batch_size, api_key=token, private_dir=out,
+                                         python=cfg.rollout.server_python)
         proc = spawn_command(f"gen_server/{i}", argv, env={**env, **extra_env}, log_path=os.path.join(logs, f"gen_server-{i}.log"))
         resolver.put(keys.gen_server(cfg, i), json.dumps({"http": f"http://{cfg.system.host}:{port}", "weights": None}), replace=True)
         return proc
@@ -188,6 +190,8 @@ def check_all(argv: list[str], dry_run: bool,
     cfg.output_dir = os.path.abspath(cfg.output_dir)
     if cfg.scheduler != "local":
         cluster_name_resolve(cfg)
+    else:
+        resolve_local_host(cfg)
     held.enter_context(hold_run(cfg))
     from transformers.utils import logging as hf_logging
 
@@ -211,12 +215,6 @@ def run_local(cfg: ExperimentConfig, dfg: DataFlowGraph, alloc: AllocationMode) 
     run is stopped and started again (it resumes from its last recover checkpoint), up to
     recover_retries times."""
     resolver = make_name_resolver(cfg.system.name_resolve)
-    scope = keys.scope(cfg)
-    live = live_workers(resolver.find(scope))
-    if live:
-        print(f"realcore: {cfg.experiment_name}/{cfg.trial_name} is already running here "
-              f"(pid {live[0]}); stop it or pick another trial_name", file=sys.stderr)
-        return 2
     config_path, secret_path = prepare_output(cfg, dfg)
     restarts = 0
     for attempt in range(cfg.recover_retries + 1):

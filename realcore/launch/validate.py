@@ -163,7 +163,7 @@ def check_generation_servers(cfg: ExperimentConfig, alloc: AllocationMode) -> No
         raise ConfigError(f"allocation_mode: built-in servers are data parallel only (local.dN), got {cfg.allocation_mode!r}")
     from realcore.backends.server_launch import engine_available
 
-    missing = engine_available(alloc.backend)
+    missing = engine_available(alloc.backend, cfg.rollout.server_python)
     if missing:
         raise ConfigError(f"allocation_mode: {missing}")
     if alloc.backend != "local" and cfg.rollout.weight_update == "memory":

@@ -103,5 +103,9 @@ def node_address(host: str, interface: str | None = None) -> str:
                 return a.address
         raise ValueError(f"system.interface: {interface!r} has no IPv4 address")
     if host == "auto":
-        return socket.gethostbyname(socket.getfqdn())
+        try:
+            return socket.gethostbyname(socket.getfqdn())
+        except OSError as e:  # the node's name does not resolve (no DNS entry, no /etc/hosts line)
+            raise ValueError(f"system.host=auto: this node's name {socket.getfqdn()!r} does not resolve ({e}); "
+                             "set system.host to an address or system.interface to a network interface") from None
     return host

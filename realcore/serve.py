@@ -1,0 +1,177 @@
+"""`python -m realcore.serve --model-path DIR`: the built-in generation engine as a stand-alone
+server, started with SGLang's own flag names, so that it and `python -m sglang.launch_server`
+swap for each other on one command line (same flags, same HTTP API: docs/engines.md).
+
+Flags:
+- served as in SGLang: `--model-path` (or `--model`), `--host` (default 127.0.0.1), `--port`
+  (default 30000), `--api-key`, `--random-seed` (default 0), `--max-running-requests` (default 64),
+  `--config FILE`, `--log-level`.
+- `--config FILE`: SGLang's YAML config, one key per flag (`api-key: ...`, `port: 30001`);
+  the command line wins over the file, as in SGLang. realcore's launcher hands SGLang its key this
+  way, so the same launch line works for both servers.
+- accepted and ignored, with a warning (they tune SGLang's kernels, memory or warm-up; the built-in
+  engine has none of these): `--skip-server-warmup`, `--attention-backend`, `--max-total-tokens`,
+  `--mem-fraction-static`, `--disable-cuda-graph`, `--trust-remote-code`, `--dtype` (it serves
+  in float32).
+- accepted only with the value that holds here: `--tp-size`/`--tensor-parallel-size` 1,
+  `--dp-size` 1, `--device cpu`. Any other flag is an error (exit 2), never ignored silently.
+
+The API key: every endpoint needs `Authorization: Bearer <key>` when a key is set. Prefer
+`--config FILE` (mode 0600) or the REALCORE_API_KEY environment variable to `--api-key`: a command
+line is readable by every user of the machine (`ps`). Without a key the server answers everyone, as
+SGLang does; realcore allows that on a loopback address only, with a warning (any local user can
+reach a loopback port), and refuses it elsewhere.
+
+SIGTERM stops it (exit 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+log = logging.getLogger("realcore.serve")
+
+API_KEY_ENV = "REALCORE_API_KEY"
+# SGLang flags with no meaning for the built-in engine: name -> takes a value.
+IGNORED = {
+    "skip-server-warmup": False,
+    "disable-cuda-graph": False,
+    "trust-remote-code": False,
+    "attention-backend": True,
+    "max-total-tokens": True,
+    "mem-fraction-static": True,
+    "dtype": True,
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, not argparse's usage block
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m realcore.serve", allow_abbrev=False,
+                description="realcore's built-in generation engine behind SGLang's HTTP API.")
+    p.add_argument("--model-path", "--model", dest="model_path", required=True, help="an HF model directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--api-key", default=None, help=f"prefer --config FILE or ${API_KEY_ENV}: a command line is public")
+    p.add_argument("--random-seed", type=int, default=0)
+    p.add_argument("--max-running-requests", type=int, default=64)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
+    p.add_argument("--config", default=None, help="SGLang's YAML config: one key per flag (e.g. api-key)")
+    p.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1, help="must be 1")
+    p.add_argument("--dp-size", type=int, default=1, help="must be 1 (start one server per replica)")
+    p.add_argument("--device", default="cpu", help="must be cpu")
+    for name, takes_value in IGNORED.items():
+        if takes_value:
+            p.add_argument(f"--{name}", default=None, help="ignored (SGLang only)")
+        else:
+            p.add_argument(f"--{name}", action="store_true", help="ignored (SGLang only)")
+    return p
+
+
+def config_argv(path: str) -> list[str]:
+    """SGLang's --config file as command-line arguments: `key: value` -> `--key value` (a true
+    boolean -> `--key`, a false one -> nothing, a list -> `--key v1 v2`, a mapping -> JSON);
+    underscores in keys are read as dashes."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"--config {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    if data is None:
+        return []
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: expected a mapping of flag names to values, got {type(data).__name__}")
+    argv: list[str] = []
+    for key, value in data.items():
+        flag = "--" + str(key).replace("_", "-")
+        if flag == "--config":
+            raise ValueError(f"--config {path}: a config file cannot name another config file")
+        if value is True:
+            argv.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, list):
+            argv += [flag, *map(str, value)]
+        elif isinstance(value, dict):  # as SGLang: a JSON-valued flag
+            argv += [flag, json.dumps(value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line, with --config's keys placed first (so the command line wins), checked."""
+    p = parser()
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--config", default=None)
+    config = pre.parse_known_args(argv)[0].config
+    try:
+        merged = (config_argv(config) if config else []) + argv
+    except ValueError as e:
+        p.error(str(e))
+    args = p.parse_args(merged)
+    if args.tp_size != 1 or args.dp_size != 1:
+        p.error(f"--tp-size {args.tp_size} --dp-size {args.dp_size}: the built-in engine serves one model copy "
+                "in one process (both must be 1; start one server per replica)")
+    if args.device != "cpu":
+        p.error(f"--device {args.device}: the built-in engine serves on CPU only (--device cpu)")
+    if args.max_running_requests < 1:
+        p.error(f"--max-running-requests must be >= 1, got {args.max_running_requests}")
+    if not 0 <= args.port < 65536:
+        p.error(f"--port must be in [0, 65535], got {args.port}")
+    return args
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """--api-key (command line or --config), else $REALCORE_API_KEY, else None."""
+    return args.api_key or os.environ.get(API_KEY_ENV) or None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s realcore.serve %(levelname)s %(message)s")
+    from realcore.backends.gen_server import is_loopback, run_server
+
+    for name in IGNORED:
+        if getattr(args, name.replace("-", "_")) not in (None, False):
+            log.warning("--%s is an SGLang flag with no meaning for the built-in engine: ignored", name)
+    if args.api_key and any(a == "--api-key" or a.startswith("--api-key=") for a in argv):
+        log.warning("--api-key on the command line is visible to every user (ps); prefer --config FILE or $%s",
+                    API_KEY_ENV)
+    key = api_key(args)
+    if key is None:
+        if not is_loopback(args.host):
+            print(f"realcore.serve: --host {args.host} is not a loopback address: an API key is required "
+                  f"(--config FILE with `api-key: ...`, ${API_KEY_ENV}, or --api-key)", file=sys.stderr)
+            return 2
+        log.warning("no API key: every endpoint (weight loading included) answers any user of this machine; "
+                    "set one with --config FILE or $%s", API_KEY_ENV)
+
+    def ready(addrs: dict) -> None:
+        # SGLang's own readiness line, so scripts that wait for it work with either server.
+        log.info("The server is fired up and ready to roll! (%s)", addrs["http"])
+
+    try:
+        run_server(args.model_path, host=args.host, port=args.port, seed=args.random_seed,
+                   max_batch_size=args.max_running_requests, token=key, on_ready=ready, no_token_on_loopback=True)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, OSError) as e:  # a bad model path, a port in use: one line, no traceback
+        print(f"realcore.serve: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
