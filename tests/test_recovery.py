@@ -168,29 +168,42 @@ def test_sync_recovery_is_exact(tmp_path, env, cache, straight, who):
     assert_all_gone(out)
 
 
+def wait_for_line(path, text, proc, timeout=120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, f"launcher exited early with {proc.returncode}"
+        if os.path.exists(path) and text in open(path).read():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"no {text!r} in {path} within {timeout} s")
+
+
 def test_preempted_run_resumes_exactly(tmp_path, env, cache, straight):
     """SIGTERM to the launcher: the step in progress ends, a recover checkpoint is written, exit
     75; the same command with recover_mode=resume continues to the end as if never stopped."""
     out = str(tmp_path / "run")
     proc = subprocess.Popen(cmd(out, cache=cache), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        wait_for_metrics(out, 2, proc)
-        # Freeze the master while the launcher passes the preemption on, so that the request lands
-        # mid-run however fast steps are on this machine (a whole 6-step run can take 2 s).
-        master = json.load(open(os.path.join(out, "pids.json")))["master"]
-        os.kill(master, signal.SIGSTOP)
+        # A tiny model's step can take 50 ms: once the master is configured (its preemption handler
+        # is set), freeze the model workers, so its step in progress waits for them while the
+        # launcher passes the preemption on: it lands mid-run on any machine.
+        wait_for_line(os.path.join(out, "logs", "master.log"), "dataset:", proc)
+        workers = [p for n, p in json.load(open(os.path.join(out, "pids.json"))).items() if n.startswith("model_worker")]
+        for pid in workers:
+            os.kill(pid, signal.SIGSTOP)
         try:
             proc.send_signal(signal.SIGTERM)
             time.sleep(1.0)  # the launcher polls every 0.2 s
         finally:
-            os.kill(master, signal.SIGCONT)
+            for pid in workers:
+                os.kill(pid, signal.SIGCONT)
         _, stderr = proc.communicate(timeout=120)
     finally:
         proc.kill()
     assert proc.returncode == 75, stderr[-3000:]
     assert "preempted" in stderr
     done = len(metrics(out))
-    assert 2 <= done < 6 and os.path.isdir(os.path.join(out, "recover", f"step_{done}"))
+    assert 1 <= done < 6 and os.path.isdir(os.path.join(out, "recover", f"step_{done}"))
     assert_all_gone(out)
     r = subprocess.run(cmd(out, "recover_mode=resume", cache=cache), cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -289,7 +289,10 @@ class Master:
         exit_handler(signum, frame)
 
     def _on_preempt(self, signum, frame) -> None:
-        log.warning("preempted: finishing step %d, then writing a recover checkpoint and stopping", self.step + 1)
+        if self.step >= self.cfg.trainer.total_steps:  # the run is done: it ends as it was going to
+            log.warning("preempted after the last step: finishing the run")
+        else:
+            log.warning("preempted: finishing step %d, then writing a recover checkpoint and stopping", self.step + 1)
         self.preempt_requested = True
 
     # --- main ---------------------------------------------------------------------------------
