@@ -55,6 +55,15 @@ def rows(out: str) -> int:
         return 0
 
 
+def last_step_s(out: str) -> float:
+    """How long the run's last step took (a step of the tiny model takes 0.05-1 s by machine)."""
+    try:
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            return json.loads(f.readlines()[-1])["time/step_s"]
+    except (FileNotFoundError, IndexError, ValueError, KeyError):
+        return 1.0
+
+
 def pids(out: str) -> dict[str, int]:
     try:
         with open(os.path.join(out, "pids.json")) as f:
@@ -99,7 +108,7 @@ def trial(out: str, steps: int, cache: str, rng: random.Random, kinds=KINDS, tim
             if not wait_for(lambda: rows(out) >= max(2 + 3 * i, at + 1), proc, timeout_s):
                 missed = f"{kind}: the run ended (exit {proc.poll()}) or stalled before step {max(2 + 3 * i, at + 1)}"
                 break
-            time.sleep(rng.uniform(0, 1.0))  # a random moment within the next step or two
+            time.sleep(rng.uniform(0, min(1.0, 2 * last_step_s(out))))  # a random moment within the next step or two
             now = pids(out)
             name = rng.choice(sorted(n for n in now if n.split("/")[0] == kind))
             trainer = {n: p for n, p in now.items() if n.split("/")[0] in ("master", "model_worker")}
