@@ -62,7 +62,7 @@ def test_every_dropped_message_is_counted_in_the_metrics(tmp_path, monkeypatch):
                 except ValueError:
                     continue
                 if isinstance(rec, dict) and "control" in rec:
-                    records[os.path.relpath(root, tmp_path / "nr").split("wire/", 1)[1]] = rec
+                    records[os.path.relpath(root, tmp_path / "nr").split("wire/", 1)[1].split("/", 1)[1]] = rec  # past run-<hash>/
         for rec in records.values():
             for kind in ("control", "data", "stream"):
                 if kind in rec:

@@ -64,7 +64,7 @@ def listening(out: str) -> dict[str, str]:
                 continue
             if not isinstance(rec, dict):
                 continue
-            who = os.path.relpath(root, os.path.join(out, "nr")).split("fuzz/", 1)[-1]
+            who = os.path.relpath(root, os.path.join(out, "nr")).split("fuzz/", 1)[-1].split("/", 1)[-1]  # past run-<hash>/
             for kind in ("control", "data", "stream", "weights", "http"):
                 if isinstance(rec.get(kind), str):
                     found[f"{who}:{kind}"] = rec[kind]
