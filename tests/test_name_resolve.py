@@ -10,6 +10,7 @@ import time
 import uuid
 
 import pytest
+from conftest import skip_unless_ci
 
 from realcore.api.config import NameResolveConfig
 from realcore.system.name_resolve import KeyExistsError, make_name_resolver, scoped_key
@@ -47,7 +48,7 @@ def _serve(argv: list[str], address: str, backend: str, log_path):
 @pytest.fixture(scope="module")
 def redis_server(tmp_path_factory):
     if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+        skip_unless_ci("redis-server is not installed (apt-get install redis-server)")
     pytest.importorskip("redis", reason="pip install -e '.[redis]'")
     d = tmp_path_factory.mktemp("redis")
     port = _free_port()
@@ -58,7 +59,7 @@ def redis_server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def etcd_server(tmp_path_factory):
     if shutil.which("etcd") is None:
-        pytest.skip("etcd is not installed (apt-get install etcd-server)")
+        skip_unless_ci("etcd is not installed (apt-get install etcd-server)")
     pytest.importorskip("pyetcd", reason="pip install -e '.[etcd]'")
     d = tmp_path_factory.mktemp("etcd")
     client, peer = f"http://127.0.0.1:{_free_port()}", f"http://127.0.0.1:{_free_port()}"

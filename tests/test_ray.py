@@ -101,23 +101,11 @@ def test_rollout_side_tasks_are_resubmitted(cluster, tmp_path):
     """SIGKILL the rollout workers and the manager, SIGSTOP the generation server (a hang: its task
     runner dumps its stacks and kills it): each task is submitted again while the trainer keeps its
     processes."""
-    from test_slurm import (assert_ledger_exact, metric_rows, restarts, running_workers, wait_restarted,
-                            wait_rows, wait_running)
+    from test_slurm import assert_ledger_exact, break_rollout_side, metric_rows, restarts
 
     out, proc = launch_async(cluster, tmp_path, "trainer.total_steps=60", "system.heartbeat_timeout_s=10")
     try:
-        wait_rows(out, 3, proc)
-        before = running_workers(out)
-        trainer = {n: p for n, p in before.items() if n.split("/")[0] in ("master", "model_worker")}
-        assert len(trainer) == 3 and len(before) == 7, before
-        # The only generation server hangs (SIGSTOP): nothing trains until it is found and restarted.
-        for name in ("rollout_worker/0", "gen_server/0", "gserver_manager", "rollout_worker/1"):
-            os.kill(running_workers(out)[name], signal.SIGSTOP if name == "gen_server/0" else signal.SIGKILL)
-            wait_restarted(out, name, proc)
-            if name != "rollout_worker/1":  # training went on after it (after the last: the run finishes)
-                wait_rows(out, metric_rows(out) + 3, proc)
-        after = wait_running(out, set(before), proc)
-        stdout, err = proc.communicate(timeout=200)
+        before, trainer, after, stdout, err = break_rollout_side(out, proc)
     finally:
         proc.kill()
     assert proc.returncode == 0, stdout[-2000:] + err[-3000:]

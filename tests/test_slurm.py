@@ -15,6 +15,7 @@ import sys
 import time
 
 import pytest
+from conftest import skip_unless_ci
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "launch", "slurm_test_cluster.sh")
@@ -65,9 +66,9 @@ def test_requeue_needs_a_recover_mode(tmp_path, cache):
 def slurm(tmp_path_factory):
     missing = [b for b in ("sbatch", "slurmctld", "slurmd", "munged") if shutil.which(b) is None]
     if missing:
-        pytest.skip(f"Slurm is not installed ({', '.join(missing)} missing): apt-get install slurmctld slurmd slurm-client munge")
+        skip_unless_ci(f"Slurm is not installed ({', '.join(missing)} missing): apt-get install slurmctld slurmd slurm-client munge")
     if os.geteuid() != 0:
-        pytest.skip("the test cluster's slurmd must run as root")
+        skip_unless_ci("the test cluster's slurmd must run as root")
     d = str(tmp_path_factory.mktemp("slurm"))
     r = subprocess.run(["bash", SCRIPT, "up", d], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -242,6 +243,25 @@ def launch_recover(tmp_path, cache, *overrides):
     return out, subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def break_rollout_side(out, proc):
+    """Kill both rollout workers and the manager, hang (SIGSTOP) the only generation server, each
+    once the run has trained 3 more steps; wait for the run to end. -> (workers before, trainer
+    workers before, workers after, stdout, stderr)."""
+    wait_rows(out, 3, proc)
+    before = running_workers(out)
+    trainer = {n: p for n, p in before.items() if n.split("/")[0] in ("master", "model_worker")}
+    assert len(trainer) == 3 and len(before) == 7, before
+    # The only generation server hangs (SIGSTOP): nothing trains until it is found and restarted.
+    for name in ("rollout_worker/0", "gen_server/0", "gserver_manager", "rollout_worker/1"):
+        os.kill(running_workers(out)[name], signal.SIGSTOP if name == "gen_server/0" else signal.SIGKILL)
+        wait_restarted(out, name, proc)
+        if name != "rollout_worker/1":  # training went on after it (after the last: the run finishes)
+            wait_rows(out, metric_rows(out) + 3, proc)
+    after = wait_running(out, set(before), proc)
+    stdout, err = proc.communicate(timeout=200)
+    return before, trainer, after, stdout, err
+
+
 @pytest.mark.timeout(300)
 def test_rollout_side_workers_restart_in_place(slurm, tmp_path, cache):
     """SIGKILL the rollout workers and the manager, SIGSTOP the generation server (a hang: its stacks
@@ -249,18 +269,7 @@ def test_rollout_side_workers_restart_in_place(slurm, tmp_path, cache):
     processes."""
     out, proc = launch_recover(tmp_path, cache, "trainer.total_steps=60", "system.heartbeat_timeout_s=10")
     try:
-        wait_rows(out, 3, proc)
-        before = running_workers(out)
-        trainer = {n: p for n, p in before.items() if n.split("/")[0] in ("master", "model_worker")}
-        assert len(trainer) == 3 and len(before) == 7, before
-        # The only generation server hangs (SIGSTOP): nothing trains until it is found and restarted.
-        for name in ("rollout_worker/0", "gen_server/0", "gserver_manager", "rollout_worker/1"):
-            os.kill(running_workers(out)[name], signal.SIGSTOP if name == "gen_server/0" else signal.SIGKILL)
-            wait_restarted(out, name, proc)
-            if name != "rollout_worker/1":  # training went on after it (after the last: the run finishes)
-                wait_rows(out, metric_rows(out) + 3, proc)
-        after = wait_running(out, set(before), proc)
-        stdout, err = proc.communicate(timeout=200)
+        before, trainer, after, stdout, err = break_rollout_side(out, proc)
     finally:
         proc.kill()
     assert proc.returncode == 0, stdout[-2000:] + err[-3000:]
