@@ -21,6 +21,7 @@ install_requires = [
     "numpy",
     "aiohttp>=3.9",
     "psutil>=5.9",
+    "openai==3.54.0",  # the client of OpenAI-compatible servers; its types shape the workflow chat client
 ]
 
 setup(

@@ -102,7 +102,7 @@ def test_sync_config_errors(tmp_path, cache, overrides, names):
 @pytest.mark.parametrize("overrides, names", [
     (["dataset.type=nope"], ["dataset.type", "'nope'"]),
     (["reward.type=nope"], ["reward.type", "'nope'"]),
-    (["rollout.agent=nope"], ["rollout.agent", "'nope'"]),
+    (["rollout.workflow=nope"], ["rollout.workflow", "'nope'"]),
     (["generation.max_new_tokens=4000"], ["generation.max_new_tokens"]),
 ])
 def test_async_config_errors(tmp_path, cache, overrides, names):

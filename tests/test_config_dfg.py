@@ -18,7 +18,7 @@ def cfg_with(*overrides):
 def test_compose_defaults_and_overrides():
     cfg = cfg_with("trainer.total_steps=3", "model=tiny", "generation.n_samples=2")
     assert cfg.trainer.total_steps == 3 and cfg.generation.n_samples == 2
-    assert [m.name for m in cfg.mfcs] == ["actor_gen", "reward", "ref_inf", "actor_train"]
+    assert [m.name for m in cfg.mfcs] == ["actor_gen", "ref_inf", "actor_train"]
     assert cfg.ref is not None and not cfg.ref.trainable
 
 
@@ -44,10 +44,18 @@ def test_bad_config_is_one_clear_line(override, message):
 def test_graph_from_ppo_math():
     cfg = cfg_with()
     dfg = build_graph(cfg, dataset_keys(cfg.dataset))
-    assert dfg.order() == ["actor_gen", "reward", "ref_inf", "actor_train"]
-    assert dfg.levels() == [["actor_gen"], ["ref_inf", "reward"], ["actor_train"]]
+    assert dfg.order() == ["actor_gen", "ref_inf", "actor_train"]
+    assert dfg.levels() == [["actor_gen"], ["ref_inf"], ["actor_train"]]
     assert dfg.nodes["ref_inf"].outputs == ("ref_logprobs",)
-    assert sorted(dfg.graph.edges["actor_gen", "actor_train"]["keys"]) == ["behav_logprobs", "input_ids", "loss_mask"]
+    assert sorted(dfg.graph.edges["actor_gen", "actor_train"]["keys"]) == ["behav_logprobs", "input_ids", "loss_mask", "rewards"]
+
+
+def test_generate_writes_only_what_the_workflow_declares():
+    cfg = cfg_with()
+    mfcs = _mfcs(cfg)
+    mfcs[0]["outputs"].append("values")
+    with pytest.raises(GraphError, match=r"outputs \['values'\] are not produced by workflow 'math-single-step'"):
+        _rebuild(cfg, mfcs)
 
 
 def _mfcs(cfg):
@@ -62,8 +70,8 @@ def _rebuild(cfg, mfcs):
 def test_missing_producer_names_node_and_key():
     cfg = cfg_with()
     mfcs = _mfcs(cfg)
-    mfcs[3]["inputs"][3] = "rewardz"
-    with pytest.raises(GraphError, match=r"mfcs\[3\] \(actor_train\).inputs: key 'rewardz' has no producer"):
+    mfcs[2]["inputs"][3] = "rewardz"
+    with pytest.raises(GraphError, match=r"mfcs\[2\] \(actor_train\).inputs: key 'rewardz' has no producer"):
         _rebuild(cfg, mfcs)
 
 
@@ -78,19 +86,19 @@ def test_cycle_is_rejected():
 def test_duplicate_producer_unknown_type_unknown_model():
     cfg = cfg_with()
     mfcs = _mfcs(cfg)
-    mfcs[2]["output_remap"] = {"logprobs": "rewards"}
-    with pytest.raises(GraphError, match=r"mfcs\[2\] \(ref_inf\).outputs: key 'rewards' is already produced by 'reward'"):
+    mfcs[1]["output_remap"] = {"logprobs": "rewards"}
+    with pytest.raises(GraphError, match=r"mfcs\[1\] \(ref_inf\).outputs: key 'rewards' is already produced by 'actor_gen'"):
         _rebuild(cfg, mfcs)
     mfcs = _mfcs(cfg)
-    mfcs[1]["type"] = "rewardd"
-    with pytest.raises(GraphError, match=r"mfcs\[1\] \(reward\).type: unknown MFC type 'rewardd'"):
+    mfcs[0]["type"] = "generat"
+    with pytest.raises(GraphError, match=r"mfcs\[0\] \(actor_gen\).type: unknown MFC type 'generat'"):
         _rebuild(cfg, mfcs)
     mfcs = _mfcs(cfg)
-    mfcs[2]["model"] = "critic"
-    with pytest.raises(GraphError, match=r"mfcs\[2\] \(ref_inf\).model: unknown model 'critic'"):
+    mfcs[1]["model"] = "critic"
+    with pytest.raises(GraphError, match=r"mfcs\[1\] \(ref_inf\).model: unknown model 'critic'"):
         _rebuild(cfg, mfcs)
     mfcs = _mfcs(cfg)
-    mfcs[3]["inputs"].remove("ref_logprobs")
+    mfcs[2]["inputs"].remove("ref_logprobs")
     with pytest.raises(GraphError, match=r"ppo.kl_coef > 0"):
         _rebuild(cfg, mfcs)
 
@@ -98,11 +106,13 @@ def test_duplicate_producer_unknown_type_unknown_model():
 def test_mfc_max_tokens_per_mb_only_where_it_micro_batches():
     cfg = cfg_with()
     mfcs = _mfcs(cfg)
-    mfcs[2]["max_tokens_per_mb"] = 64  # ref_inf (inference) and actor_train (ppo_update) take it
-    mfcs[3]["max_tokens_per_mb"] = 128
+    mfcs[1]["max_tokens_per_mb"] = 64  # ref_inf (inference) and actor_train (ppo_update) take it
+    mfcs[2]["max_tokens_per_mb"] = 128
     _rebuild(cfg, mfcs)
-    for i, (name, mfc_type) in enumerate([("actor_gen", "generate"), ("reward", "reward")]):
+    reward = {"name": "score", "type": "reward", "inputs": ["input_ids", "loss_mask", "answer"], "outputs": ["score"]}
+    for i, (name, mfc_type) in enumerate([("actor_gen", "generate"), ("score", "reward")]):
         mfcs = _mfcs(cfg)
+        mfcs.insert(1, dict(reward))
         mfcs[i]["max_tokens_per_mb"] = 64
         where = rf"mfcs\[{i}\] \({name}\).max_tokens_per_mb"
         with pytest.raises(GraphError, match=rf"{where}: MFC type '{mfc_type}' runs no"):
@@ -118,8 +128,8 @@ def test_gradient_checkpointing_needs_a_trainable_role():
 def test_registries_are_the_documented_extension_points():
     from realcore.api import registry
 
-    assert sorted(registry._REGISTRIES) == ["agent", "dataset", "mfc", "reward"]
-    assert not hasattr(registry, "register_env")  # environments come with their own contract later
+    assert sorted(registry._REGISTRIES) == ["dataset", "env", "mfc", "reward", "workflow"]
+    assert not hasattr(registry, "register_agent")  # agents are workflows
 
 
 def test_user_mfc_registered_from_yaml(tmp_path, monkeypatch):

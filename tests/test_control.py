@@ -255,14 +255,14 @@ def test_buffer_readiness_and_balanced_split():
     buf = SampleBuffer(nodes)
     n = cfg.trainer.batch_size
     buf.add(0, list(range(n)), {"prompt_ids": [[5]] * n, "answer": [[2]] * n})
-    gen, reward = dfg.nodes["actor_gen"], dfg.nodes["reward"]
-    assert buf.ready(reward) is None and buf.ready(gen) == list(range(n))
+    gen, ref = dfg.nodes["actor_gen"], dfg.nodes["ref_inf"]
+    assert buf.ready(ref) is None and buf.ready(gen) == list(range(n))
     buf.start(gen, list(range(n)))
     assert buf.ready(gen) is None  # running: not handed out twice
-    buf.add(1, list(range(n)), {k: [[9, 9]] * n for k in ("input_ids", "loss_mask", "behav_logprobs")})
+    buf.add(1, list(range(n)), {k: [[9, 9]] * n for k in ("input_ids", "loss_mask", "behav_logprobs", "rewards")})
     buf.finish(gen, list(range(n)))
-    assert buf.ready(reward) == list(range(n))
-    assert buf.owners([0], reward.inputs) == {"input_ids": [1], "loss_mask": [1], "answer": [0]}
+    assert buf.ready(ref) == list(range(n))
+    assert buf.owners([0], ["input_ids", "loss_mask", "answer"]) == {"input_ids": [1], "loss_mask": [1], "answer": [0]}
     assert buf.completed() == []
 
     parts = split_balanced(list(range(6)), [10, 1, 1, 1, 1, 6], 2)

@@ -29,8 +29,8 @@ from realcore.api.registry import register_reward
 
 
 @register_reward("odd-length")
-def odd_length(response, answer):
-    return float(len(response) % 2)
+def odd_length(prompt, completion, prompt_ids, completion_ids, **data):
+    return float(len(completion) % 2)
 """
 
 

@@ -33,7 +33,7 @@ def send(address: str, messages: list[list[bytes]]) -> None:
 def test_every_dropped_message_is_counted_in_the_metrics(tmp_path, monkeypatch):
     from realcore.system import wire
     from realcore.system.protocol import Ping, request
-    from realcore.system.stream import STREAM_KEYS
+    from realcore.api.workflow import TRAJECTORY_KEYS
 
     out = str(tmp_path / "run")
     cmd = [sys.executable, "-m", "realcore.launch", "experiment=async-ppo-math", "model=tiny", "dataset=tiny-arith",
@@ -93,7 +93,7 @@ def test_every_dropped_message_is_counted_in_the_metrics(tmp_path, monkeypatch):
                     expect(process, "data", reason, n)
             if "stream" in rec:
                 s = rec["stream"]
-                bad_group = {"group": 1, "keys": list(STREAM_KEYS), "uid": "r9:9", "grant": 999}
+                bad_group = {"group": 1, "keys": list(TRAJECTORY_KEYS), "uid": "r9:9", "grant": 999}
                 send(s, [me.seal(bad_group, [torch.zeros(3)], to=s),  # the wire takes it, the stream refuses it
                          me.seal(bad_group, to="tcp://127.0.0.1:1"), forger.seal(bad_group, to=s), stale[s]])
                 for reason in ("body", "misaddressed", "mac", "stale"):

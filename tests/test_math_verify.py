@@ -10,6 +10,11 @@ from realcore.data.math_parse import normalize, parse_answer
 from realcore.data.math_tree import TooBig, Unparsable, to_sympy
 from realcore.data.math_verify import extract_answer, math_equal, math_reward, symbolic_equal
 
+
+def _reward(response: str, answer: str) -> float:
+    """The registered reward with AReaL's signature, on a bare response and reference answer."""
+    return math_reward("", response, [], [], answer=answer)
+
 # "does not hang" bound for one call on hostile input: generous (a shared 2-core machine), and far
 # below what the unbounded versions took (29 s for "\boxed{" * 8000, forever for 2^2^2^2^99).
 DEADLINE_S = 5.0
@@ -238,8 +243,8 @@ def test_hostile_answers_run_no_code(tmp_path):
         t0 = time.monotonic()
         assert not math_equal(s, "1")
         assert not math_equal("x", s)
-        assert math_reward(rf"so \boxed{{{s}}}", "1") == 0.0
-        assert math_reward(f"#### {s}", "#### 72") == 0.0
+        assert _reward(rf"so \boxed{{{s}}}", "1") == 0.0
+        assert _reward(f"#### {s}", "#### 72") == 0.0
         assert time.monotonic() - t0 < DEADLINE_S, payload
     assert not sentinel.exists()
 
@@ -279,7 +284,7 @@ def test_worker_takes_no_text(tmp_path):
 )
 def test_hostile_responses_finish(name, response, reward):
     t0 = time.monotonic()
-    assert math_reward(response, "1") == reward, name
+    assert _reward(response, "1") == reward, name
     assert time.monotonic() - t0 < DEADLINE_S, name
 
 
@@ -308,7 +313,7 @@ def test_slow_simplify_times_out_and_worker_recovers():
     ],
 )
 def test_math_reward(response, answer, reward):
-    assert math_reward(response, answer) == reward
+    assert _reward(response, answer) == reward
 
 
 def test_math_reward_is_registered():

@@ -28,18 +28,20 @@ sys.path.insert(0, os.path.join(REPO, "bench"))
 
 PLUGIN = '''
 import asyncio, time
-from realcore.api.registry import register_agent, register_reward
-from realcore.mfc.agents import math_single_step
+from realcore.api.registry import register_reward, register_workflow
+from realcore.workflows.math import math_single_step
 
 
 @register_reward("length-test")
-def length(response: str, answer: str) -> float:
+def length(prompt, completion, prompt_ids, completion_ids, **data) -> float:
+    response = completion
     """A reward the tiny random model can move: longer answers (the weights change every step)."""
     return min(len(response), 40) / 40.0
 
 
 @register_reward("flaky-test")
-def flaky(response: str, answer: str) -> float:
+def flaky(prompt, completion, prompt_ids, completion_ids, **data) -> float:
+    response = completion
     n = len(response) % 4
     if n == 0:
         raise RuntimeError("a bug in the user's reward")
@@ -48,13 +50,14 @@ def flaky(response: str, answer: str) -> float:
     return 1.0
 
 
-@register_agent("failing-test")
-async def failing(prompt_ids, answer, *, rid, **kw):
-    """Fails the first attempt of every third prompt, and every attempt of every seventh."""
-    seq, attempt = (int(x) for x in rid.split("-")[1:3])
+@register_workflow("failing-test")
+async def failing(engine, data):
+    """Fails the first attempt of every third prompt, and every attempt of every seventh (the rollout
+    worker's engine names the episode: r{worker}-{seq}-{attempt})."""
+    seq, attempt = (int(x) for x in engine.rid.split("-")[1:3])
     if seq % 7 == 0 or (seq % 3 == 0 and attempt == 0):
-        raise ValueError(f"episode {rid} failed")
-    return await math_single_step(prompt_ids, answer, rid=rid, **kw)
+        raise ValueError(f"episode {engine.rid} failed")
+    return await math_single_step(engine, data)
 '''
 
 SYNC = ["experiment=ppo-math", "model=tiny", "trainer.total_steps=6", "trainer.batch_size=4", "generation.n_samples=2",
@@ -270,7 +273,7 @@ def test_rewards_that_raise_or_hang_are_counted(tmp_path, env, cache):
 
 def test_failing_episodes_are_retried_then_dropped(tmp_path, env, cache):
     out = str(tmp_path / "run")
-    r = subprocess.run(cmd(out, "imports=[rc_test_plugin]", "rollout.agent=failing-test", cache=cache, base=ASYNC),
+    r = subprocess.run(cmd(out, "imports=[rc_test_plugin]", "rollout.workflow=failing-test", cache=cache, base=ASYNC),
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     m = metrics(out)

@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from realcore.mfc.reward_runner import RewardOutcome, RewardRunner
+from realcore.mfc.reward_runner import RewardCall, RewardOutcome, RewardRunner
 
 # One reward whose behaviour the response selects, so one runner (one child start-up) serves most tests.
 REWARDS = textwrap.dedent('''
@@ -18,7 +18,8 @@ REWARDS = textwrap.dedent('''
     from realcore.api.registry import register_reward
 
     @register_reward("rr_test")
-    def rr_test(response, answer):
+    def rr_test(prompt, completion, prompt_ids, completion_ids, *, answer, **data):
+        response = completion
         kind, _, arg = response.partition(":")
         if kind == "len":
             return float(len(arg))
@@ -44,11 +45,27 @@ REWARDS = textwrap.dedent('''
             return float(arg)
         if kind == "pid":
             return float(os.getpid())
+        if kind == "args":  # every argument reaches the reward
+            return float(len(prompt) + sum(prompt_ids) + sum(completion_ids) + int(data["extra"]))
         raise AssertionError(response)
+
+    @register_reward("rr_async")
+    async def rr_async(prompt, completion, prompt_ids, completion_ids, **data):
+        import asyncio
+        await asyncio.sleep(0.01)
+        return float(len(completion))
 ''')
 MODULE = "reward_runner_test_rewards"
 TIMEOUT_S = 1.0
-pytestmark = pytest.mark.timeout(120)  # a runner bug must fail here, not hang the suite
+pytestmark = pytest.mark.timeout(120)
+
+
+def call(response: str, answer: str) -> RewardCall:
+    return RewardCall("", response, [], [], {"answer": answer})
+
+
+def calls(pairs) -> list[RewardCall]:
+    return [call(r, a) for r, a in pairs]  # a runner bug must fail here, not hang the suite
 
 
 @pytest.fixture(scope="module")
@@ -82,46 +99,46 @@ def gone(pid: int) -> bool:
 def wait_all_ready(runner):
     """Until both children answer (a replacement takes seconds to import torch)."""
     deadline = time.monotonic() + 60
-    while len({o.reward for o in runner.score([("pid:", "")] * 8)}) < 2:
+    while len({o.reward for o in runner.score(calls([("pid:", "")] * 8))}) < 2:
         assert time.monotonic() < deadline
         time.sleep(0.2)
 
 
 def test_value(runner):
-    assert runner.score([("len:abc", ""), ("len:", ""), ("len:hello", "")]) == [
+    assert runner.score(calls([("len:abc", ""), ("len:", ""), ("len:hello", "")])) == [
         RewardOutcome(3.0, None), RewardOutcome(0.0, None), RewardOutcome(5.0, None)]  # fmt: skip
-    assert asyncio.run(runner.ascore("len:ab", "")) == RewardOutcome(2.0, None)
+    assert asyncio.run(runner.ascore(call("len:ab", ""))) == RewardOutcome(2.0, None)
 
 
 def test_raise_is_error_and_logged_once_per_storm(runner, caplog):
     # First test to fail a call: the log is rate-limited per kind, so later errors may be folded in.
     with caplog.at_level(logging.WARNING, logger="realcore.reward_runner"):
-        out = runner.score([("raise:", "")] * 20)
+        out = runner.score(calls([("raise:", "")] * 20))
     assert out == [RewardOutcome(0.0, "error")] * 20
     assert len(caplog.records) == 1 and "ZeroDivisionError: division by zero" in caplog.records[0].getMessage()
-    assert runner.score([("len:ab", "")]) == [RewardOutcome(2.0, None)]
+    assert runner.score(calls([("len:ab", "")])) == [RewardOutcome(2.0, None)]
 
 
 @pytest.mark.parametrize("kind", ["nan", "inf", "str"])
 def test_bad_value_is_error(runner, kind):
-    assert runner.score([(f"{kind}:", "")]) == [RewardOutcome(0.0, "error")]
+    assert runner.score(calls([(f"{kind}:", "")])) == [RewardOutcome(0.0, "error")]
 
 
 def test_timeout_kills_child_and_its_processes(runner, tmp_path):
     pid_file = tmp_path / "pids"
     t = time.monotonic()
-    out = runner.score([("hang:tree", str(pid_file))])
+    out = runner.score(calls([("hang:tree", str(pid_file))]))
     elapsed = time.monotonic() - t
     assert out == [RewardOutcome(0.0, "timeout")]
     assert TIMEOUT_S <= elapsed < TIMEOUT_S + 1.0
     child, grandchild = map(int, pid_file.read_text().split())
     assert child not in runner.pids and gone(child) and gone(grandchild)
-    assert runner.score([("len:abc", "")]) == [RewardOutcome(3.0, None)]
+    assert runner.score(calls([("len:abc", "")])) == [RewardOutcome(3.0, None)]
 
 
 def test_child_exit_is_error_and_replaced(runner):
-    assert runner.score([("exit:", "")]) == [RewardOutcome(0.0, "error")]
-    assert runner.score([("len:abcd", "")]) == [RewardOutcome(4.0, None)]
+    assert runner.score(calls([("exit:", "")])) == [RewardOutcome(0.0, "error")]
+    assert runner.score(calls([("len:abcd", "")])) == [RewardOutcome(4.0, None)]
     assert len(runner.pids) == 2
 
 
@@ -129,8 +146,8 @@ def test_concurrent_ascore_with_one_hanging(runner, tmp_path):
     wait_all_ready(runner)
 
     async def main():
-        hang = runner.ascore("hang:", str(tmp_path / "pid"))
-        return await asyncio.gather(hang, *(runner.ascore(f"sleep:{i}", "") for i in range(20)))
+        hang = runner.ascore(call("hang:", str(tmp_path / "pid")))
+        return await asyncio.gather(hang, *(runner.ascore(call(f"sleep:{i}", "")) for i in range(20)))
 
     t = time.monotonic()
     out = asyncio.run(main())
@@ -143,7 +160,7 @@ def test_per_call_overhead(runner):
     n = 200
     t = time.perf_counter()
     for _ in range(n):
-        runner.score([("len:x", "")])
+        runner.score(calls([("len:x", "")]))
     mean_ms = (time.perf_counter() - t) / n * 1e3
     print(f"reward runner: {mean_ms:.3f} ms per call")
     assert mean_ms < 20  # a few hundred microseconds here; this only catches a regression by orders
@@ -162,7 +179,7 @@ def test_close_leaves_nothing(runner, tmp_path):  # last test of the shared runn
     threads = threading.active_count()
 
     async def main():  # a call in flight at close() fails rather than waits forever
-        task = asyncio.ensure_future(runner.ascore("hang:", str(tmp_path / "pid")))
+        task = asyncio.ensure_future(runner.ascore(call("hang:", str(tmp_path / "pid"))))
         await asyncio.sleep(0.2)
         runner.close()
         with pytest.raises(RuntimeError, match="closed"):
@@ -171,16 +188,16 @@ def test_close_leaves_nothing(runner, tmp_path):  # last test of the shared runn
     asyncio.run(main())
     assert all(gone(p) for p in pids) and threading.active_count() == threads - 1
     with pytest.raises(RuntimeError, match="closed"):
-        runner.score([("len:a", "")])
+        runner.score(calls([("len:a", "")]))
 
 
 PARENT = r"""
 import time
-from realcore.mfc.reward_runner import RewardRunner
+from realcore.mfc.reward_runner import RewardCall, RewardRunner
 
 if __name__ == "__main__":
     r = RewardRunner("math", ["realcore.data"], timeout_s=30.0)
-    out = r.score([(r"so \boxed{\sqrt{4}}", "2")])  # symbolic: the child starts math_verify's sympy worker
+    out = r.score([RewardCall("", r"so \boxed{\sqrt{4}}", [], [], {"answer": "2"})])  # symbolic: the child starts math_verify's sympy worker
     print(out[0].reward, *r.pids, flush=True)
     time.sleep(1000)
 """
@@ -203,3 +220,17 @@ def test_children_die_with_parent(tmp_path):
     while not all(gone(p) for p in tree) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert all(gone(p) for p in tree)
+
+
+def test_reward_gets_every_argument_and_may_be_async(modules):
+    r = RewardRunner("rr_test", modules, timeout_s=TIMEOUT_S)
+    try:
+        out = r.score([RewardCall("abc", "args:", [1, 2], [3], {"answer": "", "extra": 10})])
+        assert out == [RewardOutcome(3 + 3 + 3 + 10, None)]
+    finally:
+        r.close()
+    r = RewardRunner("rr_async", modules, timeout_s=TIMEOUT_S)
+    try:
+        assert r.score(calls([("hello", ""), ("", "")])) == [RewardOutcome(5.0, None), RewardOutcome(0.0, None)]
+    finally:
+        r.close()

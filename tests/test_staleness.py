@@ -209,20 +209,23 @@ def test_staleness_never_exceeds_eta_in_a_simulation():
 
 
 def test_dynamic_filtering_and_trajectory_layout():
-    from realcore.backends.gen_client import Trajectory
-    from realcore.system.rollout_worker import keep_group, trajectory_sample
+    from realcore.api.workflow import TRAJECTORY_KEYS, Completion, TrajectoryBuilder, check_trajectories
+    from realcore.system.rollout_worker import keep_group
     from realcore.system.stream import Group, decode_group, encode_group
 
     assert keep_group([0.0, 1.0], True) and keep_group([1.0, 1.0], False)
     assert not keep_group([1.0, 1.0, 1.0], True) and not keep_group([0.0, 0.0], True)
-    t = Trajectory([7, 8], [-0.5, -0.25], [0, 1], 0, 1, "stop", 2)
-    sample = trajectory_sample([1, 2, 3], [(t, 1.0)])
+    t = TrajectoryBuilder([1, 2, 3])
+    t.add_completion(Completion([7, 8], [-0.5, -0.25], [0, 1], "stop", "x"))
+    sample = check_trajectories(t.to_tensors(1.0), TRAJECTORY_KEYS)
     assert sample["input_ids"][0].tolist() == [1, 2, 3, 7, 8]
     assert sample["loss_mask"][0].tolist() == [0, 0, 0, 1, 1]
     assert sample["behav_logprobs"][0].tolist() == [0, 0, 0, -0.5, -0.25]
     assert (int(sample["version_start"][0]), int(sample["version_end"][0]), float(sample["rewards"][0])) == (0, 1, 1.0)
-    back = decode_group(*encode_group(Group("r0:3", 7, sample)))
+    back = decode_group(*encode_group(Group("r0:3", 7, sample)), TRAJECTORY_KEYS)
     assert (back.uid, back.grant) == ("r0:3", 7) and all(torch_equal(back.sample[k], sample[k]) for k in sample)
+    with pytest.raises(ValueError):  # a group with other keys than the workflow declared
+        decode_group(*encode_group(Group("r0:3", 7, {**sample, "extra": sample["rewards"]})), TRAJECTORY_KEYS)
 
 
 def torch_equal(a, b):

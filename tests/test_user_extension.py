@@ -13,8 +13,8 @@ MY_MFCS = textwrap.dedent('''
     from realcore.api.registry import register_mfc, register_reward
 
     @register_reward("exact")
-    def exact(response: str, answer: str) -> float:
-        return float(response.strip() == answer.strip())
+    def exact(prompt, completion, prompt_ids, completion_ids, *, answer, **data) -> float:
+        return float(completion.strip() == answer.strip())
 
     @register_mfc("length_penalty")
     class LengthPenalty:

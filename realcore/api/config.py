@@ -133,7 +133,7 @@ class PPOConfig(_Strict):
 class RewardConfig(_Strict):
     """The scoring function of the `reward` MFC (sync) and of the rollout workers' agents (async)."""
 
-    type: str = Field("math", description="a registered reward: fn(response_text, answer_text) -> float")
+    type: str = Field("math", description="a registered reward: fn(prompt, completion, prompt_ids, completion_ids, **data) -> float (sync or async)")
     timeout_s: float = Field(30.0, gt=0, description="a reward call running longer is stopped (its process killed): reward 0, counted in reward/timeouts")
     n_procs: int = Field(1, gt=0, description="processes per worker that run reward calls (in parallel)")
 
@@ -142,7 +142,10 @@ class RolloutConfig(_Strict):
     """Asynchronous mode: rollout workers, generation servers, staleness control (AReaL's names)."""
 
     n_workers: int = Field(2, gt=0, description="rollout worker processes")
-    agent: str = Field("math-single-step", description="a registered agent")
+    workflow: str = Field(
+        "math-single-step", description="a registered rollout workflow (realcore.api.workflow): math-single-step | "
+        "math-multi-turn | math-tool | a user's. It runs on rollout workers (async) and in the generate MFC (sync)")
+    workflow_kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the workflow (e.g. max_turns)")
     max_head_offpolicyness: int = Field(0, ge=0, description="eta: admitted rollouts are at most this many versions stale")
     max_concurrent_rollouts: int = Field(16, gt=0, description="rollouts in flight across all rollout workers")
     routing: Literal["round_robin", "least_requests"] = "least_requests"
@@ -155,6 +158,22 @@ class RolloutConfig(_Strict):
     server_python: str | None = Field(
         None, description="the interpreter that runs SGLang/vLLM servers (e.g. /opt/sglang-venv/bin/python), so the "
         "engine can live in its own environment; None: realcore's own (sys.executable)")
+
+
+class EvalConfig(_Strict):
+    """Evaluation on held-out prompts: during training every `freq_steps` steps (on the generation
+    servers, or on the actor in sync mode without them) and with `python -m realcore.eval`. Each
+    prompt runs the rollout workflow once greedily (eval/accuracy: reward > 0; eval/reward: mean
+    reward) and `n_samples` times sampled (eval/pass@k, k = n_samples: any of them has reward > 0)."""
+
+    freq_steps: int | None = Field(None, gt=0, description="evaluate after every N training steps and after the last; None: never")
+    dataset: DatasetConfig | None = Field(
+        None, description="held-out prompts; None: the training dataset's type with seed + 1 (a new draw of a generated "
+        "dataset; give a held-out file for jsonl datasets)")
+    n_prompts: int = Field(32, gt=0, description="prompts evaluated (the first n of the dataset)")
+    n_samples: int = Field(4, gt=0, description="sampled episodes per prompt, for eval/pass@k")
+    max_new_tokens: int | None = Field(None, gt=0, description="None: generation.max_new_tokens")
+    temperature: float | None = Field(None, gt=0, description="of the sampled episodes; None: generation.temperature")
 
 
 class TrainerConfig(_Strict):
@@ -285,6 +304,7 @@ class ExperimentConfig(_Strict):
     reward: RewardConfig = RewardConfig()
     rollout: RolloutConfig = RolloutConfig()
     trainer: TrainerConfig = TrainerConfig()
+    eval: EvalConfig = EvalConfig()
     mfcs: list[MFCConfig] = Field(default_factory=list)
     system: SystemConfig = SystemConfig()
     slurm: SlurmConfig = SlurmConfig()

@@ -1,4 +1,4 @@
-"""Registries at the user extension points: MFCs, rewards, datasets, agents.
+"""Registries at the user extension points: MFCs, rewards, datasets, rollout workflows, environments.
 
 A user module listed in the experiment's `imports:` registers its own entries with these decorators;
 the graph is built after those imports, so YAML can name them.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-_REGISTRIES: dict[str, dict[str, Any]] = {"mfc": {}, "reward": {}, "dataset": {}, "agent": {}}
+_REGISTRIES: dict[str, dict[str, Any]] = {"mfc": {}, "reward": {}, "dataset": {}, "workflow": {}, "env": {}}
 
 
 def _register(kind: str, name: str, obj: Any) -> Any:
@@ -44,7 +44,10 @@ def register_mfc(name: str) -> Callable:
 
 
 def register_reward(name: str) -> Callable:
-    """Function decorator: `fn(response_text: str, answer_text: str) -> float`."""
+    """Function decorator: `fn(prompt, completion, prompt_ids, completion_ids, **data) -> float`, or
+    an `async def` of the same shape (AReaL's signature). `prompt`/`completion` are text, the ids
+    lists of ints, `data` the dataset row's text fields (`answer`, `question`, ...); accept `**data`
+    to ignore the fields you do not use. It runs in a child process with a deadline (`reward.timeout_s`)."""
     return lambda fn: _register("reward", name, fn)
 
 
@@ -67,5 +70,44 @@ def dataset_keys(cfg: Any) -> tuple[str, ...]:
     return tuple(keys(cfg) if callable(keys) else keys)
 
 
-def register_agent(name: str) -> Callable:
-    return lambda obj: _register("agent", name, obj)
+def register_workflow(name: str, keys: tuple[str, ...] | None = None) -> Callable:
+    """Decorator of a rollout workflow: an async function `fn(engine, data, **kwargs)` or a class
+    with `async arun_episode(self, engine, data)` (see realcore.api.workflow). `keys`: what its
+    trajectories carry; None: `TRAJECTORY_KEYS`. Extra keys must be per token or per sequence."""
+    from realcore.api.workflow import TRAJECTORY_KEYS
+
+    declared = tuple(keys) if keys is not None else TRAJECTORY_KEYS
+    missing = [k for k in TRAJECTORY_KEYS if k not in declared]
+    if missing or len(set(declared)) != len(declared):
+        raise ValueError(f"workflow {name!r}: keys {list(declared)} must hold each of {list(TRAJECTORY_KEYS)} once"
+                         f"{f' (missing {missing})' if missing else ''}")
+
+    def deco(obj: Any) -> Any:
+        obj.workflow_keys = declared
+        return _register("workflow", name, obj)
+
+    return deco
+
+
+def workflow_keys(name: str) -> tuple[str, ...]:
+    return tuple(lookup("workflow", name).workflow_keys)
+
+
+def make_workflow(name: str, kwargs: dict[str, Any]) -> Callable:
+    """The registered workflow as `async episode(engine, data)`."""
+    import functools
+    import inspect
+
+    obj = lookup("workflow", name)
+    if inspect.isclass(obj):
+        return obj(**kwargs).arun_episode
+    if not inspect.iscoroutinefunction(obj):
+        raise TypeError(f"workflow {name!r} is neither an async function nor a class with arun_episode")
+    return functools.partial(obj, **kwargs)
+
+
+def register_env(name: str) -> Callable:
+    """Class decorator of an environment (realcore.api.workflow.Env: `async reset(data) -> str`,
+    `async step(action) -> (observation, reward, done, info)`), made by workflows with
+    `lookup("env", name)(**kwargs)`."""
+    return lambda cls: _register("env", name, cls)

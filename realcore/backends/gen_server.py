@@ -23,6 +23,10 @@ cache (a weight update is refused while it holds requests). Requests that arrive
 wait for continue. A weight update without a pause is applied between two decode steps; running
 requests then continue on their old KV cache, and their reply carries the new version (as SGLang).
 
+OpenAI's API (docs/openai.md): /v1/chat/completions and /v1/completions run each choice as one
+/generate request (so pause, abort and weight updates act on them alike) and answer in OpenAI's
+JSON with the token ids and weight version as extra fields (realcore.backends.openai_api).
+
 Dependency note: backends must not import realcore.system; the wire module is the one exception.
 """
 
@@ -46,7 +50,7 @@ from aiohttp import web
 
 from realcore.api.config import GenerationConfig, SystemConfig
 from realcore.api.engine import GenerationResult
-from realcore.backends import http_schemas
+from realcore.backends import http_schemas, openai_api
 from realcore.backends.generation import GenerationEngine, read_hf_weights
 from realcore.backends.http_schemas import one_line
 from realcore.backends.models import load_model, load_tokenizer
@@ -369,7 +373,11 @@ class WeightsReceiver:
 # --- HTTP -----------------------------------------------------------------------------------------
 
 
-def _error(status: int, message: str) -> web.Response:
+def _error(status: int, message: str, path: str = "") -> web.Response:
+    if path in openai_api.ROUTES:  # OpenAI's shape, which the openai package reads into its exceptions
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": None}},
+                                 status=status)
     return web.json_response({"error": message}, status=status)
 
 
@@ -392,6 +400,8 @@ class Server:
             web.post("/pause_generation", self.pause_generation),
             web.post("/continue_generation", self.continue_generation),
             web.post("/abort_request", self.abort_request),
+            web.post("/v1/chat/completions", self.chat_completions),
+            web.post("/v1/completions", self.completions),
             web.get("/v1/models", self.models),
             web.get("/health", self.health),
             web.get("/get_server_info", self.server_info),
@@ -405,7 +415,8 @@ class Server:
         # master's metrics through the manager, which reads /get_server_info.
         if self._authorization is not None and not hmac.compare_digest(given, self._authorization):
             wire.count_dropped("http", "auth", f"{request.method} {request.path}")
-            return _error(401, "missing or wrong bearer token (Authorization: Bearer <the run's server token>)")
+            return _error(401, "missing or wrong bearer token (Authorization: Bearer <the run's server token>)",
+                          request.path)
         try:
             return await handler(request)
         except web.HTTPException as e:  # aiohttp's own answers: 404, 405, 413 (the body is over the limit)
@@ -413,18 +424,19 @@ class Server:
                 raise
             if e.status == 413:
                 wire.count_dropped("http", "size", request.path)
-                return _error(413, f"{request.path}: the body is larger than max_http_body_bytes ({self.max_body_bytes})")
+                too_big = f"{request.path}: the body is larger than max_http_body_bytes ({self.max_body_bytes})"
+                return _error(413, too_big, request.path)
             wire.count_dropped("http", "route", f"{request.method} {request.path}")
-            return _error(e.status, f"{request.method} {request.path}: {e.reason}")
+            return _error(e.status, f"{request.method} {request.path}: {e.reason}", request.path)
         except ValueError as e:  # a bad body, bad parameters, a refused command
             wire.count_dropped("http", "body", f"{request.path}: {one_line(e)[:200]}")
-            return _error(400, one_line(e))
+            return _error(400, one_line(e), request.path)
         except Unavailable as e:  # the engine thread stopped or does not answer
-            return _error(503, one_line(e))
+            return _error(503, one_line(e), request.path)
         except Exception as e:  # the engine failed this request (RequestFailed) or a bug here: this request only
             if not isinstance(e, RequestFailed):
                 log.exception("gen_server: %s %s failed", request.method, request.path)
-            return _error(500, one_line(e))
+            return _error(500, one_line(e), request.path)
 
     async def _read(self, request: web.Request) -> bytes:
         """The body, refused (413) past max_body_bytes before it is read when its length is declared."""
@@ -472,15 +484,57 @@ class Server:
         given = (req.rid or [None] * len(prompts)) if batch else [req.rid]
         rids = [rid if rid is not None else os.urandom(8).hex() for rid in given]
         gconfig = req.sampling_params.gconfig(self.limits)
-        jobs = [asyncio.ensure_future(self._generate_one(rid, ids, gconfig, req.return_logprob))
-                for rid, ids in zip(rids, prompts)]
+        replies = await self._gather([self._generate_one(rid, ids, gconfig, req.return_logprob)
+                                      for rid, ids in zip(rids, prompts)])
+        return web.json_response(replies if batch else replies[0])
+
+    async def _gather(self, requests: list) -> list[dict]:
+        jobs = [asyncio.ensure_future(r) for r in requests]
         try:
-            replies = await asyncio.gather(*jobs)
-        except BaseException:  # one failed (or the client went away): the batch's other requests stop too
+            return await asyncio.gather(*jobs)
+        except BaseException:  # one failed (or the client went away): the other requests stop too
             for job in jobs:
                 job.cancel()
             raise
-        return web.json_response(replies if batch else replies[0])
+
+    async def chat_completions(self, request: web.Request) -> web.Response:
+        body = http_schemas.parse(http_schemas.ChatCompletionRequest, await self._read(request), request.path,
+                                  self.limits)
+        tokenizer = self.core.tokenizer
+        try:  # off the event loop: templating a long conversation takes a while
+            prompt = await asyncio.to_thread(openai_api.chat_prompt, tokenizer, body.template_messages(),
+                                             self.limits.vocab_size)
+        except ValueError as e:
+            raise ValueError(f"{request.path}: {e}") from None
+        rid = f"chatcmpl-{os.urandom(12).hex()}"
+        choices = await self._choices(rid, [prompt], body, request.path)
+        reply = openai_api.chat_response(rid, self.model_path, prompt, choices, tokenizer, logprobs=body.logprobs)
+        return web.json_response(reply)
+
+    async def completions(self, request: web.Request) -> web.Response:
+        body = http_schemas.parse_completion(await self._read(request), self.limits)
+        tokenizer = self.core.tokenizer
+        try:
+            prompts = [p if isinstance(p, list) else
+                       await asyncio.to_thread(openai_api.text_prompt, tokenizer, p, self.limits.vocab_size)
+                       for p in body.prompts()]
+        except ValueError as e:
+            raise ValueError(f"{request.path}: {e}") from None
+        rid = f"cmpl-{os.urandom(12).hex()}"
+        choices = await self._choices(rid, prompts, body, request.path)
+        reply = openai_api.completion_response(rid, self.model_path, prompts, choices, tokenizer,
+                                               logprobs=body.logprobs is not None)
+        return web.json_response(reply)
+
+    async def _choices(self, rid: str, prompts: list[list[int]], body, path: str) -> list[openai_api.Choice]:
+        """`body.n` choices per prompt, each one request on /generate's path (rid `<rid>-<index>`)."""
+        try:
+            gconfigs = [body.gconfig(len(p), self.limits) for p in prompts]
+        except ValueError as e:  # past the model's context
+            raise ValueError(f"{path}: {e}") from None
+        runs = [(p, g) for p, g in zip(prompts, gconfigs) for _ in range(body.n)]
+        replies = await self._gather([self._generate_one(f"{rid}-{i}", p, g, True) for i, (p, g) in enumerate(runs)])
+        return [openai_api.choice(self.core.tokenizer, r, body.stops()) for r in replies]
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         try:

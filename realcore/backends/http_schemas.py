@@ -16,6 +16,10 @@ The same rules hold for every endpoint:
   `spaces_between_special_tokens`, `no_stop_trim`): we return token ids, so they are accepted and
   ignored. A field sent as null takes its default, as in SGLang.
 Errors are ValueError with one line naming the endpoint, the field and the rule.
+
+The OpenAI-compatible bodies (/v1/chat/completions, /v1/completions; docs/openai.md) follow the
+same rules in OpenAI's field names. What the engine cannot do is refused, not ignored: `stream`,
+`echo`, alternatives (`top_logprobs` / `logprobs` above 0), unknown fields such as `tools`.
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ MAX_TEMPERATURE = 100.0  # SGLang has no upper bound; far above any use, and fin
 MAX_RID_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 PAUSE_MODES = ("abort", "retract", "in_place")
+MAX_CHOICES = 16  # OpenAI's `n`
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
 _MAX_ERRORS_SHOWN = 3
 
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]  # the vocabulary bound is checked with the model's (Limits)
@@ -156,6 +163,116 @@ class AbortRequest(_Body):
         return self
 
 
+# --- OpenAI-compatible bodies (docs/openai.md) -----------------------------------------------------
+
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+
+
+class _OpenAIRequest(_Body):
+    """The sampling fields /v1/chat/completions and /v1/completions share."""
+
+    model: str = Field(min_length=1, max_length=4096, description="not checked: a server serves one model (as SGLang)")
+    max_tokens: int | None = Field(None, ge=1, description="default: the rest of the model's context")
+    temperature: float = Field(1.0, ge=0, le=MAX_TEMPERATURE, description="below 1e-6: greedy")
+    top_p: float = Field(1.0, gt=0, le=1)
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices per prompt")
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] = Field(default_factory=list)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64, description="accepted, ignored (the server's --random-seed)")
+    user: str | None = Field(None, max_length=MAX_RID_CHARS, description="accepted, ignored")
+    stream: bool = False
+
+    @model_validator(mode="after")
+    def _no_stream(self) -> _OpenAIRequest:
+        if self.stream:
+            raise ValueError("stream: streaming is not supported (send stream=false)")
+        return self
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def new_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def gconfig(self, prompt_tokens: int, limits: Limits) -> GenerationConfig:
+        """The engine's config for one prompt of `prompt_tokens`; ValueError if it cannot fit the context."""
+        room = limits.max_context - prompt_tokens
+        wanted = self.new_tokens()
+        if wanted is not None and wanted > room:
+            raise ValueError(f"a prompt of {prompt_tokens} tokens + max_tokens={wanted} exceeds the model's context "
+                             f"of {limits.max_context} tokens")
+        if room < 1:
+            raise ValueError(f"a prompt of {prompt_tokens} tokens leaves no room for output in the model's context "
+                             f"of {limits.max_context} tokens")
+        params = SamplingParams(temperature=self.temperature, top_p=self.top_p, max_new_tokens=wanted or room)
+        return params.gconfig(limits)
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+    name: str | None = Field(None, min_length=1, max_length=MAX_RID_CHARS, description="passed to the template")
+    tool_call_id: str | None = Field(None, min_length=1, max_length=MAX_RID_CHARS, description="passed to the template")
+
+
+class ChatCompletionRequest(_OpenAIRequest):
+    """POST /v1/chat/completions: the messages go through the tokenizer's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name of max_tokens")
+    logprobs: bool = False
+    top_logprobs: int = Field(0, ge=0, le=20, description="only 0: the engine returns no alternatives")
+
+    @model_validator(mode="after")
+    def _supported(self) -> ChatCompletionRequest:
+        if self.top_logprobs > 0:
+            raise ValueError("top_logprobs: only 0 is supported (the engine returns the sampled token's log-prob, "
+                             "no alternatives)")
+        if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
+            raise ValueError(f"max_tokens={self.max_tokens} and max_completion_tokens={self.max_completion_tokens} "
+                             "disagree: send one")
+        return self
+
+    def new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return [m.model_dump(exclude_none=True) for m in self.messages]
+
+
+class CompletionRequest(_OpenAIRequest):
+    """POST /v1/completions: a prompt as text or token ids, or a list of prompts of one kind."""
+
+    prompt: str | Prompt | list[str] | list[Prompt]
+    logprobs: int | None = Field(None, ge=0, le=5, description="only 0: the sampled tokens' log-probs")
+    echo: bool = False
+
+    @model_validator(mode="after")
+    def _supported(self, info: ValidationInfo) -> CompletionRequest:
+        if self.echo:
+            raise ValueError("echo: returning the prompt is not supported (send echo=false)")
+        if self.logprobs:
+            raise ValueError("logprobs: only 0 is supported (the engine returns the sampled token's log-prob, "
+                             "no alternatives)")
+        prompts = self.prompts()
+        if not prompts:
+            raise ValueError("prompt: an empty list")
+        limits: Limits | None = info.context
+        if limits is not None:
+            if len(prompts) > limits.max_batch_size:
+                raise ValueError(f"prompt: {len(prompts)} prompts exceed this server's max_batch_size "
+                                 f"({limits.max_batch_size})")
+            top = max((max(p) for p in prompts if isinstance(p, list)), default=-1)
+            if top >= limits.vocab_size:
+                raise ValueError(f"prompt: token id {top} is outside the vocabulary [0, {limits.vocab_size})")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: its text or its token ids."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]
+        return list(self.prompt)
+
+
 B = TypeVar("B", bound=_Body)
 
 
@@ -195,15 +312,25 @@ def parse(model: type[B], raw: bytes, endpoint: str, limits: Limits | None = Non
     return validate(model, parse_json(raw, endpoint), endpoint, limits)
 
 
-def parse_generate(raw: bytes, limits: Limits) -> GenerateRequest | BatchGenerateRequest:
-    """A /generate body: one prompt (a list of ids) or a batch (a list of lists of ids)."""
+def _refuse_too_many_values(raw: bytes, limits: Limits, endpoint: str) -> None:
     # Parsed JSON takes ~8-30x the bytes of a list of small ints: refuse, before parsing, a body
     # with more values than the largest request this server takes (a few values beside the ids).
     most = limits.max_batch_size * (limits.max_context + MAX_RID_CHARS) + MAX_STOP_TOKEN_IDS + 64  # rids may hold commas
     if raw.count(b",") > most:
-        raise ValueError(f"/generate: more values than {limits.max_batch_size} prompts of at most "
+        raise ValueError(f"{endpoint}: more values than {limits.max_batch_size} prompts of at most "
                          f"{limits.max_context} tokens can hold")
+
+
+def parse_generate(raw: bytes, limits: Limits) -> GenerateRequest | BatchGenerateRequest:
+    """A /generate body: one prompt (a list of ids) or a batch (a list of lists of ids)."""
+    _refuse_too_many_values(raw, limits, "/generate")
     data = parse_json(raw, "/generate")
     ids = data.get("input_ids") if isinstance(data, dict) else None
     batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
     return validate(BatchGenerateRequest if batch else GenerateRequest, data, "/generate", limits)
+
+
+def parse_completion(raw: bytes, limits: Limits) -> CompletionRequest:
+    """A /v1/completions body, whose prompts may be token ids (bounded before parsing as /generate's)."""
+    _refuse_too_many_values(raw, limits, "/v1/completions")
+    return parse(CompletionRequest, raw, "/v1/completions", limits)

@@ -376,13 +376,14 @@ def symbolic_equal(a: list, b: list, timeout_s: float = 2.0) -> bool:
 
 
 @register_reward("math")
-def math_reward(response: str, answer: str) -> float:
-    """1.0 if the response's final answer equals the reference answer, else 0.0.
+def math_reward(prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int], *, answer: str,
+                **data) -> float:
+    """1.0 if the completion's final answer equals the dataset row's reference `answer`, else 0.0.
 
     The reference is a GSM8K solution ("... #### 72") or a MATH one (`\\boxed{}`), from which the final
     answer is extracted, or else the bare answer itself ("x+1" must not become "1")."""
     gold = extract_answer(answer) if ("####" in answer or "\\boxed" in answer) else answer.strip()
-    pred = extract_answer(response)
+    pred = extract_answer(completion)
     if pred is None or not gold:
         return 0.0
     return 1.0 if math_equal(pred, gold) else 0.0

@@ -8,7 +8,7 @@ from collections import Counter
 
 from realcore.api.alloc import AllocationMode, parse_allocation_mode
 from realcore.api.config import ExperimentConfig
-from realcore.api.registry import lookup
+from realcore.api.registry import lookup, make_workflow
 from realcore.data.datasets import SKIP_TOO_LONG, LoadedDataset, describe_skips
 from realcore.dfg.graph import DataFlowGraph, build_graph
 from realcore.launch.config_loader import ConfigError, import_user_modules
@@ -65,14 +65,21 @@ def check_names(cfg: ExperimentConfig) -> None:
 
 def check_registered(cfg: ExperimentConfig) -> None:
     """Names the workers look up in the registries (MFC types: build_graph, with the node's name)."""
-    named = [("reward.type", "reward", cfg.reward.type), ("dataset.type", "dataset", cfg.dataset.type)]
-    if cfg.mode == "async":
-        named.append(("rollout.agent", "agent", cfg.rollout.agent))
+    import realcore.workflows  # noqa: F401  (the built-in workflows register on import)
+
+    named = [("reward.type", "reward", cfg.reward.type), ("dataset.type", "dataset", cfg.dataset.type),
+             ("rollout.workflow", "workflow", cfg.rollout.workflow)]
+    if cfg.eval.dataset is not None:
+        named.append(("eval.dataset.type", "dataset", cfg.eval.dataset.type))
     for key, kind, name in named:
         try:
             lookup(kind, name)
         except KeyError as e:
             raise ConfigError(f"{key}: {e.args[0]}") from None
+    try:  # a workflow's constructor checks its arguments
+        make_workflow(cfg.rollout.workflow, cfg.rollout.workflow_kwargs)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"rollout.workflow_kwargs: workflow {cfg.rollout.workflow!r}: {e}") from None
 
 
 def check_inputs(cfg: ExperimentConfig, alloc: AllocationMode) -> LoadedDataset:

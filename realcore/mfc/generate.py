@@ -1,40 +1,91 @@
-"""`generate`: sample `n_samples` responses per prompt with the role's built-in engine."""
+"""`generate`: run the rollout workflow (`rollout.workflow`, realcore.api.workflow) on each prompt of
+the batch, in sync mode: the same workflow the rollout workers run in async mode.
+
+The batch's episodes run concurrently; their generation requests are decoded together by the role's
+engine (or the generation servers) whenever every episode waits (realcore.workflows.engines). The
+MFC writes the workflow keys it declares as outputs (e.g. input_ids, loss_mask, behav_logprobs,
+rewards). An episode that raises is tried again `rollout.episode_retries` times; a sync batch cannot
+lose a sample, so an episode that still fails, or that the workflow rejects (None), fails the call.
+"""
 
 from __future__ import annotations
+
+import asyncio
 
 import torch
 
 from realcore.api.data import SequenceSample
-from realcore.api.registry import register_mfc
+from realcore.api.registry import make_workflow, register_mfc, workflow_keys
+from realcore.api.workflow import check_trajectories, workflow_data
+from realcore.mfc.reward import reward_modules
+from realcore.mfc.reward_runner import RewardCall, RewardRunner
 
 
 @register_mfc("generate")
 class Generate:
-    """prompt_ids -> input_ids (prompt + response), loss_mask (1 on the response), behav_logprobs."""
+    """dataset keys (prompt_ids, answer, ...) -> the workflow's keys named in `outputs`."""
 
     needs_model = True
     trains = False
     generates = True  # samples only: runs on generation servers when the experiment has them
 
     def __init__(self, cfg, mfc):
-        self.gconfig = cfg.generation
+        import realcore.workflows  # noqa: F401  (the built-in workflows register on import)
+
+        self.cfg, self.outputs = cfg, list(mfc.outputs)
+        self.workflow = make_workflow(cfg.rollout.workflow, cfg.rollout.workflow_kwargs)
+        self.keys = workflow_keys(cfg.rollout.workflow)
+        self.runner: RewardRunner | None = None  # started on first use
+
+    @classmethod
+    def check_config(cls, cfg, mfc) -> None:
+        import realcore.workflows  # noqa: F401
+
+        keys = workflow_keys(cfg.rollout.workflow)
+        extra = [k for k in mfc.outputs if k not in keys]
+        if extra:
+            raise ValueError(f"outputs {extra} are not produced by workflow {cfg.rollout.workflow!r} (it declares {list(keys)})")
 
     def run(self, model, batch: SequenceSample):
-        n = self.gconfig.n_samples
-        prompts = [p.tolist() for p in batch.flat("prompt_ids") for _ in range(n)]
-        results = model.generate(prompts, self.gconfig)
-        input_ids, loss_mask, behav_logprobs = [], [], []
-        for prompt, r in zip(prompts, results):
-            p, o = len(prompt), len(r.output_ids)
-            input_ids.append(torch.tensor(prompt + r.output_ids, dtype=torch.int64))
-            loss_mask.append(torch.cat([torch.zeros(p, dtype=torch.int64), torch.ones(o, dtype=torch.int64)]))
-            behav_logprobs.append(torch.cat([torch.zeros(p), torch.tensor(r.output_logprobs, dtype=torch.float32)]))
-        lens = [len(r.output_ids) for r in results]
+        from realcore.workflows.engines import BatchingEngine, run_batched
+
+        if self.runner is None:
+            r = self.cfg.reward
+            self.runner = RewardRunner(r.type, reward_modules(self.cfg), timeout_s=r.timeout_s, n_procs=r.n_procs)
+        counters = {"reward/errors": 0, "reward/timeouts": 0}
+
+        async def reward_fn(prompt, completion, prompt_ids, completion_ids, row) -> float:
+            outcome = await self.runner.ascore(RewardCall(prompt, completion, prompt_ids, completion_ids, row))
+            if outcome.error is not None:
+                counters["reward/errors" if outcome.error == "error" else "reward/timeouts"] += 1
+            return outcome.reward
+
+        engine = BatchingEngine(model, model.tokenizer, self.cfg.generation, reward_fn, version=getattr(model, "version", 0))
+        datas = [workflow_data(s) for s in batch.samples]
+        results = asyncio.run(run_batched(engine, [self.workflow(engine, d) for d in datas]))
+        for attempt in range(self.cfg.rollout.episode_retries):
+            failed = [i for i, r in enumerate(results) if isinstance(r, BaseException)]
+            if not failed:
+                break
+            again = asyncio.run(run_batched(engine, [self.workflow(engine, datas[i]) for i in failed]))
+            for i, r in zip(failed, again):
+                results[i] = r
+        groups = []
+        for sid, r in zip(batch.ids, results):
+            if isinstance(r, BaseException):
+                raise RuntimeError(f"workflow {self.cfg.rollout.workflow!r}: the episode of sample {sid} failed "
+                                   f"{self.cfg.rollout.episode_retries + 1} times: {type(r).__name__}: {r}") from r
+            if r is None:
+                raise RuntimeError(f"workflow {self.cfg.rollout.workflow!r} rejected sample {sid} (returned None): "
+                                   "a sync batch cannot drop a sample (async mode can)")
+            groups.append(check_trajectories(r, self.keys))
+        out = SequenceSample(list(batch.ids), [{k: g[k] for k in self.outputs} for g in groups])
+        mask_lens = [int(m.sum()) for g in groups for m in g["loss_mask"]]
+        rewards = torch.cat([t for g in groups for t in g["rewards"]])
         stats = {
-            "gen/response_len": sum(lens) / max(len(lens), 1),
-            "gen/no_eos_frac": sum(r.finish_reason == "length" for r in results) / max(len(results), 1),
+            "gen/response_len": sum(mask_lens) / max(len(mask_lens), 1),
+            "gen/no_eos_frac": engine.n_length / max(engine.n_completions, 1),
+            "reward/mean": rewards.mean().item(),
+            **counters,
         }
-        out = SequenceSample.from_flat(
-            batch.ids, [n] * len(batch), {"input_ids": input_ids, "loss_mask": loss_mask, "behav_logprobs": behav_logprobs}
-        )
         return out, stats

@@ -16,7 +16,7 @@ from realcore.mfc.reward_runner import RewardRunner
 
 def reward_modules(cfg) -> list[str]:
     """What a reward process imports to find registered rewards: ours and the user's."""
-    return ["realcore.data", "realcore.mfc", *cfg.imports]
+    return ["realcore.data", "realcore.mfc", "realcore.workflows", *cfg.imports]
 
 
 @register_mfc("reward")

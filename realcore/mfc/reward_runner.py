@@ -20,6 +20,7 @@ import collections
 import concurrent.futures
 import ctypes
 import importlib
+import inspect
 import json
 import logging
 import math
@@ -37,6 +38,18 @@ log = logging.getLogger("realcore.reward_runner")
 
 _START_TIMEOUT_S = 120.0  # a child imports torch (via realcore.data) and the user's modules
 _LOG_INTERVAL_S = 10.0  # at most one warning per failure kind per interval
+
+
+@dataclass
+class RewardCall:
+    """The arguments of one reward call (AReaL's signature): `fn(prompt, completion, prompt_ids,
+    completion_ids, **data)`; `data` holds the dataset row's JSON-able fields (`answer`, ...)."""
+
+    prompt: str
+    completion: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    data: dict
 
 
 @dataclass
@@ -82,8 +95,9 @@ def _check_value(value) -> float:
 
 
 def _child_main(conn, parent_pid: int, modules: list[str], reward_name: str) -> None:
-    """Import the modules, find the reward, then answer JSON [response, answer] requests with
-    [1, reward] or [0, "one-line error"] until the parent closes its end."""
+    """Import the modules, find the reward, then answer JSON RewardCall requests
+    [prompt, completion, prompt_ids, completion_ids, data] with [1, reward] or [0, "one-line error"]
+    until the parent closes its end. An async reward runs to completion on the child's own loop."""
     _set_up_child(parent_pid)
     for m in modules:
         try:
@@ -97,13 +111,17 @@ def _child_main(conn, parent_pid: int, modules: list[str], reward_name: str) -> 
         conn.send_bytes(json.dumps(["fail", e.args[0]]).encode())
         return
     conn.send_bytes(b'["ready"]')
+    loop = asyncio.new_event_loop()
     while True:
         try:
-            response, answer = json.loads(conn.recv_bytes())
+            prompt, completion, prompt_ids, completion_ids, data = json.loads(conn.recv_bytes())
         except EOFError:
             return
         try:
-            reply = [1, _check_value(fn(response, answer))]
+            value = fn(prompt, completion, prompt_ids, completion_ids, **data)
+            if inspect.isawaitable(value):
+                value = loop.run_until_complete(value)
+            reply = [1, _check_value(value)]
         except BaseException as e:  # SystemExit too: the child keeps serving
             reply = [0, _one_line(e)]
         conn.send_bytes(json.dumps(reply).encode())
@@ -196,7 +214,7 @@ class RewardRunner:
 
     # -- calls -------------------------------------------------------------------------------
 
-    def _submit(self, items: list[tuple[str, str]]) -> list[concurrent.futures.Future]:
+    def _submit(self, items: list[RewardCall]) -> list[concurrent.futures.Future]:
         if os.getpid() != self._owner_pid:
             raise RuntimeError("RewardRunner: used in a forked copy of its process; create one per process")
         futs = [concurrent.futures.Future() for _ in items]
@@ -213,13 +231,13 @@ class RewardRunner:
         except BlockingIOError:  # pipe full: the dispatcher will wake anyway
             pass
 
-    def score(self, items: list[tuple[str, str]]) -> list[RewardOutcome]:
-        """Score (response, answer) pairs, spread over the children; returns in order."""
+    def score(self, items: list[RewardCall]) -> list[RewardOutcome]:
+        """Score calls, spread over the children; returns in order."""
         return [f.result() for f in self._submit(items)]
 
-    async def ascore(self, response: str, answer: str) -> RewardOutcome:
-        """Score one pair; no thread waits for it. Cancelling before a child takes it drops the call."""
-        (fut,) = self._submit([(response, answer)])
+    async def ascore(self, call: RewardCall) -> RewardOutcome:
+        """Score one call; no thread waits for it. Cancelling before a child takes it drops the call."""
+        (fut,) = self._submit([call])
         return await asyncio.wrap_future(fut)
 
     def close(self) -> None:
@@ -289,7 +307,7 @@ class RewardRunner:
                 continue
             c.call, c.deadline = fut, time.monotonic() + self.timeout_s
             try:
-                c.conn.send_bytes(json.dumps(item).encode())
+                c.conn.send_bytes(json.dumps([item.prompt, item.completion, item.prompt_ids, item.completion_ids, item.data]).encode())
             except OSError:  # died while idle; the sentinel reports it next
                 pass
             return

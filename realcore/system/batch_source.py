@@ -9,14 +9,14 @@ import time
 from dataclasses import dataclass
 
 from realcore.api.config import ExperimentConfig
-from realcore.api.registry import dataset_keys
+from realcore.api.registry import dataset_keys, workflow_keys
 from realcore.system.protocol import Fetch, Fetched, Resolve
-from realcore.system.stream import STREAM_KEYS
 
 
 def source_keys(cfg: ExperimentConfig) -> tuple[str, ...]:
-    """What feeds the graph: the dataset (sync) or the rollout workers' trajectory stream (async)."""
-    return STREAM_KEYS if cfg.mode == "async" else dataset_keys(cfg.dataset)
+    """What feeds the graph: the dataset (sync) or the rollout workers' trajectory stream (async:
+    the keys the rollout workflow declares)."""
+    return workflow_keys(cfg.rollout.workflow) if cfg.mode == "async" else dataset_keys(cfg.dataset)
 
 
 @dataclass

@@ -31,7 +31,7 @@ from realcore.system.control import WorkerPool, wait_all
 from realcore.system.ledger import Ledger
 from realcore.system.metrics import MetricsWriter
 from realcore.system.name_resolve import make_name_resolver
-from realcore.system.protocol import (Clear, Configure, Exit, ManagerState, Restore, RunMFC, Save, SaveState, Snapshot,
+from realcore.system.protocol import (Clear, Configure, Evaluate, Exit, ManagerState, Restore, RunMFC, Save, SaveState, Snapshot,
                                       WorkerLost, parse)
 from realcore.system.weight_sync import make_weight_sync
 
@@ -366,6 +366,8 @@ class Master:
                         self.drop_totals[k.removeprefix("dropped/")] += share
                     else:
                         metrics[k] = share
+            if cfg.eval.freq_steps and (step % cfg.eval.freq_steps == 0 or step == cfg.trainer.total_steps):
+                metrics.update(self.evaluate())
             self.log_drops(metrics)
             metrics["version"] = self.version
             metrics["time/step_s"] = time.perf_counter() - t0
@@ -380,6 +382,11 @@ class Master:
                 self.save_recover(step)
             if self.preempt_requested and not last:
                 raise Preempted(f"preempted after step {step}")
+
+    def evaluate(self) -> dict[str, float]:
+        """eval/* of the policy just published (realcore.system.evaluation), by model worker 0."""
+        name = self.names[0]
+        return self.wait({name: self.pool.request(name, Evaluate(self.version))}, "evaluate")[name].metrics
 
     def shutdown(self) -> None:
         """Ask every live worker to exit (best effort, bounded), then close sockets. Not after a

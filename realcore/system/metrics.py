@@ -46,6 +46,8 @@ class MetricsWriter:
             parts.append(f"reward {m['reward/mean']:.3f}")
         if "loss" in m:
             parts.append(f"loss {m['loss']:.4f}")
+        if "eval/accuracy" in m:
+            parts.append(f"eval accuracy {m['eval/accuracy']:.3f}")
         times = [f"{k[5:-2]} {v:.1f}s" for k, v in m.items() if k.startswith("time/") and k != "time/step_s"]
         parts.append(" ".join(times))
         parts.append(f"{m['time/step_s']:.1f}s/step")

@@ -19,18 +19,18 @@ import torch.distributed as dist
 from realcore.api.alloc import parse_allocation_mode
 from realcore.api.config import ExperimentConfig
 from realcore.api.data import SequenceSample
-from realcore.api.registry import dataset_keys, lookup
+from realcore.api.registry import dataset_keys, lookup, workflow_keys
 from realcore.dfg.graph import build_graph
 from realcore.system import drops, keys, wire
 from realcore.system.batch_source import source_keys
 from realcore.system.control import ControlServer
 from realcore.system.data_plane import DataClient, DataServer, Storage
 from realcore.system.name_resolve import make_name_resolver
-from realcore.system.protocol import (Clear, Configure, Configured, Exit, Fetch, Fetched, MFCDone, Pause, Published,
-                                      PublishWeights, RunMFC, Save, SaveState, Start, Status)
+from realcore.system.protocol import (Clear, Configure, Configured, Evaluate, Evaluated, Exit, Fetch, Fetched, MFCDone,
+                                      Pause, Published, PublishWeights, RunMFC, Save, SaveState, Start, Status)
 from realcore.system import worker_state
 from realcore.system.sampler import EpochSampler
-from realcore.system.stream import STREAM_KEYS, TrajectoryStream
+from realcore.system.stream import TrajectoryStream
 
 log = logging.getLogger("realcore.model_worker")
 
@@ -57,8 +57,10 @@ class ModelWorker:
         self.mfcs = {name: lookup("mfc", n.type)(cfg, next(m for m in cfg.mfcs if m.name == name))
                      for name, n in self.dfg.nodes.items()}
         self.dataset: list = []
-        self.stream = TrajectoryStream(host, secret, name=name, limits=limits) if cfg.mode == "async" and self.head else None
+        self.stream = (TrajectoryStream(host, secret, workflow_keys(cfg.rollout.workflow), name=name, limits=limits)
+                       if cfg.mode == "async" and self.head else None)
         self.generator = None  # sync mode with generation servers: where `generate` MFCs sample
+        self.evaluator = None  # worker 0, when eval.freq_steps is set: made at the first EVALUATE
         info = {"control": self.control.address, "data": self.data.address, "pid": os.getpid()}
         if self.stream is not None:
             info["stream"] = self.stream.address
@@ -140,10 +142,10 @@ class ModelWorker:
     def _take_stream(self, msg: Fetch) -> Fetched:
         groups, dropped = self.stream.take(msg.n, current_version=msg.version,
                                            max_head_offpolicyness=self.cfg.rollout.max_head_offpolicyness)
-        out = Fetched([], {k: [] for k in STREAM_KEYS}, [], dropped=dropped)
+        out = Fetched([], {k: [] for k in self.stream.keys}, [], dropped=dropped)
         for k, group in enumerate(groups):
             sid, sample = msg.first_id + k, group.sample
-            for key in STREAM_KEYS:
+            for key in self.stream.keys:
                 self.storage.put(sid, key, sample[key])
                 out.seqlens[key].append([int(t.numel()) for t in sample[key]])
             out.ids.append(sid)
@@ -153,6 +155,18 @@ class ModelWorker:
             out.version_end.append([int(t) for t in sample["version_end"]])
             out.rewards.append([float(r) for r in sample["rewards"]])
         return out
+
+    def evaluate(self, msg: Evaluate) -> Evaluated:
+        """eval/* metrics of the current policy (realcore.system.evaluation): on the generation
+        servers when the run has them, else on this worker's actor engine."""
+        from realcore.system.evaluation import Evaluator, server_http_addresses
+
+        if self.evaluator is None:
+            self.evaluator = Evaluator(self.cfg, self.no_model.tokenizer)
+        if self.alloc.gen is not None:
+            servers = server_http_addresses(self.cfg, self.resolver, self.alloc.gen.dp, self.cfg.system.startup_timeout_s)
+            return Evaluated(self.evaluator.run(msg.version, servers=servers))
+        return Evaluated(self.evaluator.run(msg.version, model=self.engines["actor"]))
 
     def run_mfc(self, msg: RunMFC) -> MFCDone:
         node = self.dfg.nodes[msg.mfc]
@@ -249,7 +263,7 @@ class ModelWorker:
 
     def handle(self, msg):
         handlers = {Configure: self.configure, Fetch: self.fetch, RunMFC: self.run_mfc, Save: self.save,
-                    SaveState: self.save_state, PublishWeights: self.publish_weights,
+                    SaveState: self.save_state, PublishWeights: self.publish_weights, Evaluate: self.evaluate,
                     Clear: lambda m: self.storage.drop(m.ids)}
         if type(msg) not in handlers:
             raise ValueError(f"unexpected command {msg.CMD.name}")
@@ -291,5 +305,7 @@ class ModelWorker:
         self.client.close()
         if self.stream is not None:
             self.stream.close()
+        if self.evaluator is not None:
+            self.evaluator.close()
         if dist.is_initialized():
             dist.destroy_process_group()

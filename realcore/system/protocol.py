@@ -38,6 +38,7 @@ class Cmd(IntEnum):
     RESTORE = 17  # master -> manager: start admitting, from this state (or from scratch)
     REGISTER = 18  # rollout worker -> manager: I (re)started; what must I run first?
     REROUTE = 19  # rollout worker -> manager: a server stopped answering; give me another one
+    EVALUATE = 20  # master -> model worker 0: evaluate the current policy on the held-out prompts
 
 
 class BadBody(ValueError):
@@ -330,3 +331,13 @@ class Reroute:
     worker: int
     seq: int
     failed: str
+
+
+@body
+class Evaluated:
+    metrics: dict[str, float]
+
+
+@message(Cmd.EVALUATE, Evaluated)
+class Evaluate:
+    version: int

@@ -1,15 +1,17 @@
-"""A rollout worker: holds a shard of the dataset, runs the agent on admitted prompts against the
-generation servers, and pushes finished groups into the model workers' trajectory stream.
+"""A rollout worker: holds a shard of the dataset, runs the rollout workflow (realcore.api.workflow)
+on admitted prompts against the generation servers, and pushes finished groups into the model
+workers' trajectory stream.
 
-The event loop: while the manager admits, start a rollout; each rollout is one task (agent ->
-push -> FINISH). The manager's grant names the prompt (`seq`: the position in this shard's
+The event loop: while the manager admits, start a rollout; each rollout is one task (workflow
+episode -> push -> FINISH). The manager's grant names the prompt (`seq`: the position in this shard's
 deterministic order), so a restarted worker picks up exactly where the dead one was: the manager
 hands it the rollouts that died with its predecessor first.
 
 Failures stay small: a request to a server that stops answering (an error, or no health answer
 for `system.heartbeat_timeout_s`) runs again on another server; an agent episode that fails is
 retried `rollout.episode_retries` times, then its group is dropped and counted; a manager that
-restarts is found again at its new address and told what this worker is still running. Messages
+restarts is found again at its new address and told what this worker is still running. An episode
+whose workflow returns None is rejected (counted in rollout/rejected_episodes, nothing trained). Messages
 this worker dropped (realcore.system.drops) ride along in its FINISH counters to the master's metrics.
 """
 
@@ -22,16 +24,15 @@ import json
 import logging
 import time
 
-import torch
 import zmq
 import zmq.asyncio
 
 from realcore.api.alloc import parse_allocation_mode
 from realcore.api.config import ExperimentConfig
-from realcore.api.data import tensor_to_text
-from realcore.api.registry import lookup
+from realcore.api.registry import lookup, make_workflow, workflow_keys
+from realcore.api.workflow import check_trajectories, workflow_data
 from realcore.mfc.reward import reward_modules
-from realcore.mfc.reward_runner import RewardRunner
+from realcore.mfc.reward_runner import RewardCall, RewardRunner
 from realcore.system import drops, keys, wire
 from realcore.system.name_resolve import make_name_resolver
 from realcore.system.protocol import Allocate, Finish, Register, RemoteError, Reroute, parse, request
@@ -145,21 +146,6 @@ def keep_group(rewards: list[float], filter_equal_rewards: bool) -> bool:
     return not (filter_equal_rewards and len(set(rewards)) <= 1)
 
 
-def trajectory_sample(prompt_ids: list[int], results) -> dict:
-    """A group of (Trajectory, reward) -> a stream sample (see realcore.system.stream)."""
-    p = len(prompt_ids)
-    out = {k: [] for k in ("input_ids", "loss_mask", "behav_logprobs", "rewards", "version_start", "version_end")}
-    for t, reward in results:
-        o = len(t.output_ids)
-        out["input_ids"].append(torch.tensor(prompt_ids + list(t.output_ids), dtype=torch.int64))
-        out["loss_mask"].append(torch.cat([torch.zeros(p, dtype=torch.int64), torch.ones(o, dtype=torch.int64)]))
-        out["behav_logprobs"].append(torch.cat([torch.zeros(p), torch.tensor(t.output_logprobs, dtype=torch.float32)]))
-        out["rewards"].append(torch.tensor([float(reward)]))
-        out["version_start"].append(torch.tensor([t.version_start], dtype=torch.int64))
-        out["version_end"].append(torch.tensor([t.version_end], dtype=torch.int64))
-    return out
-
-
 class RolloutWorker:
     def __init__(self, cfg: ExperimentConfig, index: int, secret: bytes):
         from realcore.backends.models import load_tokenizer
@@ -171,7 +157,8 @@ class RolloutWorker:
         )
         self.samples = loaded.samples
         self.order = EpochSampler(len(self.samples), cfg.dataset.seed, index)
-        self.agent = lookup("agent", cfg.rollout.agent)
+        self.workflow = make_workflow(cfg.rollout.workflow, cfg.rollout.workflow_kwargs)
+        self.keys = workflow_keys(cfg.rollout.workflow)
         r = cfg.reward
         self.rewards = RewardRunner(r.type, reward_modules(cfg), timeout_s=r.timeout_s, n_procs=r.n_procs)
         resolver = make_name_resolver(cfg.system.name_resolve)
@@ -187,6 +174,7 @@ class RolloutWorker:
         self.active: collections.Counter[str] = collections.Counter()  # server -> requests in flight
         self.manager: ManagerClient | None = None
         self.drops_reported: dict[str, int] = {}  # drops.snapshot() as of the last FINISH
+        self.failed_in_a_row, self.ever_ok = 0, False  # every episode failing from the start is a bug: stop
         drops.set_log_interval(cfg.system.drop_log_interval_s)
         log.info("rollout worker %d: %d prompts (skipped %s)", index, len(self.samples), loaded.skipped or "none")
 
@@ -247,41 +235,48 @@ class RolloutWorker:
             await asyncio.sleep(0.2)
 
     async def episode(self, seq: int, server: str, counters: dict[str, int]):
-        """The agent's group for prompt `seq`; failures retried, then None (the group is dropped).
-        Reward calls that failed or timed out are counted in `counters`."""
-        sample = self.samples[self.order.index(seq)]
-        prompt_ids = sample["prompt_ids"][0].tolist()
+        """The workflow's group for prompt `seq` ({key: one tensor per sequence}), None when the
+        workflow rejected it, or "failed" after `rollout.episode_retries` retries of an episode that
+        raised or returned a bad trajectory. Reward calls that failed or timed out are counted."""
+        from realcore.workflows.engines import ServerEngine
+
+        data = workflow_data(self.samples[self.order.index(seq)])
         client = RoutedClient(self, seq, server)
 
-        async def reward_fn(response: str, answer: str) -> float:
-            outcome = await self.rewards.ascore(response, answer)
+        async def reward_fn(prompt, completion, prompt_ids, completion_ids, row) -> float:
+            outcome = await self.rewards.ascore(RewardCall(prompt, completion, prompt_ids, completion_ids, row))
             if outcome.error is not None:
                 key = "reward/errors" if outcome.error == "error" else "reward/timeouts"
                 counters[key] = counters.get(key, 0) + 1
             return outcome.reward
 
         for attempt in range(self.cfg.rollout.episode_retries + 1):
+            engine = ServerEngine(client, self.tokenizer, self.cfg.generation, reward_fn, rid=f"r{self.index}-{seq}-{attempt}")
             try:
-                results = await self.agent(
-                    prompt_ids, tensor_to_text(sample["answer"][0]), client=client, gconfig=self.cfg.generation,
-                    tokenizer=self.tokenizer, reward_fn=reward_fn, rid=f"r{self.index}-{seq}-{attempt}",
-                )
-                return prompt_ids, results, client.server
-            except Exception as e:  # a user agent may raise anything: it must not take the worker down
+                result = await self.workflow(engine, data)
+                return (None if result is None else check_trajectories(result, self.keys)), client.server
+            except Exception as e:  # a user workflow may raise anything: it must not take the worker down
                 log.warning("rollout %d: episode failed (attempt %d of %d): %s: %s", seq, attempt + 1,
                             self.cfg.rollout.episode_retries + 1, type(e).__name__, e)
-        return None, None, client.server
+        return "failed", client.server
 
     async def rollout(self, push: StreamPusher, seq: int, grant: int, server: str) -> None:
         self.running.add(seq)
         counters: dict[str, int] = {}
-        prompt_ids, results, server = await self.episode(seq, server, counters)
-        if results is None:
+        group, server = await self.episode(seq, server, counters)
+        self.failed_in_a_row = self.failed_in_a_row + 1 if group == "failed" else 0
+        self.ever_ok = self.ever_ok or group != "failed"
+        if not self.ever_ok and self.failed_in_a_row >= max(8, self.cfg.rollout.max_concurrent_rollouts):
+            raise RuntimeError(f"the first {self.failed_in_a_row} episodes of workflow {self.cfg.rollout.workflow!r} all "
+                               "failed (see the warnings above): a bug in the workflow, not bad luck; stopping")
+        if group == "failed":
             accepted, counters["rollout/failed_episodes"] = False, 1
+        elif group is None:
+            accepted, counters["rollout/rejected_episodes"] = False, 1
         else:
-            accepted = keep_group([r for _, r in results], self.cfg.rollout.filter_equal_reward_groups)
+            accepted = keep_group([float(r) for r in group["rewards"]], self.cfg.rollout.filter_equal_reward_groups)
         if accepted:
-            await push.push(Group(f"r{self.index}:{seq}", grant, trajectory_sample(prompt_ids, results)))
+            await push.push(Group(f"r{self.index}:{seq}", grant, group))
         counters.update(self.new_drops())
         await self.manager.call(Finish(self.index, seq, grant, accepted, server, counters))
         self.running.discard(seq)

@@ -2,9 +2,9 @@
 over the data-parallel heads), which keep them until the master FETCHes them into a training
 batch. Tensors never pass through the master; it learns ids, names, lengths and versions only.
 
-A group (one prompt's `n` sequences) is one authenticated message: header {"group": n, "keys":
-STREAM_KEYS, "uid": the prompt's stable name, "grant": the admission that produced it} and, key
-after key, one tensor per sequence. The
+A group (one prompt's `n` sequences) is one authenticated message: header {"group": n, "keys": the
+workflow's declared keys, "uid": the prompt's stable name, "grant": the admission that produced it}
+and, key after key, one tensor per sequence. The
 model worker acknowledges a group once it is in its queue, and only then does the rollout worker
 report the rollout finished: so a rollout the manager counts as finished is never lost, whatever
 process dies next (cluster notes: never rely on ZeroMQ linger at exit). Both directions go through
@@ -24,10 +24,6 @@ from realcore.api.data import Sample
 from realcore.system import drops, wire
 from realcore.system.staleness import is_stale
 
-# What a trajectory carries (the async DFG's source keys). Per token: input_ids, loss_mask,
-# behav_logprobs; per sequence (1 element): rewards, version_start, version_end.
-STREAM_KEYS = ("input_ids", "loss_mask", "behav_logprobs", "rewards", "version_start", "version_end")
-
 
 @dataclass
 class Group:
@@ -38,17 +34,18 @@ class Group:
 
 def encode_group(group: Group) -> tuple[dict, list[torch.Tensor]]:
     sample = group.sample
-    n = len(sample["input_ids"])
-    for k in STREAM_KEYS:
+    n, keys = len(sample["input_ids"]), list(sample)
+    for k in keys:
         if len(sample[k]) != n:
             raise ValueError(f"trajectory key {k!r} has {len(sample[k])} sequences, input_ids has {n}")
-    header = {"group": n, "keys": list(STREAM_KEYS), "uid": group.uid, "grant": group.grant}
-    return header, [t for k in STREAM_KEYS for t in sample[k]]
+    header = {"group": n, "keys": keys, "uid": group.uid, "grant": group.grant}
+    return header, [t for k in keys for t in sample[k]]
 
 
-def decode_group(header: dict, tensors: list[torch.Tensor]) -> Group:
+def decode_group(header: dict, tensors: list[torch.Tensor], expected: tuple[str, ...]) -> Group:
+    """`expected`: the workflow's declared keys; a group with other keys is refused."""
     n, keys, uid, grant = int(header["group"]), list(header["keys"]), header["uid"], header["grant"]
-    if keys != list(STREAM_KEYS) or len(tensors) != n * len(keys) or not isinstance(uid, str) or type(grant) is not int:
+    if sorted(keys) != sorted(expected) or len(tensors) != n * len(keys) or not isinstance(uid, str) or type(grant) is not int:
         raise ValueError(f"trajectory with keys {keys} and {len(tensors)} tensors for a group of {n}")
     # clone: received tensors are views of ZeroMQ frames; storage keeps them for a while
     return Group(uid, grant, {k: [t.clone() for t in tensors[i * n : (i + 1) * n]] for i, k in enumerate(keys)})
@@ -59,8 +56,9 @@ class TrajectoryStream:
 
     SOCKET = "stream"  # its name in drop counts
 
-    def __init__(self, host: str, secret: bytes, *, name: str = "worker", limits: wire.Limits | None = None):
-        self.secret = secret
+    def __init__(self, host: str, secret: bytes, keys: tuple[str, ...], *, name: str = "worker",
+                 limits: wire.Limits | None = None):
+        self.secret, self.keys = secret, tuple(keys)
         limits = limits or wire.Limits.of()
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -86,7 +84,7 @@ class TrajectoryStream:
                 self.dropped += 1  # counted by the endpoint
                 continue
             try:
-                group = decode_group(header, tensors)
+                group = decode_group(header, tensors, self.keys)
             except (KeyError, TypeError, ValueError) as e:
                 self.dropped += 1
                 drops.count(self.SOCKET, "body", f"a bad trajectory: {e!r}")

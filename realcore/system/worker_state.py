@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 from safetensors.torch import load_file, save_file
 
-from realcore.system.stream import STREAM_KEYS, Group
+from realcore.system.stream import Group
 
 
 @dataclass
@@ -46,7 +46,7 @@ def save(worker, path: str) -> None:
     if worker.stream is not None:
         groups = worker.stream.snapshot()
         tensors = {f"{i}/{key}/{j}": t.contiguous() for i, g in enumerate(groups)
-                   for key in STREAM_KEYS for j, t in enumerate(g.sample[key])}
+                   for key in worker.stream.keys for j, t in enumerate(g.sample[key])}
         save_file(tensors, os.path.join(mine, "stream.safetensors"))
         state.stream_uids = [g.uid for g in groups]
         state.stream_grants = [g.grant for g in groups]
@@ -70,7 +70,7 @@ def load(worker, path: str) -> None:
         worker.sampler.seq = state.sampler_seq
     if worker.stream is not None and state.stream_uids:
         tensors = load_file(os.path.join(mine, "stream.safetensors"))
-        groups = [Group(uid, grant, {key: [tensors[f"{i}/{key}/{j}"] for j in range(n)] for key in STREAM_KEYS})
+        groups = [Group(uid, grant, {key: [tensors[f"{i}/{key}/{j}"] for j in range(n)] for key in worker.stream.keys})
                   for i, (uid, grant, n) in enumerate(zip(state.stream_uids, state.stream_grants, state.stream_sizes))]
         worker.stream.restore(groups)
     for role, engine in worker.engines.items():

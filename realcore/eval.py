@@ -1,0 +1,125 @@
+"""`python -m realcore.eval model.path=DIR dataset=gsm8k eval.n_prompts=64`: evaluate a policy on
+held-out prompts, in one process, without a cluster (docs/evaluation.md).
+
+The config is composed as `python -m realcore.launch` composes it (the same hydra tree and
+overrides; experiment ppo-math by default), so `rollout.workflow`, `reward.type`, `generation.*`,
+`eval.*` and `imports=[...]` mean what they mean in a run. The policy is `model.path` (any HF
+directory, e.g. a run's checkpoints/step_N) or `model.name` (tiny, smollm2-135m), decoded by the
+built-in generation engine; rewards run in the reward runner's child processes, as in a run.
+
+Prints the metrics as a table, then one JSON line. Exit codes: 0 done (episodes that failed are
+counted in eval/failed, not fatal); 1 the evaluation itself broke (a traceback); 2 bad config,
+model, dataset, workflow or reward (one line, no traceback); 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+
+
+def _table(metrics: dict[str, float]) -> str:
+    width = max(len(k) for k in metrics)
+    return "\n".join(f"{k:<{width}}  {v:.4g}" for k, v in metrics.items())
+
+
+def load(argv: list[str]):
+    """(config, policy with .generate and .tokenizer, workflow episode, rows); ValueError for the
+    user's mistakes."""
+    from transformers.utils import logging as hf_logging
+
+    from realcore.api.registry import make_workflow
+    from realcore.backends.generation import GenerationEngine
+    from realcore.backends.models import check_model_dir, load_model, load_tokenizer, prepare_model
+    from realcore.launch.config_loader import import_user_modules, load_config
+    from realcore.workflows.evaluate import eval_rows
+
+    cfg = load_config(argv)  # ConfigError is a ValueError
+    import_user_modules(cfg)
+    import realcore.workflows  # noqa: F401  (the built-in workflows register on import)
+
+    try:
+        episode = make_workflow(cfg.rollout.workflow, cfg.rollout.workflow_kwargs)
+    except KeyError as e:
+        raise ValueError(f"rollout.workflow: {e.args[0]}") from None
+    except TypeError as e:  # workflow_kwargs the workflow does not take
+        raise ValueError(f"rollout.workflow_kwargs of {cfg.rollout.workflow!r}: {e}") from None
+    hf_logging.disable_progress_bar()
+    cfg.model.path = prepare_model(cfg.model, cfg.seed)
+    check_model_dir(cfg.model.path)
+    tokenizer = load_tokenizer(cfg.model.path)
+    rows = eval_rows(cfg, tokenizer)
+    # The built-in engine alone (no optimizer, no process group): what the generate MFC's
+    # TorchEngine.generate runs, seeded as the actor's.
+    policy = GenerationEngine(load_model(cfg.model.path), tokenizer, seed=cfg.seed)
+    return cfg, policy, episode, rows
+
+
+def run(cfg, policy, episode, rows, runner) -> dict[str, float]:
+    """The eval metrics (realcore.workflows.evaluate), plus the reward calls that failed."""
+    from realcore.mfc.reward_runner import RewardCall
+    from realcore.workflows.engines import BatchingEngine
+    from realcore.workflows.evaluate import evaluate
+
+    errors = {"reward/errors": 0, "reward/timeouts": 0}
+
+    async def reward_fn(prompt, completion, prompt_ids, completion_ids, row) -> float:
+        outcome = await runner.ascore(RewardCall(prompt, completion, prompt_ids, completion_ids, row))
+        if outcome.error is not None:
+            errors["reward/errors" if outcome.error == "error" else "reward/timeouts"] += 1
+        return outcome.reward
+
+    def make_engine(gconfig):  # one per pass: the pass's episodes decode together
+        return BatchingEngine(policy, policy.tokenizer, gconfig, reward_fn, version=0)
+
+    metrics = asyncio.run(evaluate(cfg, episode, make_engine, rows))
+    return {**metrics, **{k: float(v) for k, v in errors.items()}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(name)s %(levelname)s %(message)s")
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        return 0
+    bad = [a for a in argv if a.startswith("-")]
+    if bad:
+        print(f"realcore.eval: {bad[0]}: arguments are key=value config overrides (see docs/evaluation.md)", file=sys.stderr)
+        return 2
+    from realcore.mfc.reward import reward_modules
+    from realcore.mfc.reward_runner import RewardRunner
+    from realcore.workflows.evaluate import eval_dataset
+
+    try:
+        cfg, policy, episode, rows = load(argv)
+        r = cfg.reward
+        runner = RewardRunner(r.type, reward_modules(cfg), timeout_s=r.timeout_s, n_procs=r.n_procs)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, OSError) as e:  # config, model, dataset, workflow or reward: the user's to fix
+        print(f"realcore.eval: error: {e}", file=sys.stderr)
+        return 2
+    source = eval_dataset(cfg)
+    print(f"realcore.eval: {cfg.model.path} on {source.type} (seed {source.seed}), {len(rows)} prompts, "
+          f"workflow {cfg.rollout.workflow}, reward {cfg.reward.type}", flush=True)
+    try:  # a failure from here on is a bug, not bad input: its traceback, exit 1
+        metrics = run(cfg, policy, episode, rows, runner)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        runner.close()
+    print(_table(metrics))
+    print(json.dumps(metrics), flush=True)
+    if metrics["eval/failed"]:  # counted, not fatal; but a reader of the table must not miss it
+        print(f"realcore.eval: {metrics['eval/failed']:.0f} of {2 * len(rows)} episodes failed and were scored 0 "
+              "(the first are logged above)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""Evaluation of the policy on held-out prompts (`eval:` config, realcore.api.config.EvalConfig).
+
+Each prompt runs the rollout workflow twice: once greedily with one sample (eval/accuracy: reward
+> 0; eval/reward: the mean reward) and once sampled with `eval.n_samples` samples (eval/pass@k, k =
+n_samples: any sample has reward > 0). The same code runs wherever the engine is: in `python -m
+realcore.eval` and on the actor (a `BatchingEngine`), or on the generation servers during an async
+run (`ServerEngine`s); the caller says how to build an engine for a sampling config.
+
+An episode that raises, returns None or returns a malformed trajectory counts in eval/failed and
+as a wrong answer (reward 0): a broken workflow must not look like an accurate policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Awaitable, Callable
+
+from realcore.api.config import DatasetConfig, ExperimentConfig, GenerationConfig
+from realcore.api.registry import lookup, workflow_keys
+from realcore.api.workflow import RolloutEngine, check_trajectories, workflow_data
+from realcore.workflows.engines import BatchingEngine, run_batched
+
+log = logging.getLogger("realcore.eval")
+
+Episode = Callable[[RolloutEngine, dict], Awaitable[Any]]
+# Episodes in flight against generation servers at once: enough to fill a server's batch, few
+# enough not to starve the training rollouts that share the servers.
+MAX_CONCURRENT = 32
+_LOGGED_FAILURES = 3  # per pass; the rest are only counted
+
+
+def eval_dataset(cfg: ExperimentConfig) -> DatasetConfig:
+    """`eval.dataset`, or the training dataset's config with seed + 1 (a new draw of a generated
+    dataset; a jsonl file is the same file: give a held-out one)."""
+    return cfg.eval.dataset or cfg.dataset.model_copy(update={"seed": cfg.dataset.seed + 1})
+
+
+def eval_rows(cfg: ExperimentConfig, tokenizer=None) -> list[dict[str, Any]]:
+    """The first `eval.n_prompts` rows of `eval_dataset(cfg)`, as workflow `data`. `tokenizer`:
+    the policy's (default: loaded from model.path). ValueError when the dataset cannot be loaded
+    or holds no prompts."""
+    dcfg = eval_dataset(cfg)
+    if dcfg.format != "rl":
+        raise ValueError(f"eval.dataset: format={dcfg.format!r}; evaluation needs prompts (format=rl)")
+    if tokenizer is None:
+        from realcore.backends.models import load_tokenizer
+
+        if cfg.model.path is None:
+            raise ValueError("eval: model.path is not resolved (prepare_model first) and no tokenizer was given")
+        tokenizer = load_tokenizer(cfg.model.path)
+    loaded = lookup("dataset", dcfg.type)(dcfg, tokenizer, rank=0, world=1, use_chat_template=cfg.model.use_chat_template)
+    samples = loaded.samples[: cfg.eval.n_prompts]
+    if not samples:
+        raise ValueError(f"eval.dataset: {dcfg.type!r} gave no usable prompts ({loaded.n_rows} rows, "
+                         f"{loaded.n_skipped} skipped)")
+    if "prompt_ids" not in samples[0]:
+        raise ValueError(f"eval.dataset: {dcfg.type!r} rows carry {sorted(samples[0])}, not prompt_ids")
+    return [workflow_data(s) for s in samples]
+
+
+def eval_gconfigs(cfg: ExperimentConfig) -> tuple[GenerationConfig, GenerationConfig]:
+    """(greedy, sampled) sampling configs: the run's `generation:` with eval's overrides."""
+    g, e = cfg.generation, cfg.eval
+    max_new = e.max_new_tokens or g.max_new_tokens
+    greedy = g.model_copy(update={"greedy": True, "n_samples": 1, "max_new_tokens": max_new})
+    sampled = g.model_copy(update={"greedy": False, "n_samples": e.n_samples, "max_new_tokens": max_new,
+                                   "temperature": e.temperature or g.temperature})
+    return greedy, sampled
+
+
+async def _run_pass(episode: Episode, engine: RolloutEngine, rows: list[dict], timeout_s: float) -> list[Any]:
+    """Every row's episode on `engine`, concurrently; an exception in place of an episode that
+    raised or outlived the pass's deadline."""
+    deadline = time.monotonic() + timeout_s
+
+    async def bounded(data):
+        return await asyncio.wait_for(episode(engine, data), max(0.0, deadline - time.monotonic()))
+
+    if isinstance(engine, BatchingEngine):  # all at once, so their requests decode in shared batches
+        return await run_batched(engine, [bounded(d) for d in rows])
+    sem = asyncio.Semaphore(MAX_CONCURRENT)
+
+    async def one(data):
+        async with sem:
+            return await bounded(data)
+
+    return list(await asyncio.gather(*(one(d) for d in rows), return_exceptions=True))
+
+
+def _groups(results: list[Any], keys: tuple[str, ...], name: str) -> tuple[list[dict | None], int]:
+    """Episode results -> ({key: one tensor per sequence} or None for a failed episode, failures)."""
+    out, failed = [], 0
+    for i, r in enumerate(results):
+        why = None
+        if isinstance(r, BaseException):
+            why = "timed out" if isinstance(r, asyncio.TimeoutError) else f"{type(r).__name__}: {r}"
+        elif r is None:
+            why = "rejected (returned None)"
+        else:
+            try:
+                out.append(check_trajectories(r, keys))
+                continue
+            except ValueError as e:
+                why = f"bad trajectory: {e}"
+        failed += 1
+        out.append(None)
+        if failed <= _LOGGED_FAILURES:
+            log.warning("eval (%s): episode of prompt %d failed: %s", name, i, why)
+    return out, failed
+
+
+async def evaluate(cfg: ExperimentConfig, episode: Episode, make_engine: Callable[[GenerationConfig], RolloutEngine],
+                   rows: list[dict]) -> dict[str, float]:
+    """The eval metrics of the policy behind `make_engine(gconfig)` on `rows` (see the module
+    docstring). `episode`: the workflow (`make_workflow(cfg.rollout.workflow, ...)`). Each pass must
+    finish within system.request_timeout_s (the deadline of one MFC call); episodes still running
+    then are cancelled and counted as failed."""
+    if not rows:
+        raise ValueError("evaluate: no prompts")
+    t0 = time.monotonic()
+    keys = workflow_keys(cfg.rollout.workflow)
+    greedy_g, sampled_g = eval_gconfigs(cfg)
+    timeout = cfg.system.request_timeout_s
+    greedy, n_failed_greedy = _groups(await _run_pass(episode, make_engine(greedy_g), rows, timeout), keys, "greedy")
+    sampled, n_failed_sampled = _groups(await _run_pass(episode, make_engine(sampled_g), rows, timeout), keys, "sampled")
+
+    def rewards(g: dict | None) -> list[float]:
+        return [float(r) for r in g["rewards"]] if g is not None else [0.0]  # a failed episode scores 0
+
+    # A workflow returns a group even for one sample; a prompt's greedy reward is its group's mean.
+    greedy_reward = [sum(rewards(g)) / len(rewards(g)) for g in greedy]
+    lens = [int(m.sum()) for g in greedy if g is not None for m in g["loss_mask"]]
+    n = len(rows)
+    return {
+        "eval/accuracy": sum(r > 0 for r in greedy_reward) / n,
+        "eval/reward": sum(greedy_reward) / n,
+        f"eval/pass@{cfg.eval.n_samples}": sum(any(r > 0 for r in rewards(g)) for g in sampled) / n,
+        "eval/n_prompts": float(n),
+        "eval/response_len": sum(lens) / len(lens) if lens else 0.0,
+        "eval/failed": float(n_failed_greedy + n_failed_sampled),
+        "eval/time_s": time.monotonic() - t0,
+    }
