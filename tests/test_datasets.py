@@ -53,7 +53,7 @@ def test_tiny_arith_rl(tokenizer):
     ds = _load(load_tiny_arith, tokenizer, size=20, seed=3)
     assert (ds.n_rows, ds.n_skipped, len(ds.samples)) == (20, 0, 20)
     for s in ds.samples:
-        assert set(s) == {"prompt_ids", "answer"}
+        assert set(s) == {"prompt_ids", "answer", "question"}
         (ids,) = s["prompt_ids"]
         assert ids.dtype == torch.int64 and ids.dim() == 1
         prompt = tokenizer.decode(ids.tolist())
@@ -161,5 +161,5 @@ def test_registered_with_keys():
     assert lookup("dataset", "jsonl") is load_jsonl
     assert lookup("dataset", "tiny-arith") is load_tiny_arith
     assert lookup("dataset", "reasoning-gym") is load_reasoning_gym
-    assert dataset_keys(DatasetConfig()) == ("prompt_ids", "answer")
+    assert dataset_keys(DatasetConfig()) == ("prompt_ids", "answer", "question")
     assert dataset_keys(DatasetConfig(type="jsonl", format="sft")) == ("input_ids", "loss_mask")

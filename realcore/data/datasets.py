@@ -43,7 +43,7 @@ SKIP_TOO_LONG = "prompt too long"
 
 def dataset_keys(cfg: DatasetConfig) -> tuple[str, ...]:
     """Buffer keys a built-in dataset's samples carry, by format."""
-    return ("prompt_ids", "answer") if cfg.format == "rl" else ("input_ids", "loss_mask")
+    return ("prompt_ids", "answer", "question") if cfg.format == "rl" else ("input_ids", "loss_mask")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -88,7 +88,8 @@ def _row_to_sample(row: Mapping, cfg: DatasetConfig, tokenizer, use_chat_templat
     if len(prompt) > cfg.max_prompt_len:
         return SKIP_TOO_LONG
     if cfg.format == "rl":
-        return {"prompt_ids": [torch.tensor(prompt, dtype=torch.int64)], "answer": [text_to_tensor(answer)]}
+        return {"prompt_ids": [torch.tensor(prompt, dtype=torch.int64)], "answer": [text_to_tensor(answer)],
+                "question": [text_to_tensor(question)]}  # the bare question: for chat-style (OpenAI API) agents
     # sft: the loss covers the answer and EOS. A plain prompt ends in "Answer:", so a space separates
     # the answer; after a chat template's generation prompt the answer starts directly.
     if tokenizer.eos_token_id is None:

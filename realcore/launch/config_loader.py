@@ -65,6 +65,9 @@ def _hydra_error_line(err: Exception) -> str:
     return text
 
 
+FREE_FORM = ("rollout.workflow_kwargs", "dataset.kwargs", "dataset.task_kwargs")
+
+
 def _defaults() -> dict:
     """Every key with a default, from the pydantic models: the base of the hydra tree, so that any
     existing key can be overridden on the command line and a misspelt one is refused."""
@@ -86,7 +89,10 @@ def compose(overrides: list[str]) -> dict:
     from omegaconf import OmegaConf
 
     GlobalHydra.instance().clear()
-    ConfigStore.instance().store(name="realcore_defaults", node=OmegaConf.create(_defaults()))
+    defaults = OmegaConf.create(_defaults())
+    for key in FREE_FORM:  # keyword arguments of user code: any key may be added from the command line
+        OmegaConf.set_struct(OmegaConf.select(defaults, key), False)
+    ConfigStore.instance().store(name="realcore_defaults", node=defaults)
     try:
         with initialize_config_dir(config_dir=str(experiments_dir()), version_base="1.3"):
             cfg = hydra_compose(config_name="config", overrides=overrides)
