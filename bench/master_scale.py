@@ -232,7 +232,7 @@ def run_one(n: int, steps: int, n_procs: int) -> dict:
             "dataset_size": cfg.dataset.size,
             "mfcs": {name: {"outputs": list(node.outputs), "first_input": node.inputs[0],
                             "stats": ({"loss": 0.1, "ppo/kl": 0.01, "ppo/entropy": 2.0, "ppo/clip_frac": 0.1}
-                                      if node.trains else {"reward/mean": 0.5} if node.type == "reward" else {})}
+                                      if node.trains else {"reward/mean": 0.5} if node.type in ("reward", "generate") else {})}
                      for name, node in dfg.nodes.items()},
         }
         n_procs = min(n_procs, n)
