@@ -174,9 +174,9 @@ def test_killed_launcher_takes_workers_down(tmp_path, cache):
     [
         ("trainer.totl_steps=5", "trainer.totl_steps: unknown key"),
         ("trainer.total_steps=five", "trainer.total_steps: Input should be a valid integer"),
-        ("mfcs.3.inputs=[input_ids,loss_mask,behav_logprobs,rewardz,ref_logprobs]",
-         "mfcs[3] (actor_train).inputs: key 'rewardz' has no producer"),
-        ("mfcs.0.inputs=[prompt_ids,rewards]", "mfcs: cycle actor_gen -> reward -> actor_gen"),
+        ("mfcs.2.inputs=[input_ids,loss_mask,behav_logprobs,rewardz,ref_logprobs]",
+         "mfcs[2] (actor_train).inputs: key 'rewardz' has no producer"),
+        ("mfcs.0.inputs=[prompt_ids,ref_logprobs]", "mfcs: cycle actor_gen -> ref_inf -> actor_gen"),
         ("allocation_mode=d2p2t1", "torch supports data parallel only"),
     ],
 )

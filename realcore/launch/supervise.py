@@ -148,6 +148,11 @@ class Supervisor:
                 # hung one is found: blame the hung one.
                 p = next((q for q in self.procs if q.popen.poll() is None and self._hung(q, now, margin=0.5)), p)
                 why = self._hung(p, now, margin=0.5) or why
+                if rc > 0 and p.popen.poll() == rc:  # a peer that lost a killed worker exits with an error after it
+                    killed = next((q for q in self.procs if q.name.split("/")[0] in ("master", "model_worker")
+                                   and (q.popen.poll() or 0) < 0), None)
+                    if killed is not None:
+                        p, why = killed, f"died ({describe_exit(killed.popen.poll())})"
             if p.popen.poll() is None:
                 dump_stacks_and_kill(p)
             kind = p.name.split("/")[0]

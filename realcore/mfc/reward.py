@@ -11,7 +11,7 @@ import torch
 
 from realcore.api.data import SequenceSample, tensor_to_text
 from realcore.api.registry import register_mfc
-from realcore.mfc.reward_runner import RewardRunner
+from realcore.mfc.reward_runner import RewardCall, RewardRunner
 
 
 def reward_modules(cfg) -> list[str]:
@@ -21,7 +21,9 @@ def reward_modules(cfg) -> list[str]:
 
 @register_mfc("reward")
 class Reward:
-    """input_ids, loss_mask, answer -> rewards (one float per sequence)."""
+    """input_ids, loss_mask and the row's text fields it is given (answer, ...) -> rewards (one float
+    per sequence): `fn(prompt, completion, prompt_ids, completion_ids, **row)`; the prompt is what
+    precedes the first trained token, the completion the trained tokens."""
 
     needs_model = False
     trains = False
@@ -37,9 +39,12 @@ class Reward:
         tok = model.tokenizer
         items = []
         for sample in batch.samples:
-            answer = tensor_to_text(sample["answer"][0])
+            row = {k: tensor_to_text(v[0]) for k, v in sample.items() if k not in ("input_ids", "loss_mask")}
             for ids, mask in zip(sample["input_ids"], sample["loss_mask"]):
-                items.append((tok.decode(ids[mask.bool()].tolist(), skip_special_tokens=True), answer))
+                first = int(mask.nonzero()[0]) if mask.any() else len(ids)
+                prompt_ids, completion_ids = ids[:first].tolist(), ids[mask.bool()].tolist()
+                items.append(RewardCall(tok.decode(prompt_ids, skip_special_tokens=True),
+                                        tok.decode(completion_ids, skip_special_tokens=True), prompt_ids, completion_ids, row))
         outcomes = self.runner.score(items)
         rewards = [torch.tensor([o.reward]) for o in outcomes]
         out = SequenceSample.from_flat(batch.ids, batch.group_sizes("input_ids"), {"rewards": rewards})

@@ -333,6 +333,12 @@ class Master:
             writer.close()
             ledger.close()
         print_reward_summary(writer.path)
+        try:  # a picture of the run (realcore.plot); never worth failing a finished run over
+            from realcore.plot import plot_run
+
+            plot_run(cfg.output_dir)
+        except Exception as e:
+            log.warning("curves.png not written: %s: %s", type(e).__name__, e)
 
     def start_generation(self, path: str | None) -> None:
         """Servers start with the initial weights: give them the current version, then (async) let
