@@ -62,6 +62,28 @@ USER_FILE = textwrap.dedent('''
         return out
 
 
+    @register_workflow("chat-agent", keys=TRAJECTORY_KEYS + ("n_turns",))
+    async def chat_agent(engine, data, max_turns=2):
+        """The same agent written against the OpenAI API: two chat turns through ChatClient."""
+        from realcore.workflows.openai_client import ChatClient
+
+        out = []
+        for _ in range(engine.gconfig.n_samples):
+            client = ChatClient(engine)
+            messages = [{"role": "user", "content": data["question"]}]
+            reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=6)
+            answer = reply.choices[0].message.content
+            r = await engine.reward("", answer, data["prompt_ids"], [], answer=data["answer"])
+            turns = 1
+            if r <= 0 and max_turns > 1:
+                messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": FEEDBACK}]
+                reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=6)
+                r = await engine.reward("", reply.choices[0].message.content, data["prompt_ids"], [], answer=data["answer"])
+                turns = 2
+            out.append({**client.trajectory(r), "n_turns": torch.tensor([turns])})
+        return out
+
+
     @register_mfc("record_trajectories")
     class Record:
         """Writes what the trainer receives, and the trainer's recomputed log-probs, to a file."""
@@ -146,6 +168,26 @@ def test_a_users_multi_turn_agent_trains_and_its_feedback_is_not_trained_on(tmp_
     assert worst < 1e-3, worst
     metrics = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
     assert [m["step"] for m in metrics] == [1, 2, 3, 4] and all(m["record/n"] == 8 for m in metrics)
+
+
+def mask_runs(mask: list[int]) -> int:
+    """How many separate stretches of trained tokens a sequence has."""
+    return sum(1 for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1]))
+
+
+@pytest.mark.timeout(900)
+def test_an_agent_written_against_the_openai_api_trains(tmp_path):
+    (tmp_path / "user_agent.py").write_text(USER_FILE)
+    (tmp_path / "exps" / "experiment").mkdir(parents=True)
+    (tmp_path / "exps" / "experiment" / "guess.yaml").write_text(USER_EXPERIMENT)
+    out = str(tmp_path / "run")
+    run([f"hydra.searchpath=[file://{tmp_path}/exps]", "experiment=guess", "rollout.workflow=chat-agent",
+         "trainer.total_steps=3", "trainer.batch_size=4", "generation.n_samples=2"], out, cwd=str(tmp_path))
+    rows = [json.loads(x) for x in open(os.path.join(out, "trained.jsonl"))]
+    assert len(rows) == 3 * 4 * 2
+    assert any(r["n_turns"] == 2 for r in rows)
+    for r in rows:  # each reply trained on, the chat glue and the feedback between them not
+        assert mask_runs(r["mask"]) == r["n_turns"], r
 
 
 @pytest.mark.timeout(900)

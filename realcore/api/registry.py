@@ -103,6 +103,7 @@ def make_workflow(name: str, kwargs: dict[str, Any]) -> Callable:
         return obj(**kwargs).arun_episode
     if not inspect.iscoroutinefunction(obj):
         raise TypeError(f"workflow {name!r} is neither an async function nor a class with arun_episode")
+    inspect.signature(obj).bind(None, None, **kwargs)  # a keyword it does not take: TypeError now, not per episode
     return functools.partial(obj, **kwargs)
 
 

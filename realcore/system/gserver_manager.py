@@ -143,14 +143,16 @@ class GServerManager:
 
     def reroute(self, msg: Reroute) -> Rerouted:
         """A request to `failed` went unanswered: take that server out of the routing until the
-        monitor sees it healthy (and current) again, and hand out another."""
+        monitor sees it healthy (and current) again, and hand out another; or, when the worker
+        asks again (report False), the failed one itself once it is back (a run with one server
+        must not wait for ever: marking it again at every ask would keep it out)."""
         with self.lock:
             for s in self.servers.values():
-                if s.url == msg.failed:
+                if s.url == msg.failed and msg.report:
                     if s.healthy:
                         log.warning("server %d (%s) failed a request; out of the routing until it answers again", s.index, s.url)
                     s.healthy, s.load = False, max(0, s.load - 1)
-        server = self.route(exclude=msg.failed)
+        server = self.route(exclude=msg.failed) or (None if msg.report else self.route())
         return Rerouted(server.url if server is not None else None)
 
     # --- the master ---------------------------------------------------------------------------

@@ -331,6 +331,7 @@ class Reroute:
     worker: int
     seq: int
     failed: str
+    report: bool = True  # False: asking again after "none right now" (the failure was reported already)
 
 
 @body

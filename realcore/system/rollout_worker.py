@@ -220,8 +220,8 @@ class RolloutWorker:
 
     async def reroute(self, seq: int, failed: str) -> str:
         deadline = time.monotonic() + self.cfg.system.request_timeout_s
-        while True:
-            r = await self.manager.call(Reroute(self.index, seq, failed))
+        for ask in itertools.count():
+            r = await self.manager.call(Reroute(self.index, seq, failed, report=ask == 0))
             if r.server is not None:
                 return r.server
             if time.monotonic() > deadline:
