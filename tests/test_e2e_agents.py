@@ -141,15 +141,20 @@ def expected_mask(ids: list[int], first: int, feedback: list[int]) -> tuple[list
     return mask, n
 
 
-@pytest.mark.timeout(900)
-def test_a_users_multi_turn_agent_trains_and_its_feedback_is_not_trained_on(tmp_path):
+def run_user_agent(tmp_path, *overrides: str) -> tuple[str, list[dict]]:
+    """Train the user's agent from its own file and experiment; its output dir and what it trained on."""
     (tmp_path / "user_agent.py").write_text(USER_FILE)
     (tmp_path / "exps" / "experiment").mkdir(parents=True)
     (tmp_path / "exps" / "experiment" / "guess.yaml").write_text(USER_EXPERIMENT)
     out = str(tmp_path / "run")
-    run([f"hydra.searchpath=[file://{tmp_path}/exps]", "experiment=guess", "trainer.total_steps=4", "trainer.batch_size=4",
-         "generation.n_samples=2"], out, cwd=str(tmp_path))
-    rows = [json.loads(x) for x in open(os.path.join(out, "trained.jsonl"))]
+    run([f"hydra.searchpath=[file://{tmp_path}/exps]", "experiment=guess", "trainer.batch_size=4", "generation.n_samples=2",
+         *overrides], out, cwd=str(tmp_path))
+    return out, [json.loads(x) for x in open(os.path.join(out, "trained.jsonl"))]
+
+
+@pytest.mark.timeout(900)
+def test_a_users_multi_turn_agent_trains_and_its_feedback_is_not_trained_on(tmp_path):
+    out, rows = run_user_agent(tmp_path, "trainer.total_steps=4")
     assert len(rows) == 4 * 4 * 2 and {r["step"] for r in rows} == {1, 2, 3, 4}
     multi = 0
     for r in rows:
@@ -177,13 +182,7 @@ def mask_runs(mask: list[int]) -> int:
 
 @pytest.mark.timeout(900)
 def test_an_agent_written_against_the_openai_api_trains(tmp_path):
-    (tmp_path / "user_agent.py").write_text(USER_FILE)
-    (tmp_path / "exps" / "experiment").mkdir(parents=True)
-    (tmp_path / "exps" / "experiment" / "guess.yaml").write_text(USER_EXPERIMENT)
-    out = str(tmp_path / "run")
-    run([f"hydra.searchpath=[file://{tmp_path}/exps]", "experiment=guess", "rollout.workflow=chat-agent",
-         "trainer.total_steps=3", "trainer.batch_size=4", "generation.n_samples=2"], out, cwd=str(tmp_path))
-    rows = [json.loads(x) for x in open(os.path.join(out, "trained.jsonl"))]
+    _, rows = run_user_agent(tmp_path, "rollout.workflow=chat-agent", "trainer.total_steps=3")
     assert len(rows) == 3 * 4 * 2
     assert any(r["n_turns"] == 2 for r in rows)
     for r in rows:  # each reply trained on, the chat glue and the feedback between them not

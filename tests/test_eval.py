@@ -8,13 +8,13 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 import realcore.data  # noqa: F401  (registers the datasets and rewards)
 from realcore.api.config import EvalConfig, ExperimentConfig, GenerationConfig, MFCConfig, ModelConfig, SystemConfig
 from realcore.api.registry import make_workflow
 from realcore.api.workflow import Completion, RolloutEngine
 from realcore.workflows.evaluate import eval_rows, evaluate
+from tiny_models import spread_weights
 
 METRICS = ("eval/accuracy", "eval/reward", "eval/n_prompts", "eval/response_len", "eval/failed", "eval/time_s")
 
@@ -120,13 +120,7 @@ def test_greedy_eval_on_the_built_in_engine_is_deterministic(cache):
 
     path = prepare_model(ModelConfig(cache_dir=cache), seed=1)
     model, tok = load_model(path), load_tokenizer(path)
-    # At HF's init scale the tiny model's greedy output is one token repeated for every prompt,
-    # which would make "equal" vacuous: spread the weights so prompts get different answers.
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.15, generator=gen)
+    spread_weights(model, seed=1)
     policy = GenerationEngine(model, tok, seed=1)
     batches = []
     generate = policy.generate

@@ -6,6 +6,7 @@ import torch
 from realcore.api.config import GenerationConfig, ModelConfig
 from realcore.backends.generation import GenerationEngine
 from realcore.backends.models import load_model, load_tokenizer, prepare_model
+from tiny_models import spread_weights
 
 torch.set_num_threads(1)
 TEXTS = [
@@ -21,13 +22,7 @@ TEXTS = [
 def model_tok(tmp_path_factory):
     path = prepare_model(ModelConfig(cache_dir=str(tmp_path_factory.mktemp("models"))), seed=0)
     model, tok = load_model(path), load_tokenizer(path)
-    # Why re-draw the weights: at HF's init scale (std 0.02) a tiny model's logits are nearly flat
-    # and greedy decoding repeats one token, which would make the comparisons below vacuous.
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.15, generator=gen)
+    spread_weights(model, seed=1)
     return model, tok
 
 

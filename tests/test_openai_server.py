@@ -21,11 +21,11 @@ import urllib.request
 
 import openai
 import pytest
-import torch
 
 from realcore.api.config import ModelConfig
 from realcore.backends.models import load_model, load_tokenizer, prepare_model
 from realcore.data.datasets import prompt_token_ids
+from tiny_models import spread_weights
 
 pytestmark = pytest.mark.timeout(120)
 TOKEN = "openai-test-token"
@@ -39,11 +39,7 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("openai_models")
     tiny = prepare_model(ModelConfig(name="tiny", cache_dir=str(root / "cache")), seed=0)
     model, tok = load_model(tiny), load_tokenizer(tiny)
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.15, generator=gen)
+    spread_weights(model, seed=7)
     chat, plain = root / "chat", root / "plain"
     model.save_pretrained(chat, safe_serialization=True)
     tok.save_pretrained(chat)

@@ -12,6 +12,7 @@ generated (response) tokens.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -64,3 +65,18 @@ def text_to_tensor(text: str) -> torch.Tensor:
 
 def tensor_to_text(t: torch.Tensor) -> str:
     return bytes(t.to(torch.uint8).tolist()).decode("utf-8", errors="replace")
+
+
+def chat_template_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of `messages` through the tokenizer's chat template with the generation prompt,
+    whatever shape transformers returns them in (a list, a BatchEncoding in transformers 5, a
+    tensor, a batch of one)."""
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(out, Mapping) or hasattr(out, "input_ids"):
+        out = out["input_ids"]
+    if hasattr(out, "tolist"):
+        out = out.tolist()
+    if out and isinstance(out[0], list):  # batched form [[...]]
+        assert len(out) == 1, f"one conversation in, {len(out)} out"
+        out = out[0]
+    return [int(t) for t in out]

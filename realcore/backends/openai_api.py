@@ -15,11 +15,11 @@ from __future__ import annotations
 import codecs
 import functools
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tokenizers import decoders
 
+from realcore.api.data import chat_template_ids
 from realcore.backends.http_schemas import one_line
 
 ROUTES = ("/v1/chat/completions", "/v1/completions")
@@ -33,18 +33,10 @@ def chat_prompt(tokenizer, messages: list[dict[str, str]], vocab_size: int) -> l
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the model's tokenizer has no chat template: send the prompt to /v1/completions instead")
     try:
-        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = chat_template_ids(tokenizer, messages)
     except Exception as e:  # the template's raise_exception (say, roles must alternate): the messages' fault
         raise ValueError(f"messages: the chat template refused them: {one_line(e)}") from None
-    # transformers 5 returns a BatchEncoding (as realcore.data.datasets.prompt_token_ids handles it)
-    if isinstance(out, Mapping) or hasattr(out, "input_ids"):
-        out = out["input_ids"]
-    if hasattr(out, "tolist"):
-        out = out.tolist()
-    if out and isinstance(out[0], list):  # batched form [[...]]
-        assert len(out) == 1, f"one conversation in, {len(out)} out"
-        out = out[0]
-    return _checked([int(t) for t in out], vocab_size, "messages: the templated prompt")
+    return _checked(ids, vocab_size, "messages: the templated prompt")
 
 
 def text_prompt(tokenizer, text: str, vocab_size: int) -> list[int]:

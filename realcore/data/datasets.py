@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from realcore.api.config import DatasetConfig
-from realcore.api.data import Sample, text_to_tensor
+from realcore.api.data import Sample, chat_template_ids, text_to_tensor
 from realcore.api.registry import register_dataset
 
 
@@ -59,15 +59,7 @@ def prompt_token_ids(tokenizer, prompt: str, use_chat_template: bool, system_pro
     messages = [{"role": "user", "content": prompt}]
     if system_prompt is not None:
         messages.insert(0, {"role": "system", "content": system_prompt})
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(out, Mapping) or hasattr(out, "input_ids"):  # transformers 5 returns a BatchEncoding
-        out = out["input_ids"]
-    if hasattr(out, "tolist"):
-        out = out.tolist()
-    if out and isinstance(out[0], list):  # batched form [[...]]
-        assert len(out) == 1, f"one conversation in, {len(out)} out"
-        out = out[0]
-    return [int(t) for t in out]
+    return chat_template_ids(tokenizer, messages)
 
 
 def _field(row: Mapping, key: str) -> str | None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import time
 
 from realcore.api.registry import make_workflow
@@ -83,9 +82,3 @@ class Evaluator:
 
     def close(self) -> None:
         self.rewards.close()
-
-
-def server_http_addresses(cfg, resolver, n_servers: int, timeout_s: float) -> list[str]:
-    from realcore.system import keys
-
-    return [json.loads(resolver.wait(keys.gen_server(cfg, i), timeout_s=timeout_s))["http"] for i in range(n_servers)]

@@ -159,12 +159,13 @@ class ModelWorker:
     def evaluate(self, msg: Evaluate) -> Evaluated:
         """eval/* metrics of the current policy (realcore.system.evaluation): on the generation
         servers when the run has them, else on this worker's actor engine."""
-        from realcore.system.evaluation import Evaluator, server_http_addresses
+        from realcore.system.evaluation import Evaluator
+        from realcore.system.weight_sync import server_addresses
 
         if self.evaluator is None:
             self.evaluator = Evaluator(self.cfg, self.no_model.tokenizer)
         if self.alloc.gen is not None:
-            servers = server_http_addresses(self.cfg, self.resolver, self.alloc.gen.dp, self.cfg.system.startup_timeout_s)
+            servers = server_addresses(self.cfg, self.alloc.gen.dp, "http")
             return Evaluated(self.evaluator.run(msg.version, servers=servers))
         return Evaluated(self.evaluator.run(msg.version, model=self.engines["actor"]))
 

@@ -48,16 +48,16 @@ class _Engine(RolloutEngine):
         self.n_completions = self.n_length = 0  # for gen/no_eos_frac
 
     def _params(self, max_new_tokens, temperature, greedy) -> dict:
-        g = self.gconfig
-        greedy = g.greedy if greedy is None else greedy
-        return {
-            "temperature": 0.0 if greedy else (g.temperature if temperature is None else float(temperature)),
-            "top_p": g.top_p,
-            "top_k": g.top_k if g.top_k > 0 else -1,
-            "max_new_tokens": int(g.max_new_tokens if max_new_tokens is None else max_new_tokens),
-            "stop_token_ids": list(g.stop_token_ids),
-            "ignore_eos": g.ignore_eos,
-        }
+        from realcore.backends.gen_client import sampling_params
+
+        p = sampling_params(self.gconfig)  # the call's own settings override the run's
+        if max_new_tokens is not None:
+            p["max_new_tokens"] = int(max_new_tokens)
+        if not (self.gconfig.greedy if greedy is None else greedy):
+            p["temperature"] = self.gconfig.temperature if temperature is None else float(temperature)
+        else:
+            p["temperature"] = 0.0
+        return p
 
     async def _generate(self, input_ids: list[int], params: dict) -> tuple[list[int], list[float], list[int], str]:
         raise NotImplementedError

@@ -41,6 +41,11 @@ def _prompt_text(engine, data: dict) -> str:
     return engine.tokenizer.decode(data["prompt_ids"], skip_special_tokens=True)
 
 
+async def _group(one, engine, data) -> list[dict]:
+    """GRPO's group: `gconfig.n_samples` episodes of `one(engine, data)`, run concurrently."""
+    return list(await asyncio.gather(*(one(engine, data) for _ in range(engine.gconfig.n_samples))))
+
+
 def _row(data: dict) -> dict[str, str]:
     """The row's text fields, for the reward's `**data` (not `prompt`: the reward's first argument)."""
     return {k: v for k, v in data.items() if isinstance(v, str) and k != "prompt"}
@@ -51,14 +56,14 @@ async def math_single_step(engine, data):
     """`gconfig.n_samples` answers to one question, generated concurrently, each scored."""
     prompt_ids, prompt = data["prompt_ids"], _prompt_text(engine, data)
 
-    async def one() -> dict:
+    async def one(engine, data) -> dict:
         c = await engine.agenerate(prompt_ids)
         reward = await engine.reward(prompt, c.text, prompt_ids, c.output_ids, **_row(data))
         t = TrajectoryBuilder(prompt_ids)
         t.add_completion(c)
         return t.to_tensors(reward)
 
-    return list(await asyncio.gather(*(one() for _ in range(engine.gconfig.n_samples))))
+    return await _group(one, engine, data)
 
 
 @register_env("math-feedback")
@@ -110,7 +115,7 @@ class MathMultiTurn:
             await env.close()
 
     async def arun_episode(self, engine, data):
-        return list(await asyncio.gather(*(self.one(engine, data) for _ in range(engine.gconfig.n_samples))))
+        return await _group(self.one, engine, data)
 
 
 TOOL_CALL = re.compile(r"<python>(.*?)</python>", re.DOTALL)
@@ -174,4 +179,4 @@ class MathTool:
             await env.close()
 
     async def arun_episode(self, engine, data):
-        return list(await asyncio.gather(*(self.one(engine, data) for _ in range(engine.gconfig.n_samples))))
+        return await _group(self.one, engine, data)
