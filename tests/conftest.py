@@ -4,6 +4,10 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import time  # noqa: E402
+
+import psutil  # noqa: E402
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
@@ -22,8 +26,40 @@ def pytest_collection_modifyitems(session, config, items):
 def skip_unless_ci(reason: str) -> None:
     """Skip a test whose daemon or package is missing here; under CI (REALCORE_CI=1, set by .ci/run,
     which installs them all) a missing one is a failure, so a broken install cannot pass as skips."""
-    import pytest
-
     if os.environ.get("REALCORE_CI") == "1":
         pytest.fail(f"CI installs this, but: {reason}")
     pytest.skip(reason)
+
+
+
+def _processes_of(path: str) -> list:
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and path in " ".join(p.info["cmdline"] or ()):
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind(request):
+    """After a test that used tmp_path, no process whose command line names that folder (a run's
+    workers, servers and their forked helpers all do) may still live: leftovers are killed and
+    the test fails, naming them."""
+    yield
+    tmp = request.node.funcargs.get("tmp_path")
+    if tmp is None:
+        return
+    deadline = time.monotonic() + 20  # a run's processes may still be on their way out
+    while (left := _processes_of(str(tmp))) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if left:
+        names = [" ".join(p.info["cmdline"])[:160] for p in left]
+        for p in left:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        pytest.fail(f"left behind by the test: {names}")

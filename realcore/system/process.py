@@ -27,6 +27,27 @@ def die_with_parent() -> None:
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+_forking_pid: int | None = None
+
+
+def _note_forking_pid() -> None:
+    global _forking_pid
+    _forking_pid = os.getpid()
+
+
+def _die_with_forking_parent() -> None:
+    die_with_parent()
+    if os.getppid() != _forking_pid:  # the parent died between the fork and the prctl
+        os._exit(1)
+
+
+def forks_die_with_parent() -> None:
+    """Every child this process forks later (os.fork, multiprocessing's fork context) gets the
+    parent-death signal too. Libraries fork helpers of their own: megatron-core's checkpoint writer
+    forks one per bucket, and a worker SIGKILLed during a save left such a child behind for good."""
+    os.register_at_fork(before=_note_forking_pid, after_in_child=_die_with_forking_parent)
+
+
 def set_title(name: str) -> None:
     _prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]))
 
@@ -58,6 +79,7 @@ def setup_worker_process(name: str, threads: int, *, ignore_sigterm: bool = Fals
     die_with_parent()
     if os.getppid() == 1:  # the parent died before we asked to be told
         sys.exit(1)
+    forks_die_with_parent()
     # A crash prints every thread's stack; `kill -USR1 PID` prints them on demand (a stalled run).
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1, all_threads=True)
