@@ -15,14 +15,16 @@ class _Strict(BaseModel):
 
 
 class TinyModelConfig(_Strict):
-    """Shape of the random tiny model built in code (tests only)."""
+    """Shape of the random tiny model built in code (model.name=tiny: tests and quick CPU runs), cached
+    under model.cache_dir by (shape, seed)."""
 
-    family: Literal["qwen2", "llama"] = "qwen2"
-    hidden_size: int = Field(64, gt=0)
-    intermediate_size: int = Field(128, gt=0)
-    num_hidden_layers: int = Field(2, gt=0)
-    num_attention_heads: int = Field(4, gt=0)
-    num_key_value_heads: int = Field(2, gt=0)
+    family: Literal["qwen2", "llama"] = Field("qwen2", description="architecture: HF Qwen2Config or LlamaConfig")
+    hidden_size: int = Field(64, gt=0, description="width of the residual stream")
+    intermediate_size: int = Field(128, gt=0, description="width of the MLP's hidden layer")
+    num_hidden_layers: int = Field(2, gt=0, description="transformer layers")
+    num_attention_heads: int = Field(4, gt=0, description="query heads; head dim = hidden_size / num_attention_heads")
+    num_key_value_heads: int = Field(
+        2, gt=0, description="key/value heads (grouped-query attention; must divide num_attention_heads)")
     vocab_size: int = Field(512, ge=64, description="target vocab of the tokenizer trained in code")
 
 
@@ -31,23 +33,29 @@ class ModelConfig(_Strict):
 
     name: str = Field("tiny", description="'tiny', 'smollm2-135m', or a label for `path`")
     path: str | None = Field(None, description="any HF model directory; overrides `name`")
-    tiny: TinyModelConfig = TinyModelConfig()
+    tiny: TinyModelConfig = Field(TinyModelConfig(), description="shape of the random model built for name=tiny (path unset)")
     use_chat_template: bool = Field(False, description="wrap prompts with the tokenizer's chat template")
     cache_dir: str = Field("~/.cache/realcore", description="where converted models are cached")
 
 
 class OptimizerConfig(_Strict):
-    """AdamW with linear warm-up then cosine (or constant) decay."""
+    """AdamW with linear warm-up then cosine (or constant) decay. Steps here are optimizer steps: a
+    ppo_update step makes ppo.ppo_n_minibatches x ppo.ppo_epochs of them, an sft_update step one."""
 
-    lr: float = Field(1e-5, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    beta1: float = Field(0.9, ge=0, lt=1)
-    beta2: float = Field(0.95, ge=0, lt=1)
-    eps: float = Field(1e-8, gt=0)
-    warmup_steps: int = Field(0, ge=0)
-    lr_scheduler: Literal["cosine", "constant"] = "cosine"
-    min_lr_ratio: float = Field(0.0, ge=0, le=1)
-    max_grad_norm: float = Field(1.0, gt=0)
+    lr: float = Field(1e-5, gt=0, description="peak learning rate (reached at the end of warm-up)")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay; 0 = off")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW's decay rate of the gradient's running mean")
+    beta2: float = Field(0.95, ge=0, lt=1, description="AdamW's decay rate of the squared gradient's running mean")
+    eps: float = Field(1e-8, gt=0, description="AdamW's epsilon, added to the denominator")
+    warmup_steps: int = Field(
+        0, ge=0, description="optimizer steps of linear warm-up: step i (0-based) uses lr * (i + 1) / warmup_steps; 0 = none")
+    lr_scheduler: Literal["cosine", "constant"] = Field(
+        "cosine", description="after warm-up: cosine decays to min_lr_ratio * lr at optimizer step trainer.total_steps "
+        "and stays there; constant keeps lr")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine only: the final learning rate as a fraction of lr")
+    max_grad_norm: float = Field(
+        1.0, gt=0, description="gradients are clipped to this global L2 norm before every optimizer step (the stat "
+        "grad_norm is the norm before clipping)")
 
 
 class MegatronConfig(_Strict):
@@ -58,7 +66,9 @@ class MegatronConfig(_Strict):
     virtual_pipeline_stages: int | None = Field(None, gt=1, description="model chunks per PP rank (interleaved 1F1B)")
     batch_p2p_comm: bool = Field(True, description="batch PP send/recv (must be False with virtual stages at PP=2)")
     overlap_p2p_comm: bool = Field(False, description="overlap PP send/recv with compute (virtual stages only)")
-    moe_token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    moe_token_dispatcher: Literal["alltoall", "allgather"] = Field(
+        "alltoall", description="MoE models: how tokens reach their experts across ranks (megatron-core "
+        "moe_token_dispatcher_type); no effect on dense models")
 
 
 class RoleConfig(_Strict):
@@ -93,41 +103,65 @@ class DatasetConfig(_Strict):
     task: str = Field("basic_arithmetic", description="reasoning-gym task name (type=reasoning-gym)")
     task_kwargs: dict[str, Any] = Field(default_factory=dict, description="reasoning-gym task options")
     size: int = Field(256, gt=0, description="number of generated problems (generated datasets)")
-    seed: int = 1
+    seed: int = Field(1, description="seeds generated datasets (tiny-arith, reasoning-gym) and the shuffle of "
+                      "every epoch's order")
     format: Literal["rl", "sft"] = Field("rl", description="rl: prompt_ids + answer; sft: input_ids + loss_mask")
-    prompt_template: str = Field("Question: {question}\nAnswer:", description="`{question}` is replaced")
+    prompt_template: str = Field(
+        "Question: {question}\nAnswer:", description="`{question}` is replaced (str.format: write other braces "
+        "as {{ and }})")
     system_prompt: str | None = Field(None, description="with a chat template: replaces its default system message")
-    max_prompt_len: int = Field(256, gt=0, description="longer prompts are skipped and counted")
-    kwargs: dict[str, Any] = Field(default_factory=dict, description="passed to a user-registered dataset")
+    max_prompt_len: int = Field(
+        256, gt=0, description="prompts of more tokens (after the template) are skipped and counted")
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="options of a user-registered dataset (it reads them as cfg.kwargs)")
 
 
 class GenerationConfig(_Strict):
     """Sampling for the `generate` MFC."""
 
     n_samples: int = Field(4, gt=0, description="sequences per prompt (the GRPO group)")
-    max_new_tokens: int = Field(32, gt=0)
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0, description="0 disables top-k")
-    greedy: bool = False
+    max_new_tokens: int = Field(
+        32, gt=0, description="most tokens of one generation call (one turn of a multi-turn workflow)")
+    temperature: float = Field(
+        1.0, gt=0, description="sampling temperature; generation, inference and training log-probs are all of "
+        "logits / temperature")
+    top_p: float = Field(
+        1.0, gt=0, le=1, description="nucleus sampling: sample from the most likely tokens whose probability sums to "
+        "top_p; 1 = off")
+    top_k: int = Field(0, ge=0, description="sample from the k most likely tokens; 0 disables top-k")
+    greedy: bool = Field(False, description="decode by argmax instead of sampling")
     stop_token_ids: list[int] = Field(default_factory=list, description="in addition to the EOS token")
     ignore_eos: bool = Field(False, description="keep generating past EOS (benchmarks, tests)")
-    max_batch_size: int = Field(64, gt=0, description="prompts decoded together")
+    max_batch_size: int = Field(
+        64, gt=0, description="sequences decoded together by the built-in engine; also each generation server's "
+        "limit (built-in: prompts per /generate request; SGLang --max-running-requests; vLLM --max-num-seqs)")
 
 
 class PPOConfig(_Strict):
     """Clipped PPO / GRPO hyperparameters (names follow the papers)."""
 
-    eps_clip: float = Field(0.2, gt=0)
+    eps_clip: float = Field(0.2, gt=0, description="the ratio is clipped to [1 - eps_clip, 1 + eps_clip] (PPO's epsilon)")
     c_clip: float | None = Field(None, gt=1, description="dual-clip constant (Ye et al. 2020); None disables")
-    kl_coef: float = Field(0.0, ge=0, description="weight of KL(actor || ref) in the loss")
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    adv_norm: Literal["group", "batch", "none"] = "group"
-    adv_eps: float = Field(1e-6, gt=0)
-    ppo_n_minibatches: int = Field(1, gt=0)
+    kl_coef: float = Field(
+        0.0, ge=0, description="weight of KL(actor || ref) in the loss; 0 = off, > 0 needs the ref_logprobs input")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k3", description="per-token KL estimator (Schulman 2020), with log r = ref - actor log-prob: k1 = -log r, "
+        "k2 = (log r)^2 / 2, k3 = (r - 1) - log r; used when kl_coef > 0")
+    adv_norm: Literal["group", "batch", "none"] = Field(
+        "group", description="advantage of a sequence, from its group's rewards: group: (r - mean) / (std + adv_eps) "
+        "within the group (GRPO); batch: r - group mean, divided by the batch std of those (+ adv_eps); none: "
+        "r - group mean (Dr. GRPO)")
+    adv_eps: float = Field(1e-6, gt=0, description="added to the std that adv_norm group/batch divide by")
+    ppo_n_minibatches: int = Field(
+        1, gt=0, description="each data-parallel rank splits its batch into this many minibatches, one optimizer "
+        "step each")
     use_decoupled_loss: bool = Field(False, description="decoupled PPO: ratio against prox_logprobs, behaviour weight")
-    behav_imp_weight_cap: float | None = Field(None, gt=1, description="mask tokens whose behaviour weight exceeds it")
-    ppo_epochs: int = Field(1, gt=0)
+    behav_imp_weight_cap: float | None = Field(
+        None, gt=1, description="use_decoupled_loss only: tokens whose behaviour weight exp(prox - behav) exceeds it "
+        "get loss 0 (still counted in the token mean); None: no cap")
+    ppo_epochs: int = Field(
+        1, gt=0, description="passes over the batch per training step, each ppo_n_minibatches optimizer steps; "
+        "advantages and behaviour log-probs stay those of the batch; stats are the last pass's")
 
 
 class RewardConfig(_Strict):
@@ -148,13 +182,21 @@ class RolloutConfig(_Strict):
     workflow_kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the workflow (e.g. max_turns)")
     max_head_offpolicyness: int = Field(0, ge=0, description="eta: admitted rollouts are at most this many versions stale")
     max_concurrent_rollouts: int = Field(16, gt=0, description="rollouts in flight across all rollout workers")
-    routing: Literal["round_robin", "least_requests"] = "least_requests"
+    routing: Literal["round_robin", "least_requests"] = Field(
+        "least_requests", description="which generation server (of those holding the current weights) runs the next "
+        "rollout: least_requests: the one with fewest rollouts in flight; round_robin: each in turn")
     weight_update: Literal["disk", "memory"] = Field("disk", description="disk: HF safetensors; memory: tensors over the wire (built-in servers)")
-    filter_equal_reward_groups: bool = Field(False, description="dynamic filtering: drop groups whose rewards are all equal")
+    filter_equal_reward_groups: bool = Field(
+        False, description="dynamic filtering (async mode; sync mode ignores it): rollout workers drop groups whose "
+        "rewards are all equal, and new rollouts take their place")
     request_timeout_s: float = Field(600.0, gt=0, description="deadline for one generation request")
     request_retries: int = Field(3, ge=0, description="a request whose server fails or goes silent runs again on another server, this many times")
-    episode_retries: int = Field(2, ge=0, description="a failing agent episode is retried this many times, then its group is dropped and counted")
-    server_token: str | None = Field(None, description="bearer token; required when a server binds a non-loopback address")
+    episode_retries: int = Field(
+        2, ge=0, description="an episode that raises is retried this many times; then async mode drops its group "
+        "(counted in rollout/failed_episodes), sync mode fails the generate call")
+    server_token: str | None = Field(
+        None, description="the bearer token every generation server of the run requires (loopback too); None: "
+        "derived from the run's secret (OUTPUT_DIR/.secret). Set it to call the servers yourself")
     server_python: str | None = Field(
         None, description="the interpreter that runs SGLang/vLLM servers (e.g. /opt/sglang-venv/bin/python), so the "
         "engine can live in its own environment; None: realcore's own (sys.executable)")
@@ -177,12 +219,16 @@ class EvalConfig(_Strict):
 
 
 class TrainerConfig(_Strict):
-    total_steps: int = Field(10, gt=0)
+    """Length of the run and its checkpoints."""
+
+    total_steps: int = Field(
+        10, gt=0, description="training steps of the run (each runs the dataflow graph on batch_size prompts); also "
+        "where the cosine LR decay ends, counted in optimizer steps")
     batch_size: int = Field(8, gt=0, description="prompts per step")
     save_freq_steps: int | None = Field(None, gt=0, description="HF checkpoints (checkpoints/step_N); None: at the last step only")
     recover_freq_steps: int | None = Field(
         None, gt=0, description="recover checkpoints (recover/step_N: everything to continue exactly) every N steps; "
-        "also at preemption, and at the last step when recover_mode is not disabled")
+        "also at preemption, and at the last step when this is set or recover_mode is not disabled. None: only those")
 
 
 class MFCConfig(_Strict):
@@ -215,9 +261,9 @@ class NameResolveConfig(_Strict):
 class SlurmConfig(_Strict):
     """scheduler=slurm: one sbatch allocation, one job step per worker type (realcore/launch/slurm.py)."""
 
-    partition: str | None = None
-    account: str | None = None
-    qos: str | None = None
+    partition: str | None = Field(None, description="sbatch --partition; None: the cluster's default")
+    account: str | None = Field(None, description="sbatch --account; None: your default account")
+    qos: str | None = Field(None, description="sbatch --qos; None: the default QOS")
     time_limit: str | None = Field(None, description="sbatch --time, e.g. 2-00:00:00")
     nodes: int | None = Field(None, gt=0, description="sbatch --nodes; None lets Slurm choose")
     gpus_per_node: int = Field(0, ge=0, description="GPUs per node; model workers and generation servers get one each")
@@ -241,26 +287,38 @@ class RayConfig(_Strict):
 
     address: str | None = Field(None, description="ray.init address ('auto', 'ray://host:10001'); None starts a local Ray")
     cpus_per_worker: float = Field(1.0, gt=0, description="CPUs of every worker process (fractions allowed)")
-    gpus_per_worker: int = Field(0, ge=0, description="GPUs of each model worker and generation server")
-    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    gpus_per_worker: int = Field(
+        0, ge=0, description="0: no GPU; any N > 0: each model worker and generation server gets one GPU (values "
+        "above 1 are treated as 1)")
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="Ray strategy of each mesh's placement group (the model workers; the generation servers): "
+        "PACK: few nodes; SPREAD: many; STRICT_PACK: one node; STRICT_SPREAD: one worker per node")
     python: str | None = Field(None, description="interpreter on the nodes; None: the launcher's own")
 
 
 class SystemConfig(_Strict):
     """Process, wire and deadline settings."""
 
-    threads_per_process: int = Field(1, gt=0, description="torch/OMP threads per process on CPU")
+    threads_per_process: int = Field(
+        1, gt=0, description="CPU threads of every worker process (torch.set_num_threads, OMP_NUM_THREADS, MKL_NUM_THREADS)")
     host: str = Field("127.0.0.1", description="address workers bind and publish; 'auto': this node's address")
     interface: str | None = Field(None, description="bind on this network interface's IPv4 address (e.g. ib0); overrides host")
-    heartbeat_interval_s: float = Field(1.0, gt=0)
+    heartbeat_interval_s: float = Field(
+        1.0, gt=0, description="how often every process proves it is alive (its heartbeat file, the master's pings) "
+        "and rollout workers and the gserver manager probe the generation servers' /health (also each probe's "
+        "deadline); keep it well below heartbeat_timeout_s")
     heartbeat_timeout_s: float = Field(30.0, gt=0, description="a worker silent this long is lost (hung): its stacks are dumped, then it is killed")
     startup_timeout_s: float = Field(300.0, gt=0, description="deadline for workers to register and configure")
-    request_timeout_s: float = Field(1800.0, gt=0, description="deadline for one MFC call")
+    request_timeout_s: float = Field(
+        1800.0, gt=0, description="deadline for one MFC call, and for every other request between realcore processes "
+        "(a batch from the rollout stream, tensor transfers, weight pushes, manager calls, torch.distributed "
+        "collectives)")
     shutdown_timeout_s: float = Field(10.0, gt=0, description="grace before SIGKILL at exit")
     preempt_timeout_s: float = Field(
         120.0, gt=0, description="SIGTERM to the launcher: the step in progress finishes and a recover checkpoint is "
         "written within this, then the run exits 75; past it, everything is killed")
-    name_resolve: NameResolveConfig = NameResolveConfig()
+    name_resolve: NameResolveConfig = Field(
+        NameResolveConfig(), description="where processes publish and find each other's addresses")
     max_http_body_bytes: int = Field(
         16 * 2**20, ge=2**16, description="largest request body the built-in generation server reads (413 above "
         "it). The largest legitimate body is a /generate batch: max_batch_size prompts of up to the model's context "
@@ -282,33 +340,54 @@ class SystemConfig(_Strict):
 
 
 class ExperimentConfig(_Strict):
-    experiment_name: str
-    trial_name: str = "trial0"
-    output_dir: str
-    seed: int = 1
-    mode: Literal["sync", "async"] = "sync"
+    """One run: what `python -m realcore.launch` composes from experiments/ and the command line."""
+
+    experiment_name: str = Field(
+        description="names the run with trial_name (name-resolution keys, Slurm job, Ray namespace, the default "
+        "output_dir outputs/EXPERIMENT/TRIAL); letters, digits, _ . + = -")
+    trial_name: str = Field("trial0", description="one run of the experiment, kept apart from its other trials")
+    output_dir: str = Field(
+        description="folder of everything the run writes: resolved config, metrics.jsonl, ledger.jsonl, logs/, "
+        "checkpoints/, recover/")
+    seed: int = Field(
+        1, description="seeds the tiny model's weights, sampling (generation server i: seed + 1000 i) and Megatron's "
+        "RNGs; the dataset's generation and order use dataset.seed")
+    mode: Literal["sync", "async"] = Field(
+        "sync", description="sync: every step runs the whole dataflow graph on new dataset prompts (generation, if "
+        "any, inside it: the generate MFC); async: rollout workers stream trajectories from generation servers while "
+        "the trainer trains (needs servers in allocation_mode)")
     recover_mode: Literal["disabled", "resume", "auto"] = Field(
         "disabled", description="disabled: a failure ends the run; resume: a launch with the same output_dir continues from "
-        "its last recover checkpoint; auto: resume, and after a failure the launcher restarts the run (up to recover_retries)")
-    recover_retries: int = Field(3, ge=0, description="recover_mode=auto: whole-run restarts before giving up (exit 1)")
+        "its last recover checkpoint, and a dead or hung rollout-side process (generation server, gserver manager, "
+        "rollout worker) is restarted in place; auto: resume, and after a failure the launcher restarts the run (up "
+        "to recover_retries)")
+    recover_retries: int = Field(
+        3, ge=0, description="recover_mode=auto: whole-run restarts before giving up (exit 1); resume/auto: a "
+        "rollout-side process that dies within a minute of starting more than this many times fails the run")
     recover_delay_s: float = Field(5.0, ge=0, description="recover_mode=auto: wait before restarting after a failure")
-    scheduler: Literal["local", "slurm", "ray"] = "local"
-    allocation_mode: str = Field("d2p1t1", description="AReaL form, e.g. d2p1t1")
-    imports: list[str] = Field(default_factory=list, description="user modules loaded before the graph is built")
-    model: ModelConfig = ModelConfig()
-    dataset: DatasetConfig = DatasetConfig()
-    actor: RoleConfig = RoleConfig(trainable=True)
-    ref: RoleConfig | None = None
-    generation: GenerationConfig = GenerationConfig()
-    ppo: PPOConfig = PPOConfig()
-    reward: RewardConfig = RewardConfig()
-    rollout: RolloutConfig = RolloutConfig()
-    trainer: TrainerConfig = TrainerConfig()
-    eval: EvalConfig = EvalConfig()
-    mfcs: list[MFCConfig] = Field(default_factory=list)
-    system: SystemConfig = SystemConfig()
-    slurm: SlurmConfig = SlurmConfig()
-    ray: RayConfig = RayConfig()
+    scheduler: Literal["local", "slurm", "ray"] = Field(
+        "local", description="local: processes on this machine; slurm: one sbatch job (slurm:); ray: Ray tasks (ray:)")
+    allocation_mode: str = Field(
+        "d2p1t1", description="AReaL form: the training mesh (d2p1t1 = DP 2 x PP 1 x TP 1; cN, eN optional), generation "
+        "colocated; or ENGINE.MESH+MESH (local, sglang or vllm): generation servers, then the training mesh")
+    imports: list[str] = Field(
+        default_factory=list, description="user modules imported by the launcher and every worker before the graph is "
+        "built (they register MFCs, workflows, rewards, datasets)")
+    model: ModelConfig = Field(ModelConfig(), description="the weights every model role starts from")
+    dataset: DatasetConfig = Field(DatasetConfig(), description="the training prompts")
+    actor: RoleConfig = Field(RoleConfig(trainable=True), description="the policy role (trainable unless set otherwise)")
+    ref: RoleConfig | None = Field(None, description="the reference role (ref_logprobs for the KL term); None: no ref")
+    generation: GenerationConfig = Field(
+        GenerationConfig(), description="sampling of rollouts (generate MFC, rollout workers, generation servers)")
+    ppo: PPOConfig = Field(PPOConfig(), description="the ppo_update MFC's hyperparameters")
+    reward: RewardConfig = Field(RewardConfig(), description="the reward function and how it is run")
+    rollout: RolloutConfig = Field(RolloutConfig(), description="the rollout workflow; async mode's workers and servers")
+    trainer: TrainerConfig = Field(TrainerConfig(), description="run length, batch size, checkpoints")
+    eval: EvalConfig = Field(EvalConfig(), description="held-out evaluation")
+    mfcs: list[MFCConfig] = Field(default_factory=list, description="the dataflow graph's nodes (at least one)")
+    system: SystemConfig = Field(SystemConfig(), description="processes, addresses, wire limits, deadlines")
+    slurm: SlurmConfig = Field(SlurmConfig(), description="scheduler=slurm only")
+    ray: RayConfig = Field(RayConfig(), description="scheduler=ray only")
 
     @model_validator(mode="after")
     def _check(self) -> "ExperimentConfig":
