@@ -91,6 +91,7 @@ def broken_model(tiny_dir, dest, how):
     (["trial_name=a/b"], ["trial_name", "'a/b'"]),
     (["trial_name=.."], ["trial_name", "'..'"]),
     (["experiment_name=x..y"], ["experiment_name"]),
+    (["rollout.filter_equal_reward_groups=true"], ["rollout.filter_equal_reward_groups", "async mode only"]),
     (["dataset.max_prompt_len=3"], ["dataset.type=tiny-arith", "no usable row", "prompt too long 256", "max_prompt_len"]),
 ])
 def test_sync_config_errors(tmp_path, cache, overrides, names):

@@ -1,29 +1,10 @@
 """Every config key says what it does: a `Field(description=...)` on every field of every model
 reachable from ExperimentConfig (the only place a user reads what a key means)."""
 
-import typing
+import subprocess
+import sys
 
-from pydantic import BaseModel
-
-from realcore.api.config import ExperimentConfig
-
-
-def _models(annotation) -> list[type[BaseModel]]:
-    """The pydantic models inside an annotation (`X`, `X | None`, `list[X]`, `dict[str, X]`)."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return [annotation]
-    return [m for arg in typing.get_args(annotation) for m in _models(arg)]
-
-
-def config_keys(model: type[BaseModel] = ExperimentConfig, prefix: str = "") -> dict[str, str | None]:
-    """Dotted key -> its description, recursively (`mfcs.name` for the items of a list)."""
-    out = {}
-    for name, field in model.model_fields.items():
-        key = prefix + name
-        out[key] = field.description
-        for sub in _models(field.annotation):
-            out.update(config_keys(sub, key + "."))
-    return out
+from realcore.api.config import config_keys, config_sections
 
 
 def test_the_walk_reaches_nested_and_optional_keys():
@@ -40,11 +21,13 @@ def test_every_config_key_has_a_description():
 
 
 def test_every_config_section_has_a_docstring():
-    seen, todo = set(), [ExperimentConfig]
-    while todo:
-        model = todo.pop()
-        if model in seen:
-            continue
-        seen.add(model)
+    for model in config_sections():
         assert (model.__doc__ or "").strip(), f"{model.__name__} has no docstring"
-        todo += [m for f in model.model_fields.values() for m in _models(f.annotation)]
+
+
+def test_help_prints_the_keys_under_a_prefix():
+    out = subprocess.run([sys.executable, "-m", "realcore.launch", "--help", "trainer"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "trainer.total_steps" in out.stdout and config_keys()["trainer.batch_size"] in out.stdout
+    assert "actor.optimizer.lr" not in out.stdout

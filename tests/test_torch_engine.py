@@ -296,3 +296,15 @@ def test_gradient_checkpointing_recomputes_layers_same_update(model_dir):
     assert s1["grad_norm"] == pytest.approx(s0["grad_norm"], rel=1e-5)
     for n in p0:
         torch.testing.assert_close(p1[n], p0[n], rtol=1e-5, atol=1e-7, msg=n)
+
+
+def test_the_lr_schedule_ends_at_the_runs_last_optimizer_step():
+    """A ppo_update step makes ppo_n_minibatches x ppo_epochs optimizer steps: the cosine decay must
+    span all of them, not end a third of the way through the run."""
+    from realcore.launch.config_loader import load_config
+    from realcore.system.model_worker import optimizer_steps
+
+    cfg = load_config(["experiment=ppo-math", "model=tiny", "trainer.total_steps=7", "ppo.ppo_n_minibatches=2",
+                       "ppo.ppo_epochs=3"])
+    assert optimizer_steps(cfg, "actor") == 42
+    assert optimizer_steps(load_config(["experiment=sft-math", "model=tiny", "trainer.total_steps=7"]), "actor") == 7

@@ -5,6 +5,7 @@ Hydra composes YAML from `experiments/` in `realcore/launch`; everything else re
 
 from __future__ import annotations
 
+import typing
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -50,8 +51,8 @@ class OptimizerConfig(_Strict):
     warmup_steps: int = Field(
         0, ge=0, description="optimizer steps of linear warm-up: step i (0-based) uses lr * (i + 1) / warmup_steps; 0 = none")
     lr_scheduler: Literal["cosine", "constant"] = Field(
-        "cosine", description="after warm-up: cosine decays to min_lr_ratio * lr at optimizer step trainer.total_steps "
-        "and stays there; constant keeps lr")
+        "cosine", description="after warm-up: cosine decays to min_lr_ratio * lr at the run's last optimizer step "
+        "(trainer.total_steps training steps); constant keeps lr")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine only: the final learning rate as a fraction of lr")
     max_grad_norm: float = Field(
         1.0, gt=0, description="gradients are clipped to this global L2 norm before every optimizer step (the stat "
@@ -222,8 +223,8 @@ class TrainerConfig(_Strict):
     """Length of the run and its checkpoints."""
 
     total_steps: int = Field(
-        10, gt=0, description="training steps of the run (each runs the dataflow graph on batch_size prompts); also "
-        "where the cosine LR decay ends, counted in optimizer steps")
+        10, gt=0, description="training steps of the run (each runs the dataflow graph on batch_size prompts); the "
+        "cosine LR decay ends at the last of them")
     batch_size: int = Field(8, gt=0, description="prompts per step")
     save_freq_steps: int | None = Field(None, gt=0, description="HF checkpoints (checkpoints/step_N); None: at the last step only")
     recover_freq_steps: int | None = Field(
@@ -288,8 +289,7 @@ class RayConfig(_Strict):
     address: str | None = Field(None, description="ray.init address ('auto', 'ray://host:10001'); None starts a local Ray")
     cpus_per_worker: float = Field(1.0, gt=0, description="CPUs of every worker process (fractions allowed)")
     gpus_per_worker: int = Field(
-        0, ge=0, description="0: no GPU; any N > 0: each model worker and generation server gets one GPU (values "
-        "above 1 are treated as 1)")
+        0, ge=0, le=1, description="0: no GPU; 1: each model worker (one rank) and generation server gets one GPU")
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK", description="Ray strategy of each mesh's placement group (the model workers; the generation servers): "
         "PACK: few nodes; SPREAD: many; STRICT_PACK: one node; STRICT_SPREAD: one worker per node")
@@ -405,3 +405,33 @@ class ExperimentConfig(_Strict):
         if self.ref is not None:
             out["ref"] = self.ref
         return out
+
+
+def _models(annotation) -> list[type[BaseModel]]:
+    """The config models inside an annotation (`X`, `X | None`, `list[X]`, `dict[str, X]`)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models(arg)]
+
+
+def config_keys(model: type[BaseModel] = ExperimentConfig, prefix: str = "") -> dict[str, str | None]:
+    """Dotted key -> its description, recursively (`mfcs.name` for the items of a list); what
+    `python -m realcore.launch --help` prints."""
+    out = {}
+    for name, field in model.model_fields.items():
+        key = prefix + name
+        out[key] = field.description
+        for sub in _models(field.annotation):
+            out.update(config_keys(sub, key + "."))
+    return out
+
+
+def config_sections(model: type[BaseModel] = ExperimentConfig) -> list[type[BaseModel]]:
+    """Every config model reachable from `model`."""
+    seen, todo = [], [model]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.append(m)
+            todo += [sub for f in m.model_fields.values() for sub in _models(f.annotation)]
+    return seen

@@ -161,7 +161,22 @@ def start_processes(cfg: ExperimentConfig, alloc: AllocationMode, config_path: s
     return procs
 
 
+def print_help(argv: list[str]) -> None:
+    """`--help [PREFIX]`: every config key (under PREFIX) with what it does."""
+    from realcore.api.config import config_keys
+
+    prefix = next((a for a in argv if not a.startswith("-")), "")
+    print("usage: python -m realcore.launch [--dry-run] experiment=NAME [key=value ...]\n"
+          "config keys (python -m realcore.launch --help PREFIX shows those under PREFIX):")
+    for key, text in config_keys().items():
+        if key.startswith(prefix):
+            print(f"  {key}\n      {text}")
+
+
 def main(argv: list[str]) -> int:
+    if "--help" in argv or "-h" in argv:
+        print_help([a for a in argv if a not in ("--help", "-h")])
+        return 0
     dry_run = "--dry-run" in argv
     argv = [a for a in argv if a != "--dry-run"]
     with contextlib.ExitStack() as held:  # the run's locks, released when the launcher ends (or dies)

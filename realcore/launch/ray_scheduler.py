@@ -82,7 +82,7 @@ def run_ray(cfg: ExperimentConfig, alloc: AllocationMode, config_path: str, secr
     r = cfg.ray
     ray.init(address=r.address, namespace=f"realcore-{cfg.experiment_name}-{cfg.trial_name}",
              include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
-    gpu = 1 if r.gpus_per_worker else 0
+    gpu = r.gpus_per_worker
     meshes = {"model_worker": alloc.train.world_size}
     if alloc.gen is not None:
         meshes["gen_server"] = alloc.gen.dp

@@ -26,6 +26,8 @@ def validate(cfg: ExperimentConfig) -> tuple[DataFlowGraph, AllocationMode]:
         alloc = parse_allocation_mode(cfg.allocation_mode)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if cfg.mode == "sync" and cfg.rollout.filter_equal_reward_groups:
+        raise ConfigError("rollout.filter_equal_reward_groups: async mode only (a sync batch cannot drop a group)")
     if cfg.mode == "async" and alloc.gen is None:
         raise ConfigError(f"allocation_mode: mode=async needs generation servers, e.g. local.d2p1t1+{cfg.allocation_mode}")
     if alloc.gen is not None:

@@ -35,6 +35,14 @@ from realcore.system.stream import TrajectoryStream
 log = logging.getLogger("realcore.model_worker")
 
 
+def optimizer_steps(cfg: ExperimentConfig, role: str) -> int:
+    """Optimizer steps of `role` over the run: where its LR schedule ends. A ppo_update step makes
+    ppo_n_minibatches x ppo_epochs of them, any other training step one."""
+    per_step = [cfg.ppo.ppo_n_minibatches * cfg.ppo.ppo_epochs if m.type == "ppo_update" else 1
+                for m in cfg.mfcs if m.model == role and m.type in ("ppo_update", "sft_update")]
+    return cfg.trainer.total_steps * max(per_step, default=1)
+
+
 class ModelWorker:
     def __init__(self, cfg: ExperimentConfig, index: int, world: int, secret: bytes):
         self.cfg, self.index, self.world = cfg, index, world
@@ -81,12 +89,12 @@ class ModelWorker:
             if rcfg.backend == "megatron":
                 from realcore.backends.megatron.engine import MegatronEngine
 
-                self.engines[role] = MegatronEngine(cfg.model.path, rcfg, self.mesh, total_steps=cfg.trainer.total_steps,
+                self.engines[role] = MegatronEngine(cfg.model.path, rcfg, self.mesh, total_steps=optimizer_steps(cfg, role),
                                                     seed=cfg.seed, role_name=role)
             else:
                 from realcore.backends.torch_engine import TorchEngine
 
-                self.engines[role] = TorchEngine(cfg.model.path, rcfg, total_steps=cfg.trainer.total_steps, seed=cfg.seed)
+                self.engines[role] = TorchEngine(cfg.model.path, rcfg, total_steps=optimizer_steps(cfg, role), seed=cfg.seed)
         tokenizer = self.engines["actor"].tokenizer or load_tokenizer(cfg.model.path)
         self.no_model = SimpleNamespace(tokenizer=tokenizer)
         counts = Configured()
