@@ -196,9 +196,9 @@ def test_agentic_experiments_run_with_evaluation(tmp_path, experiment):
     run([f"experiment={experiment}", "trainer.total_steps=5", "eval.freq_steps=2", "eval.n_prompts=8",
          "eval.n_samples=2"], out, cwd=REPO)
     metrics = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
-    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4, 5]
     evaluated = [m["step"] for m in metrics if "eval/accuracy" in m]
-    assert evaluated == [2, 4, 5]  # every 2 steps and after the last
+    assert evaluated == [0, 2, 4, 5]  # the base policy, every 2 steps and after the last
     for m in metrics:
         if "eval/accuracy" in m:
             assert m["eval/n_prompts"] == 8 and m["eval/failed"] == 0 and "eval/pass@2" in m

@@ -209,10 +209,11 @@ class EvalConfig(_Strict):
     prompt runs the rollout workflow once greedily (eval/accuracy: reward > 0; eval/reward: mean
     reward) and `n_samples` times sampled (eval/pass@k, k = n_samples: any of them has reward > 0)."""
 
-    freq_steps: int | None = Field(None, gt=0, description="evaluate after every N training steps and after the last; None: never")
+    freq_steps: int | None = Field(None, gt=0, description="evaluate the base policy before the first step (not on resume), after every N "
+        "training steps and after the last; None: never")
     dataset: DatasetConfig | None = Field(
         None, description="held-out prompts; None: the training dataset's type with seed + 1 (a new draw of a generated "
-        "dataset; give a held-out file for jsonl datasets)")
+        "dataset; give a held-out file for jsonl datasets). Questions also in the training dataset are left out")
     n_prompts: int = Field(32, gt=0, description="prompts evaluated (the first n of the dataset)")
     n_samples: int = Field(4, gt=0, description="sampled episodes per prompt, for eval/pass@k")
     max_new_tokens: int | None = Field(None, gt=0, description="None: generation.max_new_tokens")

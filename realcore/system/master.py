@@ -327,6 +327,10 @@ class Master:
         if resumed is not None:
             self.source.load_state(resumed[0].source, ledger)
         try:
+            if cfg.eval.freq_steps and self.step == 0:  # the base policy, before anything trains
+                t0 = time.perf_counter()
+                metrics = {"step": 0, "version": 0, **self.evaluate()}
+                writer.write({**metrics, "time/step_s": time.perf_counter() - t0})
             self.start_generation(path)
             self.loop(writer, ledger)
         finally:
@@ -410,10 +414,18 @@ class Master:
 
 
 def print_reward_summary(metrics_path: str) -> None:
-    """Mean reward of the first and last steps of the whole run (across restarts: from the file)."""
+    """Mean reward of the first and last steps of the whole run (across restarts: from the file),
+    and held-out accuracy before training and after the last step (when evaluation is on)."""
     with open(metrics_path) as f:
-        rewards = [m["reward/mean"] for m in map(json.loads, f) if "reward/mean" in m]
+        rows = [json.loads(line) for line in f]
+    rewards = [m["reward/mean"] for m in rows if "reward/mean" in m]
     if rewards:
         k = max(1, min(5, len(rewards) // 2))
         first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
         print(f"reward/mean: first {k} steps {first:.3f}, last {k} steps {last:.3f} ({last - first:+.3f})", flush=True)
+    evals = [m for m in rows if "eval/accuracy" in m]
+    if len(evals) >= 2:
+        a, b = evals[0], evals[-1]
+        print(f"held-out accuracy (greedy, {int(b.get('eval/n_prompts', 0))} prompts): step {a['step']} "
+              f"{a['eval/accuracy']:.3f}, step {b['step']} {b['eval/accuracy']:.3f} "
+              f"({b['eval/accuracy'] - a['eval/accuracy']:+.3f})", flush=True)

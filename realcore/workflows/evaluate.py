@@ -33,7 +33,8 @@ _LOGGED_FAILURES = 3  # per pass; the rest are only counted
 
 def eval_dataset(cfg: ExperimentConfig) -> DatasetConfig:
     """`eval.dataset`, or the training dataset's config with seed + 1 (a new draw of a generated
-    dataset; a jsonl file is the same file: give a held-out one)."""
+    dataset; a jsonl file is the same file: give a held-out one). `eval_rows` leaves out every
+    prompt whose question is also in the training dataset."""
     return cfg.eval.dataset or cfg.dataset.model_copy(update={"seed": cfg.dataset.seed + 1})
 
 
@@ -50,14 +51,23 @@ def eval_rows(cfg: ExperimentConfig, tokenizer=None) -> list[dict[str, Any]]:
         if cfg.model.path is None:
             raise ValueError("eval: model.path is not resolved (prepare_model first) and no tokenizer was given")
         tokenizer = load_tokenizer(cfg.model.path)
-    loaded = lookup("dataset", dcfg.type)(dcfg, tokenizer, rank=0, world=1, use_chat_template=cfg.model.use_chat_template)
-    samples = loaded.samples[: cfg.eval.n_prompts]
-    if not samples:
+    def load(d: DatasetConfig):
+        return lookup("dataset", d.type)(d, tokenizer, rank=0, world=1, use_chat_template=cfg.model.use_chat_template)
+
+    loaded = load(dcfg)
+    # Held out means never trained on: a new draw of a small generated dataset repeats some of its
+    # problems, and a user's file may share rows with the training file.
+    rows = [workflow_data(s) for s in loaded.samples]
+    trained = {workflow_data(s).get("question") for s in load(cfg.dataset).samples} if cfg.dataset.format == "rl" else set()
+    kept = [r for r in rows if r.get("question") is None or r["question"] not in trained]
+    if len(kept) < len(rows):
+        log.info("eval: %d of %d held-out prompts are also training prompts: left out", len(rows) - len(kept), len(rows))
+    if not kept:
         raise ValueError(f"eval.dataset: {dcfg.type!r} gave no usable prompts ({loaded.n_rows} rows, "
-                         f"{loaded.n_skipped} skipped)")
-    if "prompt_ids" not in samples[0]:
-        raise ValueError(f"eval.dataset: {dcfg.type!r} rows carry {sorted(samples[0])}, not prompt_ids")
-    return [workflow_data(s) for s in samples]
+                         f"{loaded.n_skipped} skipped, {len(rows)} also in the training dataset)")
+    if "prompt_ids" not in kept[0]:
+        raise ValueError(f"eval.dataset: {dcfg.type!r} rows carry {sorted(kept[0])}, not prompt_ids")
+    return kept[: cfg.eval.n_prompts]
 
 
 def eval_gconfigs(cfg: ExperimentConfig) -> tuple[GenerationConfig, GenerationConfig]:
