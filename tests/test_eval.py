@@ -104,9 +104,13 @@ def test_eval_rows_are_a_new_draw_without_the_training_questions(cache):
     assert len(rows) == 10 and all(isinstance(r["prompt_ids"], list) and isinstance(r["answer"], str) for r in rows)
     trained = {bytes(s["question"][0].tolist()).decode()
                for s in lookup("dataset", "tiny-arith")(cfg.dataset, tok, rank=0, world=1, use_chat_template=False).samples}
-    every = eval_rows(cfg.model_copy(update={"eval": EvalConfig(n_prompts=64)}), tok)  # seed 4: a new draw
+    every = eval_rows(cfg.model_copy(update={"eval": EvalConfig(n_prompts=64)}), tok)  # seed 3 + 64: a new draw
     assert every and not {r["question"] for r in every} & trained
     assert len(every) < 64  # the small space of tiny-arith repeats some training questions: left out
+    # reasoning-gym seeds item i with seed + i: the default draw must not be the training set shifted by one
+    gym = DatasetConfig(type="reasoning-gym", task="basic_arithmetic", size=40, seed=3,
+                        task_kwargs={"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2})
+    assert len(eval_rows(_cfg(dataset=gym, eval=EvalConfig(n_prompts=40)), tok)) >= 36
     with pytest.raises(ValueError, match="also in the training dataset"):
         eval_rows(cfg.model_copy(update={"eval": EvalConfig(n_prompts=10, dataset=cfg.dataset)}), tok)
     with pytest.raises(ValueError, match="format=rl"):

@@ -212,7 +212,7 @@ class EvalConfig(_Strict):
     freq_steps: int | None = Field(None, gt=0, description="evaluate the base policy before the first step (not on resume), after every N "
         "training steps and after the last; None: never")
     dataset: DatasetConfig | None = Field(
-        None, description="held-out prompts; None: the training dataset's type with seed + 1 (a new draw of a generated "
+        None, description="held-out prompts; None: the training dataset's config with seed + size (a disjoint draw of a generated "
         "dataset; give a held-out file for jsonl datasets). Questions also in the training dataset are left out")
     n_prompts: int = Field(32, gt=0, description="prompts evaluated (the first n of the dataset)")
     n_samples: int = Field(4, gt=0, description="sampled episodes per prompt, for eval/pass@k")

@@ -32,10 +32,11 @@ _LOGGED_FAILURES = 3  # per pass; the rest are only counted
 
 
 def eval_dataset(cfg: ExperimentConfig) -> DatasetConfig:
-    """`eval.dataset`, or the training dataset's config with seed + 1 (a new draw of a generated
-    dataset; a jsonl file is the same file: give a held-out one). `eval_rows` leaves out every
-    prompt whose question is also in the training dataset."""
-    return cfg.eval.dataset or cfg.dataset.model_copy(update={"seed": cfg.dataset.seed + 1})
+    """`eval.dataset`, or the training dataset's config with seed + size: a draw disjoint from
+    training's (reasoning-gym's item i comes from seed + i, so seed + 1 would be the training set
+    shifted by one); a jsonl file is the same file: give a held-out one. `eval_rows` leaves out
+    every prompt whose question is also in the training dataset."""
+    return cfg.eval.dataset or cfg.dataset.model_copy(update={"seed": cfg.dataset.seed + cfg.dataset.size})
 
 
 def eval_rows(cfg: ExperimentConfig, tokenizer=None) -> list[dict[str, Any]]:
