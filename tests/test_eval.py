@@ -92,6 +92,12 @@ def test_metrics_from_a_scripted_engine():
     assert 1.0 <= m["eval/time_s"] < 10
     assert set(m) == {*METRICS, "eval/pass@3"}
 
+    engines.clear()  # n_samples 0: the greedy pass only
+    m = asyncio.run(evaluate(cfg.model_copy(update={"eval": EvalConfig(n_samples=0, max_new_tokens=5)}), episode,
+                             make_engine, rows))
+    assert len(engines) == 1 and engines[0].gconfig.greedy and set(m) == set(METRICS)
+    assert m["eval/accuracy"] == 3 / 8 and m["eval/failed"] == 2
+
 
 def test_eval_rows_are_a_new_draw_without_the_training_questions(cache):
     from realcore.api.config import DatasetConfig

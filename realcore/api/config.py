@@ -148,6 +148,9 @@ class PPOConfig(_Strict):
     kl_estimator: Literal["k1", "k2", "k3"] = Field(
         "k3", description="per-token KL estimator (Schulman 2020), with log r = ref - actor log-prob: k1 = -log r, "
         "k2 = (log r)^2 / 2, k3 = (r - 1) - log r; used when kl_coef > 0")
+    entropy_coef: float = Field(
+        0.0, ge=0, description="entropy bonus: the loss subtracts entropy_coef x the token-mean entropy of the policy "
+        "(temperature-scaled, over the response tokens); keeps a policy from collapsing to one answer. 0 = off")
     adv_norm: Literal["group", "batch", "none"] = Field(
         "group", description="advantage of a sequence, from its group's rewards: group: (r - mean) / (std + adv_eps) "
         "within the group (GRPO); batch: r - group mean, divided by the batch std of those (+ adv_eps); none: "
@@ -215,7 +218,7 @@ class EvalConfig(_Strict):
         None, description="held-out prompts; None: the training dataset's config with seed + size (a disjoint draw of a generated "
         "dataset; give a held-out file for jsonl datasets). Questions also in the training dataset are left out")
     n_prompts: int = Field(32, gt=0, description="prompts evaluated (the first n of the dataset)")
-    n_samples: int = Field(4, gt=0, description="sampled episodes per prompt, for eval/pass@k")
+    n_samples: int = Field(4, ge=0, description="sampled episodes per prompt, for eval/pass@k; 0: the greedy pass only")
     max_new_tokens: int | None = Field(None, gt=0, description="None: generation.max_new_tokens")
     temperature: float | None = Field(None, gt=0, description="of the sampled episodes; None: generation.temperature")
 

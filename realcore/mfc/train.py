@@ -49,7 +49,10 @@ class PPOUpdate:
             behav_imp_weight_cap=self.ppo.behav_imp_weight_cap if decoupled else None,
         )
         stats = {f"ppo/{k}": v for k, v in stats.items()}
-        stats["ppo/entropy"] = (entropy.detach() * mask).sum() / mask.sum().clamp(min=1)
+        mean_entropy = (entropy * mask).sum() / mask.sum().clamp(min=1)
+        stats["ppo/entropy"] = mean_entropy.detach()
+        if self.ppo.entropy_coef > 0:
+            loss = loss - self.ppo.entropy_coef * mean_entropy
         if self.ppo.kl_coef > 0:
             kl = kl_loss(logprobs, data["ref_logprobs"], mask, self.ppo.kl_estimator)
             loss = loss + self.ppo.kl_coef * kl

@@ -2,7 +2,7 @@
 
 Each prompt runs the rollout workflow twice: once greedily with one sample (eval/accuracy: reward
 > 0; eval/reward: the mean reward) and once sampled with `eval.n_samples` samples (eval/pass@k, k =
-n_samples: any sample has reward > 0). The same code runs wherever the engine is: in `python -m
+n_samples: any sample has reward > 0; n_samples 0 skips this pass). The same code runs wherever the engine is: in `python -m
 realcore.eval` and on the actor (a `BatchingEngine`), or on the generation servers during an async
 run (`ServerEngine`s); the caller says how to build an engine for a sampling config.
 
@@ -135,7 +135,10 @@ async def evaluate(cfg: ExperimentConfig, episode: Episode, make_engine: Callabl
     greedy_g, sampled_g = eval_gconfigs(cfg)
     timeout = cfg.system.request_timeout_s
     greedy, n_failed_greedy = _groups(await _run_pass(episode, make_engine(greedy_g), rows, timeout), keys, "greedy")
-    sampled, n_failed_sampled = _groups(await _run_pass(episode, make_engine(sampled_g), rows, timeout), keys, "sampled")
+    sampled, n_failed_sampled = [], 0
+    if cfg.eval.n_samples > 0:  # 0: the greedy pass only
+        sampled, n_failed_sampled = _groups(await _run_pass(episode, make_engine(sampled_g), rows, timeout), keys,
+                                            "sampled")
 
     def rewards(g: dict | None) -> list[float]:
         return [float(r) for r in g["rewards"]] if g is not None else [0.0]  # a failed episode scores 0
@@ -144,12 +147,14 @@ async def evaluate(cfg: ExperimentConfig, episode: Episode, make_engine: Callabl
     greedy_reward = [sum(rewards(g)) / len(rewards(g)) for g in greedy]
     lens = [int(m.sum()) for g in greedy if g is not None for m in g["loss_mask"]]
     n = len(rows)
-    return {
+    out = {
         "eval/accuracy": sum(r > 0 for r in greedy_reward) / n,
         "eval/reward": sum(greedy_reward) / n,
-        f"eval/pass@{cfg.eval.n_samples}": sum(any(r > 0 for r in rewards(g)) for g in sampled) / n,
         "eval/n_prompts": float(n),
         "eval/response_len": sum(lens) / len(lens) if lens else 0.0,
         "eval/failed": float(n_failed_greedy + n_failed_sampled),
         "eval/time_s": time.monotonic() - t0,
     }
+    if cfg.eval.n_samples > 0:
+        out[f"eval/pass@{cfg.eval.n_samples}"] = sum(any(r > 0 for r in rewards(g)) for g in sampled) / n
+    return out
