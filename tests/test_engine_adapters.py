@@ -540,17 +540,21 @@ def test_weight_update_sets_the_reported_version():
 
 def test_pause_keep_freezes_and_resume_finishes():
     async def test(client, fake):
-        for mode in ("retract", "in_place"):
+        for version, mode in enumerate(("retract", "in_place"), start=1):
+            started_with = client.weight_version
             job = asyncio.ensure_future(client.generate([0], {"max_new_tokens": 50}, rid=f"k-{mode}"))
             await fake.until_decoding(f"k-{mode}")
             await client.pause(mode)
             assert fake.pauses[-1] == "keep"
             await asyncio.sleep(60 * fake.TOKEN_S)  # longer than the whole request would take
             assert not job.done()
-            await client.update_weights_from_disk("/ckpt/v1", 1)  # allowed while frozen (unlike SGLang in_place)
+            await client.update_weights_from_disk(f"/ckpt/v{version}", version)  # allowed while frozen (unlike SGLang in_place)
             await client.resume()
             reply = await job
-            assert reply.finish_reason == "length" and len(reply.output_ids) == 50 and reply.weight_version == "1"
+            assert reply.finish_reason == "length" and len(reply.output_ids) == 50
+            # Its first tokens came from the old weights: the reply carries the version it started
+            # with, never the newer one (SGLang would say the newer one).
+            assert reply.weight_version == started_with == (None if version == 1 else str(version - 1))
         with pytest.raises(ValueError, match="pause: mode must be one of"):
             await client.pause("keep")  # vLLM's name, not SGLang's
 
@@ -577,22 +581,95 @@ def test_pause_abort_and_abort_all_return_partial_output():
     with_fake(test)
 
 
+class AfterAbort:
+    """What the rollout worker's RoutedClient does on vLLM: when a reply comes back aborted, it learns
+    the server's version (AskServerVersion, answered once the manager's update is done: here the
+    future `updated`) before the request resumes. GenClient needs none (SGLang reports versions)."""
+
+    def __init__(self, client, updated: asyncio.Future):
+        self.client, self.updated = client, updated
+
+    async def generate(self, *args, **kwargs):
+        reply = await self.client.generate(*args, **kwargs)
+        if reply.finish_reason == "abort" and hasattr(self.client, "assume_version"):
+            self.client.assume_version(await self.updated)
+        return reply
+
+
+def test_versions_told_by_the_manager_stamp_the_requests_sent_after():
+    """A rollout worker's client: the gserver manager updates the server with clients of its own, and
+    the worker tells this one the version the manager says the server holds (assume_version)."""
+
+    async def test(client, fake):
+        assert (await client.generate([1], {"max_new_tokens": 1}, rid="a")).weight_version is None  # version 0
+        client.assume_version(3)
+        span = asyncio.ensure_future(client.generate([0], {"max_new_tokens": 40}, rid="span"))
+        await fake.until_decoding("span")
+        client.assume_version(4)  # the server moved on while the request ran: its first tokens are version 3's
+        assert (await span).weight_version == "3"
+        assert (await client.generate([1], {"max_new_tokens": 1}, rid="b")).weight_version == "4"
+        client.assume_version(2)  # an older answer (e.g. a manager that restarted) never lowers it
+        assert (await client.generate([1], {"max_new_tokens": 1}, rid="c")).weight_version == "4"
+
+        # The manager's update interrupts the request (pause abort); the worker learns the new
+        # version before resuming it (RoutedClient: AskServerVersion, answered once the update is
+        # done), so the stitched trajectory knows which tokens each version made.
+        updated = asyncio.get_running_loop().create_future()
+        manager = VLLMClient(client.base_url, timeout_s=20, token=client.token)
+        try:
+            job = asyncio.ensure_future(generate_resumable(AfterAbort(client, updated), [0], {"max_new_tokens": 40},
+                                                           rid="traj"))
+            await fake.until_decoding("traj", n_tokens=5)
+            await manager.pause("abort")
+            await manager.update_weights_from_disk("/ckpt/v5", 5)
+            await manager.resume()
+            updated.set_result(5)
+            traj = await job
+        finally:
+            await manager.close()
+        k = traj.output_versions.index(5)
+        assert traj.n_segments == 2 and traj.output_versions == [4] * k + [5] * (40 - k) and 5 <= k < 40
+
+    with_fake(test)
+
+
 def test_generate_resumable_stitches_across_a_weight_update():
-    """The interruptible-generation path of async mode, driven by GenClient's helper."""
+    """The interruptible-generation path of async mode, driven by GenClient's helper, on a client
+    that updates the server itself. The aborted segment is sent again while the client still holds
+    the server paused (after loading version 5), or after it resumed: the first is stamped 4 (it
+    was sent before version 5 went live: never newer than the weights that ran it), the second 5."""
 
     async def test(client, fake):
         await client.update_weights_from_disk("/ckpt/v4", 4)
-        job = asyncio.ensure_future(generate_resumable(client, [0], {"max_new_tokens": 60}, rid="traj"))
-        await fake.until_decoding("traj", n_tokens=5)
-        await client.pause("abort")
-        await client.update_weights_from_disk("/ckpt/v5", 5)
-        await client.resume()
-        traj = await job
-        assert traj.finish_reason == "length" and len(traj.output_ids) == 60 == len(traj.output_logprobs)
-        assert traj.n_segments == 2 and (traj.version_start, traj.version_end) == (4, 5)
-        k = traj.output_versions.index(5)  # first token of the resumed segment
-        assert 5 <= k < 60 and traj.output_versions == [4] * k + [5] * (60 - k)
-        assert fake.bodies[-1]["prompt"] == [0] + traj.output_ids[:k] and fake.bodies[-1]["max_tokens"] == 60 - k
+        for version, when in ((5, "paused"), (6, "resumed")):
+            resend = asyncio.Event()
+
+            class Held:  # sends the aborted segment again when the test says so
+                def __init__(self, resend: asyncio.Event):
+                    self.resend = resend
+
+                async def generate(self, *args, **kwargs):
+                    reply = await client.generate(*args, **kwargs)
+                    if reply.finish_reason == "abort":
+                        await self.resend.wait()
+                    return reply
+
+            job = asyncio.ensure_future(generate_resumable(Held(resend), [0], {"max_new_tokens": 60}, rid=f"traj-{when}"))
+            await fake.until_decoding(f"traj-{when}", n_tokens=5)
+            await client.pause("abort")
+            await client.update_weights_from_disk(f"/ckpt/v{version}", version)
+            if when == "paused":
+                resend.set()
+                await asyncio.sleep(10 * fake.TOKEN_S)  # the segment is sent (and held by the paused server)
+            await client.resume()
+            resend.set()
+            traj = await job
+            assert traj.finish_reason == "length" and len(traj.output_ids) == 60 == len(traj.output_logprobs)
+            before, after = version - 1, version if when == "resumed" else version - 1
+            assert traj.n_segments == 2 and (traj.version_start, traj.version_end) == (before, after)
+            k = len(fake.bodies[-1]["prompt"]) - 1  # tokens of the first segment
+            assert 5 <= k < 60 and traj.output_versions == [before] * k + [after] * (60 - k)
+            assert fake.bodies[-1]["prompt"] == [0] + traj.output_ids[:k] and fake.bodies[-1]["max_tokens"] == 60 - k
 
     with_fake(test)
 
@@ -738,11 +815,14 @@ async def _drive(client, model_a: str, model_b: str) -> None:
     assert reply.finish_reason == "abort" and len(reply.output_ids) < 400
     assert len(reply.output_logprobs) == len(reply.output_ids)
 
-    traj_job = asyncio.ensure_future(generate_resumable(client, [1, 2], {**long, "max_new_tokens": 300}, rid="traj"))
+    updated = asyncio.get_running_loop().create_future()
+    traj_job = asyncio.ensure_future(generate_resumable(AfterAbort(client, updated), [1, 2],
+                                                        {**long, "max_new_tokens": 300}, rid="traj"))
     await asyncio.sleep(0.5)
     await client.pause("abort")
     await client.update_weights_from_disk(model_b, 3)
     await client.resume()
+    updated.set_result(3)
     traj = await traj_job
     assert traj.finish_reason == "length" and len(traj.output_ids) == 300 == len(traj.output_logprobs)
     assert traj.n_segments >= 2 and (traj.version_start, traj.version_end) == (2, 3)

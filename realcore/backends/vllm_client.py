@@ -8,13 +8,23 @@ VLLM_SERVER_DEV_MODE=1 by `server_launch.server_command`). Where vLLM differs fr
 - Sampling parameters arrive in SGLang's names and are renamed here (`max_new_tokens` ->
   `max_tokens`, `sampling_seed` -> `seed`, ...); a name we do not know is a ValueError, never
   dropped silently.
-- Weight versions: vLLM's completions carry none, so the client tracks them and stamps replies
-  (as strings, like SGLang's `meta_info.weight_version`). A version loaded while paused goes live
-  at `resume()` (at once if not paused). A reply finished by "abort" carries the version live when
-  its request started: an aborted request stops at the pause, before any new weights run, while
-  its HTTP answer may arrive after the update. Other replies carry the version live when they
-  arrive (SGLang's "version at finish"). So the same client instance must push the updates and run
-  the generations of a server (the gserver manager owns one client per server).
+- Weight versions: vLLM's completions carry none, so the client stamps each reply (as a string,
+  like SGLang's `meta_info.weight_version`) with `weight_version` as it was when the request was
+  sent: the lowest version the server can run from then on, so that no token is ever stamped
+  with a version newer than the one that produced it (an older stamp costs at most an unneeded
+  staleness drop; a newer one would break the staleness bound). `weight_version` rises in two ways:
+  * this client updates the server itself: a version loaded while paused goes live at `resume()`
+    (at once if not paused);
+  * whoever updates the server tells it (`assume_version`). In a run the gserver manager pushes
+    the updates with clients of its own, and each rollout worker holds a client per server that
+    only generates: the worker tells it the version the manager says the server holds, in the
+    grant of each rollout and in a reroute (`Grant.server_version`, `Rerouted.server_version`),
+    and after a request came back aborted (a weight update interrupted it: it asks the manager,
+    `AskServerVersion`, whose answer waits for the update to finish) before the request resumes.
+  So a request spanning an update carries the version it started with: with pause `abort` (what
+  the manager uses) it ends at the pause, before new weights run, and resumes as a new request
+  stamped with the new version; with pause `keep` the tokens after the update are stamped with
+  the older version too (SGLang would stamp the whole reply with the newer one).
 - Pause modes: SGLang `abort` -> vLLM `abort` (in-flight requests return early, finish_reason
   "abort", with the tokens generated so far). SGLang `retract` and `in_place` -> vLLM `keep`
   (requests freeze and continue after `resume`). Difference: SGLang `retract` drops the running
@@ -42,7 +52,7 @@ from typing import Any
 
 import aiohttp
 
-from realcore.backends.gen_client import CONTROL_TIMEOUT_S, FINISH_REASONS, GenClient, GenReply
+from realcore.backends.gen_client import CONTROL_TIMEOUT_S, FINISH_REASONS, GenClient, GenReply, version_number
 
 # SGLang pause modes -> vLLM /pause modes (see the module docstring for what differs).
 PAUSE_MODES = {"abort": "abort", "retract": "keep", "in_place": "keep"}
@@ -132,7 +142,7 @@ class VLLMClient(GenClient):
 
     def __init__(self, base_url: str, *, token: str | None = None, timeout_s: float = 600.0):
         super().__init__(base_url, token=token, timeout_s=timeout_s)
-        self.weight_version: str | None = None  # the version requests run with now (module docstring)
+        self.weight_version: str | None = None  # the lowest version requests sent now run with (module docstring)
         self._loaded_version: str | None = None  # the last version loaded; live at resume()
         self._paused = False
         self._inflight: dict[str, asyncio.Task] = {}  # rid -> the HTTP request task (for abort(rid))
@@ -161,10 +171,7 @@ class VLLMClient(GenClient):
         finally:
             self._inflight.pop(rid, None)
             self._aborted.discard(rid)
-        reply = parse_completion(data, return_logprob=return_logprob, weight_version=self.weight_version)
-        if reply.finish_reason == "abort":
-            reply.weight_version = start_version
-        return reply
+        return parse_completion(data, return_logprob=return_logprob, weight_version=start_version)
 
     async def abort(self, rid: str | None = None) -> None:
         """Abort one request issued by this client (`rid`), or every request on the server (None)."""
@@ -177,6 +184,12 @@ class VLLMClient(GenClient):
             request.cancel()
 
     # --- weights and scheduling ---------------------------------------------------------------
+
+    def assume_version(self, version: int) -> None:
+        """The server runs `version` or a newer one from now on (told by whoever updates it: the
+        module docstring). Requests sent from now are stamped with it; it never lowers the stamp."""
+        if version_number(self.weight_version) < version:
+            self.weight_version = str(version)
 
     async def update_weights_from_disk(self, path: str, version) -> None:
         """Reload the weights from `path` (an HF directory the server can read); remember `version`."""

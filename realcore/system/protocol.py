@@ -39,6 +39,7 @@ class Cmd(IntEnum):
     REGISTER = 18  # rollout worker -> manager: I (re)started; what must I run first?
     REROUTE = 19  # rollout worker -> manager: a server stopped answering; give me another one
     EVALUATE = 20  # master -> model worker 0: evaluate the current policy on the held-out prompts
+    SERVER_VERSION = 21  # rollout worker -> manager: which weight version does this server hold now?
 
 
 class BadBody(ValueError):
@@ -239,6 +240,9 @@ class Grant:
     server: str | None = None
     seq: int = -1  # which prompt of the worker's shard: its position in the worker's sample order
     grant: int = -1  # this admission's id: a rollout that runs again gets a new one
+    # The weight version `server` holds: it runs this one or a newer one from now on. vLLM's replies
+    # carry no version, so the rollout worker stamps them with this (realcore.backends.vllm_client).
+    server_version: int = 0
 
 
 @message(Cmd.ALLOCATE, Grant)
@@ -324,6 +328,7 @@ class Register:
 @body
 class Rerouted:
     server: str | None  # None: no healthy server right now; ask again
+    server_version: int = 0  # the weight version `server` holds (as Grant.server_version)
 
 
 @message(Cmd.REROUTE, Rerouted)
@@ -332,6 +337,7 @@ class Reroute:
     seq: int
     failed: str
     report: bool = True  # False: asking again after "none right now" (the failure was reported already)
+    error: str = ""  # how the request failed (one line), for the manager's report of a server that keeps failing
 
 
 @body
@@ -342,3 +348,17 @@ class Evaluated:
 @message(Cmd.EVALUATE, Evaluated)
 class Evaluate:
     version: int
+
+
+@body
+class ServerVersion:
+    version: int  # the weight version the server holds for sure (it may hold a newer one); 0 if not known
+
+
+@message(Cmd.SERVER_VERSION, ServerVersion)
+class AskServerVersion:
+    """After a weight update interrupted a request on a vLLM server (whose replies carry no version),
+    the rollout worker asks which version the server holds before it resumes the request there.
+    Answered once the manager has finished the update it may be running (one command at a time)."""
+
+    server: str

@@ -13,6 +13,11 @@ retried `rollout.episode_retries` times, then its group is dropped and counted; 
 restarts is found again at its new address and told what this worker is still running. An episode
 whose workflow returns None is rejected (counted in rollout/rejected_episodes, nothing trained). Messages
 this worker dropped (realcore.system.drops) ride along in its FINISH counters to the master's metrics.
+
+Versions: SGLang's and the built-in server's replies carry the weight version that produced them;
+vLLM's carry none, so this worker tells each vLLM server's client the version the manager says
+the server holds (in each grant and reroute, and after a weight update interrupted a request there),
+and the client stamps replies with it (realcore.backends.vllm_client).
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ from realcore.mfc.reward import reward_modules
 from realcore.mfc.reward_runner import RewardCall, RewardRunner
 from realcore.system import drops, keys, wire
 from realcore.system.name_resolve import make_name_resolver
-from realcore.system.protocol import Allocate, Finish, Register, RemoteError, Reroute, parse, request
+from realcore.system.protocol import (Allocate, AskServerVersion, Finish, Register, RemoteError, Reroute, parse,
+                                      request)
 from realcore.system.sampler import EpochSampler
 from realcore.system.stream import Group, StreamPusher
 
@@ -128,13 +134,17 @@ class RoutedClient:
         w = self.worker
         for attempt in itertools.count():
             try:
-                return await w.watched(self.server, w.client(self.server).generate(
+                reply = await w.watched(self.server, w.client(self.server).generate(
                     input_ids, sampling_params, rid=f"{rid}~{attempt}" if attempt else rid, return_logprob=return_logprob))
+                break
             except (RuntimeError, TimeoutError, OSError) as e:
                 if attempt >= w.cfg.rollout.request_retries:
                     raise
                 log.warning("rollout %d: %s (%s); asking for another server", self.seq, self.server, e)
-                self.server = await w.reroute(self.seq, self.server)
+                self.server = await w.reroute(self.seq, self.server, error=" ".join(str(e).split())[:500])
+        if reply.finish_reason == "abort" and w.engine == "vllm":
+            await w.ask_version(self.server)  # a weight update interrupted it: learn the new version before it resumes
+        return reply
 
     def __getattr__(self, name):  # anything else (abort, server_info, ...) goes to the current server
         return getattr(self.worker.client(self.server), name)
@@ -168,7 +178,11 @@ class RolloutWorker:
         mesh = parse_allocation_mode(cfg.allocation_mode).train
         self.streams = [json.loads(resolver.wait(keys.model_worker(cfg, mesh.dp_head(d)), timeout_s=timeout))["stream"]
                         for d in range(mesh.dp)]
+        self.engine = parse_allocation_mode(cfg.allocation_mode).backend
         self.clients: dict = {}
+        # vLLM: one AskServerVersion at a time per server, and when the last answered one was sent.
+        self.asking: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
+        self.asked_at: dict[str, float] = {}
         self.running: set[int] = set()  # seqs of the rollouts in flight
         self.last_ok: dict[str, float] = {}  # server -> when it last answered /health
         self.active: collections.Counter[str] = collections.Counter()  # server -> requests in flight
@@ -182,9 +196,27 @@ class RolloutWorker:
         from realcore.backends.server_launch import client_for
 
         if server not in self.clients:
-            r, engine = self.cfg.rollout, parse_allocation_mode(self.cfg.allocation_mode).backend
-            self.clients[server] = client_for(engine, server, token=r.server_token, timeout_s=r.request_timeout_s)
+            r = self.cfg.rollout
+            self.clients[server] = client_for(self.engine, server, token=r.server_token, timeout_s=r.request_timeout_s)
         return self.clients[server]
+
+    def learn_version(self, server: str, version: int) -> None:
+        """The manager says `server` holds `version`: a vLLM client stamps the replies to requests
+        sent from now with it (vLLM reports no version; SGLang and the built-in server do)."""
+        if self.engine == "vllm":
+            self.client(server).assume_version(version)
+
+    async def ask_version(self, server: str) -> None:
+        """Ask the manager which version `server` holds (it answers once the update it may be running
+        is done) and tell the server's client. Requests that come back aborted together share one
+        ask: any answer sent after a request came back is as good for it."""
+        came_back = time.monotonic()
+        async with self.asking[server]:
+            if self.asked_at.get(server, -1.0) >= came_back:
+                return
+            sent = time.monotonic()
+            self.learn_version(server, (await self.manager.call(AskServerVersion(server))).version)
+            self.asked_at[server] = sent
 
     async def watched(self, server: str, call):
         """Await a request to `server`, giving up (ServerLost) when the server has not answered
@@ -218,11 +250,12 @@ class RolloutWorker:
                     self.last_ok[s] = now
             await asyncio.sleep(sys_cfg.heartbeat_interval_s)
 
-    async def reroute(self, seq: int, failed: str) -> str:
+    async def reroute(self, seq: int, failed: str, *, error: str = "") -> str:
         deadline = time.monotonic() + self.cfg.system.request_timeout_s
         for ask in itertools.count():
-            r = await self.manager.call(Reroute(self.index, seq, failed, report=ask == 0))
+            r = await self.manager.call(Reroute(self.index, seq, failed, report=ask == 0, error=error))
             if r.server is not None:
+                self.learn_version(r.server, r.server_version)
                 return r.server
             if time.monotonic() > deadline:
                 raise TimeoutError("no healthy generation server")
@@ -308,6 +341,7 @@ class RolloutWorker:
                 if len(tasks) < self.cfg.rollout.max_concurrent_rollouts:
                     grant = await self.manager.call(Allocate(self.index))
                     if grant.ok:
+                        self.learn_version(grant.server, grant.server_version)
                         tasks.add(asyncio.create_task(self.rollout(push, grant.seq, grant.grant, grant.server)))
                         continue
                 await asyncio.wait(tasks, timeout=0.05) if tasks else await asyncio.sleep(0.05)
