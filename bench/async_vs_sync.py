@@ -23,7 +23,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run(experiment: str, args, out: str, extra: list[str]) -> list[dict]:
     cmd = [sys.executable, "-m", "realcore.launch", f"hydra.searchpath=[file://{REPO}/bench/experiments]",
-           f"experiment={experiment}", f"model={args.model}", "dataset=easy-arith", f"trainer.total_steps={args.steps}",
+           f"experiment={experiment}", "eval.freq_steps=null", f"model={args.model}", "dataset=easy-arith", f"trainer.total_steps={args.steps}",
            f"trainer.batch_size={args.batch_size}", f"generation.n_samples={args.n_samples}",
            f"generation.max_new_tokens={args.new_tokens}", "generation.temperature=1.0", "actor.max_tokens_per_mb=1024",
            f"output_dir={out}", f"system.name_resolve.root={out}/nr", *extra]

@@ -39,7 +39,7 @@ BATCH, ETA = 4, 1
 
 
 def launch_cmd(out: str, steps: int, cache: str, trial: str) -> list[str]:
-    return [sys.executable, "-m", "realcore.launch", "experiment=async-ppo-math", "model=tiny", "dataset=tiny-arith",
+    return [sys.executable, "-m", "realcore.launch", "experiment=async-ppo-math", "eval.freq_steps=null", "model=tiny", "dataset=tiny-arith",
             "allocation_mode=local.d2p1t1+d2p1t1", "rollout.n_workers=2", f"trainer.total_steps={steps}",
             f"trainer.batch_size={BATCH}", "generation.n_samples=2", "generation.max_new_tokens=16",
             "actor.optimizer.lr=1e-3", f"rollout.max_head_offpolicyness={ETA}", "recover_mode=auto",

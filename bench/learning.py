@@ -84,7 +84,7 @@ def hydra_value(v) -> str:
 
 def common_overrides(args, seed: int) -> list[str]:
     """What every setting shares: model, data, batch, sampling, optimizer, seed."""
-    return [f"model={args.model}", f"dataset={args.dataset}", f"trainer.batch_size={args.batch_size}",
+    return ["eval.freq_steps=null", f"model={args.model}", f"dataset={args.dataset}", f"trainer.batch_size={args.batch_size}",
             f"generation.n_samples={args.n_samples}", f"generation.max_new_tokens={args.new_tokens}",
             "generation.temperature=1.0", f"actor.optimizer.lr={args.lr}", "actor.optimizer.lr_scheduler=constant",
             "actor.optimizer.warmup_steps=0", "ppo.kl_coef=0.0", "actor.max_tokens_per_mb=1024", f"seed={seed}"]

@@ -27,7 +27,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["model=tiny", "trainer.batch_size=4", "generation.n_samples=2", "generation.max_new_tokens=8"]
 SYNC = ["experiment=ppo-math", *TINY]
-ASYNC = ["experiment=async-ppo-math", *TINY, "dataset=tiny-arith", "allocation_mode=local.d1p1t1+d1p1t1", "rollout.n_workers=1"]
+ASYNC = ["experiment=async-ppo-math", "eval.freq_steps=null", *TINY, "dataset=tiny-arith", "allocation_mode=local.d1p1t1+d1p1t1", "rollout.n_workers=1"]
 # Without workers a refused launch is imports + config + model/dataset reads: seconds. The bound is
 # loose for a loaded CI machine; that no worker started is shown by the missing logs/ and pids.json.
 REFUSED_WITHIN_S = 60

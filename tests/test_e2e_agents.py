@@ -112,6 +112,7 @@ USER_EXPERIMENT = textwrap.dedent('''
     defaults:
       - async-ppo-math
     experiment_name: guess
+    eval: {freq_steps: null}
     imports: [user_agent]
     rollout: {workflow: guess-agent, workflow_kwargs: {max_turns: 2}, max_head_offpolicyness: 0}
     mfcs:

@@ -16,7 +16,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run_async(tmp_path, *overrides, steps=4):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "realcore.launch", "experiment=async-ppo-math", "model=tiny", "dataset=tiny-arith",
+    cmd = [sys.executable, "-m", "realcore.launch", "experiment=async-ppo-math", "eval.freq_steps=null", "model=tiny", "dataset=tiny-arith",
            "allocation_mode=local.d2p1t1+d2p1t1", "rollout.n_workers=2", f"trainer.total_steps={steps}",
            "trainer.batch_size=4", "generation.n_samples=2", "generation.max_new_tokens=8",
            "actor.optimizer.lr=1e-3", f"output_dir={out}", f"model.cache_dir={tmp_path}/cache",
@@ -54,7 +54,7 @@ def test_in_memory_weight_update(tmp_path):
 
 @pytest.mark.skipif(__import__("importlib").util.find_spec("sglang") is not None, reason="sglang is installed here")
 def test_missing_engine_is_a_one_line_config_error(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "realcore.launch", "experiment=async-ppo-math", "model=tiny",
+    r = subprocess.run([sys.executable, "-m", "realcore.launch", "experiment=async-ppo-math", "eval.freq_steps=null", "model=tiny",
                         "allocation_mode=sglang.d1p1t1+d1p1t1", f"output_dir={tmp_path}"],
                        cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2

@@ -24,7 +24,7 @@ REWARD = textwrap.dedent('''
 
 COMMON = ["model=tiny", "dataset=tiny-arith", "imports=[learn_reward]", "reward.type=even-tokens", f"trainer.total_steps={STEPS}",
           "trainer.batch_size=8", "generation.n_samples=4", "generation.max_new_tokens=8", "generation.temperature=1.0",
-          "ppo.kl_coef=0.0", "actor.optimizer.lr=0.01", "actor.optimizer.lr_scheduler=constant"]
+          "ppo.kl_coef=0.0", "actor.optimizer.lr=0.01", "actor.optimizer.lr_scheduler=constant", "eval.freq_steps=null"]
 
 
 @pytest.mark.timeout(600)

@@ -36,7 +36,7 @@ def test_every_dropped_message_is_counted_in_the_metrics(tmp_path, monkeypatch):
     from realcore.api.workflow import TRAJECTORY_KEYS
 
     out = str(tmp_path / "run")
-    cmd = [sys.executable, "-m", "realcore.launch", "experiment=async-ppo-math", "model=tiny", "dataset=tiny-arith",
+    cmd = [sys.executable, "-m", "realcore.launch", "experiment=async-ppo-math", "eval.freq_steps=null", "model=tiny", "dataset=tiny-arith",
            "allocation_mode=local.d1p1t1+d2p1t1", "rollout.n_workers=1", f"trainer.total_steps={STEPS}",
            "trainer.batch_size=4", "generation.n_samples=2", "generation.max_new_tokens=8",
            "rollout.weight_update=memory", "rollout.max_head_offpolicyness=1", "system.heartbeat_interval_s=0.5",

@@ -43,7 +43,7 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="capturing loopback pa
 
 
 def launch(out: str, cache: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "realcore.launch", "experiment=async-ppo-math", "model=tiny", "dataset=tiny-arith",
+    cmd = [sys.executable, "-m", "realcore.launch", "experiment=async-ppo-math", "eval.freq_steps=null", "model=tiny", "dataset=tiny-arith",
            "allocation_mode=local.d1p1t1+d2p1t1", "rollout.n_workers=1", f"trainer.total_steps={STEPS}",
            "trainer.batch_size=4", "generation.n_samples=2", "generation.max_new_tokens=8", "actor.optimizer.lr=1e-3",
            "rollout.weight_update=memory", "rollout.max_head_offpolicyness=1",

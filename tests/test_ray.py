@@ -87,7 +87,7 @@ def test_killed_worker_is_named_and_the_rest_stop(cluster, tmp_path):
 # half a CPU each on the 6 CPUs of the fake cluster.
 def launch_async(cluster, tmp_path, *overrides):
     out = str(tmp_path / "run")
-    cmd = [sys.executable, "-m", "realcore.launch", "experiment=async-ppo-math", "model=tiny", "dataset=tiny-arith",
+    cmd = [sys.executable, "-m", "realcore.launch", "experiment=async-ppo-math", "eval.freq_steps=null", "model=tiny", "dataset=tiny-arith",
            "scheduler=ray", f"ray.address={cluster.address}", "ray.cpus_per_worker=0.5", "allocation_mode=local.d1+d2",
            "rollout.n_workers=2", "recover_mode=auto", "recover_delay_s=1", "trainer.recover_freq_steps=2",
            "trainer.batch_size=4", "generation.n_samples=2", "generation.max_new_tokens=8",

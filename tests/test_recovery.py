@@ -251,7 +251,7 @@ def test_async_loses_nothing_when_each_process_type_is_killed(tmp_path, cache):
                              "master: restart run": 1}, r["restarts"]
 
 
-ASYNC = ["experiment=async-ppo-math", "model=tiny", "dataset=tiny-arith", "allocation_mode=local.d1p1t1+d1p1t1",
+ASYNC = ["experiment=async-ppo-math", "eval.freq_steps=null", "model=tiny", "dataset=tiny-arith", "allocation_mode=local.d1p1t1+d1p1t1",
          "rollout.n_workers=1", "trainer.total_steps=6", "trainer.batch_size=4", "generation.n_samples=2",
          "generation.max_new_tokens=8", "rollout.max_head_offpolicyness=1"]
 

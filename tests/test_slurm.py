@@ -20,7 +20,7 @@ from conftest import skip_unless_ci
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "launch", "slurm_test_cluster.sh")
 # 2 model workers + 1 server + manager + 2 rollout workers + master = 7 tasks over 4 nodes
-RUN = ["experiment=async-ppo-math", "model=tiny", "scheduler=slurm", "slurm.nodes=4", "slurm.poll_interval_s=0.5",
+RUN = ["experiment=async-ppo-math", "eval.freq_steps=null", "model=tiny", "scheduler=slurm", "slurm.nodes=4", "slurm.poll_interval_s=0.5",
        "allocation_mode=local.d1+d2", "rollout.n_workers=2"]
 
 
