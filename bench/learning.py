@@ -87,7 +87,7 @@ def common_overrides(args, seed: int) -> list[str]:
     return ["eval.freq_steps=null", f"model={args.model}", f"dataset={args.dataset}", f"trainer.batch_size={args.batch_size}",
             f"generation.n_samples={args.n_samples}", f"generation.max_new_tokens={args.new_tokens}",
             "generation.temperature=1.0", f"actor.optimizer.lr={args.lr}", "actor.optimizer.lr_scheduler=constant",
-            "actor.optimizer.warmup_steps=0", "ppo.kl_coef=0.0", "actor.max_tokens_per_mb=1024", f"seed={seed}"]
+            "actor.optimizer.warmup_steps=0", "ppo.kl_coef=0.0", "ppo.entropy_coef=0.0", "actor.max_tokens_per_mb=1024", f"seed={seed}"]
 
 
 def train(key: str, seed: int, args) -> dict:
@@ -188,7 +188,7 @@ def evaluate_all(model_path: str, seed: int, args, failures: list) -> dict[str, 
     out = {}
     for name, overrides in eval_sets(args).items():
         try:
-            m = evaluate([*common_overrides(args, seed), f"model.path={model_path}", "eval.n_samples=1", *overrides])
+            m = evaluate([*common_overrides(args, seed), f"model.path={model_path}", "eval.n_samples=0", *overrides])
             out[name] = m["eval/accuracy"]
             if m["eval/failed"]:
                 failures.append(f"{name} of {model_path}: {m['eval/failed']:.0f} episodes failed (scored 0)")
