@@ -175,10 +175,11 @@ class RolloutWorker:
         timeout = cfg.system.startup_timeout_s
         self.manager_address = json.loads(resolver.wait(keys.manager(cfg), timeout_s=timeout))["control"]
         # Trajectories go to the head of each data-parallel replica of the training mesh.
-        mesh = parse_allocation_mode(cfg.allocation_mode).train
+        alloc = parse_allocation_mode(cfg.allocation_mode)
+        mesh = alloc.train
         self.streams = [json.loads(resolver.wait(keys.model_worker(cfg, mesh.dp_head(d)), timeout_s=timeout))["stream"]
                         for d in range(mesh.dp)]
-        self.engine = parse_allocation_mode(cfg.allocation_mode).backend
+        self.engine = alloc.backend
         self.clients: dict = {}
         # vLLM: one AskServerVersion at a time per server, and when the last answered one was sent.
         self.asking: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
