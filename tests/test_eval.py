@@ -123,6 +123,36 @@ def test_eval_rows_are_a_new_draw_without_the_training_questions(cache):
         eval_rows(cfg.model_copy(update={"eval": EvalConfig(dataset=DatasetConfig(format="sft"))}), tok)
 
 
+
+def test_holdout_keeps_its_questions_out_of_training_and_evaluation_sees_only_them(cache):
+    from realcore.api.config import DatasetConfig
+    from realcore.api.registry import lookup
+    from realcore.backends.models import load_tokenizer, prepare_model
+    from realcore.data.datasets import held_out
+
+    tok = load_tokenizer(prepare_model(ModelConfig(cache_dir=cache), seed=1))
+    load = lookup("dataset", "tiny-arith")
+    whole = DatasetConfig(type="tiny-arith", seed=3, size=400)
+    split = whole.model_copy(update={"holdout": 0.3})
+
+    def questions(d):
+        return {bytes(s["question"][0].tolist()).decode() for s in load(d, tok, rank=0, world=1, use_chat_template=False).samples}
+
+    everything, trained = questions(whole), questions(split)
+    out = everything - trained
+    assert out and trained and all(held_out(q, 0.3) for q in out) and not any(held_out(q, 0.3) for q in trained)
+    assert 0.15 < len(out) / len(everything) < 0.45
+    # the same questions whatever the seed
+    other = questions(split.model_copy(update={"seed": 4}))
+    assert not any(held_out(q, 0.3) for q in other)
+    # evaluation of the same task (the default: a new draw) sees only held-out questions, each once;
+    # another task is not filtered
+    rows = eval_rows(_cfg(dataset=split, eval=EvalConfig(n_prompts=1000)), tok)
+    qs = [r["question"] for r in rows]
+    assert qs and len(qs) == len(set(qs)) and all(held_out(q, 0.3) for q in qs)
+    gym = DatasetConfig(type="reasoning-gym", task="basic_arithmetic", size=40, seed=3)
+    assert len(eval_rows(_cfg(dataset=split, eval=EvalConfig(n_prompts=40, dataset=gym)), tok)) == 40
+
 # --- the built-in engine --------------------------------------------------------------------------
 
 

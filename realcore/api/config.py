@@ -115,6 +115,10 @@ class DatasetConfig(_Strict):
         256, gt=0, description="prompts of more tokens (after the template) are skipped and counted")
     kwargs: dict[str, Any] = Field(
         default_factory=dict, description="options of a user-registered dataset (it reads them as cfg.kwargs)")
+    holdout: float = Field(
+        0.0, ge=0, lt=1, description="fraction of the distinct questions left out of training, chosen by a hash of the "
+        "question text (the same questions whatever the seed); an evaluation of the same task then sees only them. "
+        "Built-in datasets")
 
 
 class GenerationConfig(_Strict):

@@ -12,6 +12,7 @@ non-blank lines.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -39,6 +40,14 @@ class LoadedDataset:
 SKIP_BAD_JSON = "bad json"
 SKIP_MISSING = "missing field"
 SKIP_TOO_LONG = "prompt too long"
+SKIP_HELD_OUT = "held out for evaluation"
+
+
+def held_out(question: str, fraction: float) -> bool:
+    """Whether `dataset.holdout` keeps this question out of training: a hash of its text, so the
+    split is the same in every process, run and seed."""
+    h = int.from_bytes(hashlib.blake2b(question.encode(), digest_size=8).digest(), "big")
+    return h < fraction * 2**64
 
 
 def dataset_keys(cfg: DatasetConfig) -> tuple[str, ...]:
@@ -76,6 +85,8 @@ def _row_to_sample(row: Mapping, cfg: DatasetConfig, tokenizer, use_chat_templat
     question, answer = _field(row, "question"), _field(row, "answer")
     if question is None or answer is None:
         return SKIP_MISSING
+    if cfg.holdout and held_out(question, cfg.holdout):
+        return SKIP_HELD_OUT
     prompt = prompt_token_ids(tokenizer, cfg.prompt_template.format(question=question), use_chat_template, cfg.system_prompt)
     if len(prompt) > cfg.max_prompt_len:
         return SKIP_TOO_LONG

@@ -20,6 +20,7 @@ from typing import Any, Awaitable, Callable
 from realcore.api.config import DatasetConfig, ExperimentConfig, GenerationConfig
 from realcore.api.registry import lookup, workflow_keys
 from realcore.api.workflow import RolloutEngine, check_trajectories, workflow_data
+from realcore.data.datasets import held_out
 from realcore.workflows.engines import BatchingEngine, run_batched
 
 log = logging.getLogger("realcore.eval")
@@ -55,14 +56,26 @@ def eval_rows(cfg: ExperimentConfig, tokenizer=None) -> list[dict[str, Any]]:
     def load(d: DatasetConfig):
         return lookup("dataset", d.type)(d, tokenizer, rank=0, world=1, use_chat_template=cfg.model.use_chat_template)
 
-    loaded = load(dcfg)
+    # dataset.holdout chooses what training leaves out: evaluation sees every question.
+    loaded = load(dcfg.model_copy(update={"holdout": 0.0}))
     # Held out means never trained on: a new draw of a small generated dataset repeats some of its
-    # problems, and a user's file may share rows with the training file.
+    # problems, and a user's file may share rows with the training file. A question drawn twice is
+    # evaluated once.
     rows = [workflow_data(s) for s in loaded.samples]
     trained = {workflow_data(s).get("question") for s in load(cfg.dataset).samples} if cfg.dataset.format == "rl" else set()
-    kept = [r for r in rows if r.get("question") is None or r["question"] not in trained]
+    # With dataset.holdout, an evaluation of the same task sees only the questions it held out.
+    t = cfg.dataset
+    only_held_out = t.holdout > 0 and (dcfg.type, dcfg.path, dcfg.task, dcfg.task_kwargs) == (t.type, t.path, t.task, t.task_kwargs)
+    kept, seen = [], set()
+    for r in rows:
+        q = r.get("question")
+        if only_held_out and (q is None or not held_out(q, t.holdout)):
+            continue
+        if q is None or (q not in trained and q not in seen):
+            kept.append(r)
+            seen.add(q)
     if len(kept) < len(rows):
-        log.info("eval: %d of %d held-out prompts are also training prompts: left out", len(rows) - len(kept), len(rows))
+        log.info("eval: %d of %d held-out prompts are training prompts or repeats: left out", len(rows) - len(kept), len(rows))
     if not kept:
         raise ValueError(f"eval.dataset: {dcfg.type!r} gave no usable prompts ({loaded.n_rows} rows, "
                          f"{loaded.n_skipped} skipped, {len(rows)} also in the training dataset)")
