@@ -34,13 +34,13 @@ setup(
     extras_require={
         # The tests use every optional backend that runs on a CPU machine.
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "redis==8.1.0", "etcd-sdk-python==0.0.7", "protobuf==7.36.2",
-                "ray==2.60.0"],
+                "ray==2.60.0", "wandb==0.31.0"],
         # megatron-core 0.17+ requires Python >= 3.12 (its Requires-Python); 0.16.1 is the last for 3.11.
         "megatron": ["megatron-core==0.16.1"],
         # SGLang / vLLM are installed by the user (GPU builds; see README).
         "sglang": [],
         "vllm": [],
-        "ray": ["ray==2.60.0"],
+        "ray": ["ray==2.60.0", "wandb==0.31.0"],
         # Name resolution servers. etcd-sdk-python (module `pyetcd`) needs protobuf but does not
         # declare it; the old `etcd3` client breaks on protobuf >= 4.
         "redis": ["redis==8.1.0"],

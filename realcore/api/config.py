@@ -347,6 +347,28 @@ class SystemConfig(_Strict):
         "most one summary line per this many seconds; every drop is counted in metrics.jsonl (dropped/*)")
 
 
+class WandbConfig(_Strict):
+    """Weights & Biases: the master logs every step's numbers of metrics.jsonl to one W&B run (needs
+    `pip install wandb`). A W&B error never stops training: one warning, then the run goes on without it."""
+
+    project: str | None = Field(
+        None, min_length=1, description="W&B project the master logs every step's metrics to (needs `pip install "
+        "wandb`); None: no W&B logging")
+    entity: str | None = Field(None, description="W&B team or user that owns the project; None: your default entity")
+    name: str | None = Field(None, description="run name shown in W&B; None: EXPERIMENT/TRIAL")
+    group: str | None = Field(None, description="W&B run group (e.g. the trials of one sweep); None: no group")
+    mode: Literal["online", "offline"] = Field(
+        "online", description="online: stream to the W&B server; offline: write under OUTPUT_DIR/wandb only, upload "
+        "later with `wandb sync OUTPUT_DIR/wandb/offline-run-*`")
+    tags: list[str] = Field(default_factory=list, description="W&B run tags, e.g. [grpo,tiny]")
+
+
+class LoggingConfig(_Strict):
+    """Where step metrics go besides metrics.jsonl, TensorBoard (OUTPUT_DIR/tensorboard) and the console."""
+
+    wandb: WandbConfig = Field(WandbConfig(), description="Weights & Biases (off unless logging.wandb.project is set)")
+
+
 class ExperimentConfig(_Strict):
     """One run: what `python -m realcore.launch` composes from experiments/ and the command line."""
 
@@ -396,6 +418,7 @@ class ExperimentConfig(_Strict):
     system: SystemConfig = Field(SystemConfig(), description="processes, addresses, wire limits, deadlines")
     slurm: SlurmConfig = Field(SlurmConfig(), description="scheduler=slurm only")
     ray: RayConfig = Field(RayConfig(), description="scheduler=ray only")
+    logging: LoggingConfig = Field(LoggingConfig(), description="experiment trackers the master logs step metrics to (W&B)")
 
     @model_validator(mode="after")
     def _check(self) -> "ExperimentConfig":

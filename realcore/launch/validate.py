@@ -20,6 +20,8 @@ NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,127}")
 def validate(cfg: ExperimentConfig) -> tuple[DataFlowGraph, AllocationMode]:
     """What the config alone tells (after loading `imports`); check_inputs reads the model and dataset."""
     check_names(cfg)
+    if cfg.logging.wandb.project is not None and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("logging.wandb.project is set but the wandb package is not installed: pip install wandb")
     import_user_modules(cfg)
     check_registered(cfg)
     try:

@@ -29,7 +29,7 @@ from realcore.system.batch_source import DatasetSource, Group, StreamSource, sou
 from realcore.system.buffer import SampleBuffer, split_balanced
 from realcore.system.control import WorkerPool, wait_all
 from realcore.system.ledger import Ledger
-from realcore.system.metrics import MetricsWriter
+from realcore.system.metrics import MetricsWriter, wandb_init_kwargs
 from realcore.system.name_resolve import make_name_resolver
 from realcore.system.protocol import (Clear, Configure, Evaluate, Exit, ManagerState, Restore, RunMFC, Save, SaveState, Snapshot,
                                       WorkerLost, parse)
@@ -322,7 +322,8 @@ class Master:
             self.step, self.version, self.next_id = state.step, state.version, state.next_id
             print(f"realcore: resuming from step {self.step} (recover checkpoint {path})", flush=True)
         self.configure(path)
-        writer = MetricsWriter(cfg.output_dir, cfg.trainer.total_steps, resume_step=self.step)
+        writer = MetricsWriter(cfg.output_dir, cfg.trainer.total_steps, resume_step=self.step,
+                               wandb_init=wandb_init_kwargs(cfg))
         ledger = Ledger(cfg.output_dir, resume_step=self.step)
         if resumed is not None:
             self.source.load_state(resumed[0].source, ledger)
