@@ -41,6 +41,16 @@ def test_bad_config_is_one_clear_line(override, message):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("experiment", ["ppo-math", "async-ppo-math"])  # eval.dataset unset / set by the experiment
+def test_a_mapping_on_the_command_line_replaces_an_optional_sub_config(experiment):
+    cfg = load_config([f"experiment={experiment}", "eval.dataset={type: jsonl, path: /data/test.jsonl}"])
+    d = cfg.eval.dataset
+    assert (d.type, d.path, d.task_kwargs, d.prompt_template) == ("jsonl", "/data/test.jsonl", {}, "Question: {question}\nAnswer:")
+    if experiment == "async-ppo-math":  # one key of the experiment's mapping still changes alone
+        cfg = load_config([f"experiment={experiment}", "eval.dataset.size=7"])
+        assert cfg.eval.dataset.size == 7 and cfg.eval.dataset.task_kwargs["min_terms"] == 3
+
+
 def test_graph_from_ppo_math():
     cfg = cfg_with()
     dfg = build_graph(cfg, dataset_keys(cfg.dataset))

@@ -80,8 +80,36 @@ def _defaults() -> dict:
     return out
 
 
+# Optional sub-configs (None by default) that an experiment may set: `KEY={...}` on the command line
+# gives the whole new value, as it does when the experiment leaves KEY unset (hydra would merge it
+# into the experiment's mapping, keeping keys the user did not write, or refuse a key it lacks).
+REPLACED_WHOLE = ("eval.dataset", "ref")
+
+
+def _replace_whole(overrides: list[str], compose_fn) -> list[str]:
+    """`KEY={...}` -> `~KEY`, `+KEY={...}` where KEY is one of REPLACED_WHOLE and the composition
+    without those overrides already holds a mapping there."""
+    targets = {o.split("=", 1)[0]: o for o in overrides
+               if o.split("=", 1)[0] in REPLACED_WHOLE and o.split("=", 1)[1].lstrip().startswith("{")}
+    if not targets:
+        return overrides
+    base = compose_fn([o for o in overrides if o not in targets.values()])
+    out = []
+    for o in overrides:
+        key = o.split("=", 1)[0]
+        node = base
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        out += [f"~{key}", f"+{o}"] if o in targets.values() and isinstance(node, dict) else [o]
+    return out
+
+
 def compose(overrides: list[str]) -> dict:
     """Hydra composition of `experiments/` with command-line overrides, resolved to a plain dict."""
+    return _compose(_replace_whole(overrides, _compose))
+
+
+def _compose(overrides: list[str]) -> dict:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.config_store import ConfigStore
