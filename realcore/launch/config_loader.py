@@ -86,27 +86,29 @@ def _defaults() -> dict:
 REPLACED_WHOLE = ("eval.dataset", "ref")
 
 
-def _replace_whole(overrides: list[str], compose_fn) -> list[str]:
+def _replace_whole(overrides: list[str]) -> list[str]:
     """`KEY={...}` -> `~KEY`, `+KEY={...}` where KEY is one of REPLACED_WHOLE and the composition
     without those overrides already holds a mapping there."""
-    targets = {o.split("=", 1)[0]: o for o in overrides
-               if o.split("=", 1)[0] in REPLACED_WHOLE and o.split("=", 1)[1].lstrip().startswith("{")}
-    if not targets:
+    def whole(o: str) -> bool:
+        key, _, value = o.partition("=")
+        return key in REPLACED_WHOLE and value.lstrip().startswith("{")
+
+    if not any(whole(o) for o in overrides):
         return overrides
-    base = compose_fn([o for o in overrides if o not in targets.values()])
+    base = _compose([o for o in overrides if not whole(o)])
     out = []
     for o in overrides:
-        key = o.split("=", 1)[0]
+        key = o.partition("=")[0]
         node = base
         for part in key.split("."):
             node = node.get(part) if isinstance(node, dict) else None
-        out += [f"~{key}", f"+{o}"] if o in targets.values() and isinstance(node, dict) else [o]
+        out += [f"~{key}", f"+{o}"] if whole(o) and isinstance(node, dict) else [o]
     return out
 
 
 def compose(overrides: list[str]) -> dict:
     """Hydra composition of `experiments/` with command-line overrides, resolved to a plain dict."""
-    return _compose(_replace_whole(overrides, _compose))
+    return _compose(_replace_whole(overrides))
 
 
 def _compose(overrides: list[str]) -> dict:

@@ -66,12 +66,12 @@ def eval_rows(cfg: ExperimentConfig, tokenizer=None) -> list[dict[str, Any]]:
     # With dataset.holdout, an evaluation of the same task sees only the questions it held out.
     t = cfg.dataset
     only_held_out = t.holdout > 0 and (dcfg.type, dcfg.path, dcfg.task, dcfg.task_kwargs) == (t.type, t.path, t.task, t.task_kwargs)
-    kept, seen = [], set()
+    kept, seen = [], set(trained)
     for r in rows:
         q = r.get("question")
         if only_held_out and (q is None or not held_out(q, t.holdout)):
             continue
-        if q is None or (q not in trained and q not in seen):
+        if q is None or q not in seen:
             kept.append(r)
             seen.add(q)
     if len(kept) < len(rows):
