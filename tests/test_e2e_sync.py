@@ -177,7 +177,8 @@ def test_killed_launcher_takes_workers_down(tmp_path, cache):
         ("mfcs.2.inputs=[input_ids,loss_mask,behav_logprobs,rewardz,ref_logprobs]",
          "mfcs[2] (actor_train).inputs: key 'rewardz' has no producer"),
         ("mfcs.0.inputs=[prompt_ids,ref_logprobs]", "mfcs: cycle actor_gen -> ref_inf -> actor_gen"),
-        ("allocation_mode=d2p2t1", "torch supports data parallel only"),
+        # A model-parallel mesh picks Megatron, which samples on servers only.
+        ("allocation_mode=d2p2t1", "actor.backend=megatron samples on generation servers; use allocation_mode=local.d1+d2p2t1"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(tmp_path, override, message):

@@ -85,7 +85,7 @@ def test_killed_worker_is_named_and_the_rest_stop(cluster, tmp_path):
 
 # Recovery: async-ppo-math with recover_mode=auto and a recover checkpoint every 2 steps; 7 tasks of
 # half a CPU each on the 6 CPUs of the fake cluster.
-def launch_async(cluster, tmp_path, *overrides):
+def launch_async(cluster, tmp_path, *overrides, env=None):
     out = str(tmp_path / "run")
     cmd = [sys.executable, "-m", "realcore.launch", "experiment=async-ppo-math", "eval.freq_steps=null", "model=tiny", "dataset=tiny-arith",
            "scheduler=ray", f"ray.address={cluster.address}", "ray.cpus_per_worker=0.5", "allocation_mode=local.d1+d2",
@@ -93,7 +93,7 @@ def launch_async(cluster, tmp_path, *overrides):
            "trainer.batch_size=4", "generation.n_samples=2", "generation.max_new_tokens=8",
            "rollout.max_head_offpolicyness=2", f"trial_name={tmp_path.name}", f"output_dir={out}",
            f"model.cache_dir={tmp_path.parent}/ray-cache", *overrides]
-    return out, subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return out, subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
 @pytest.mark.timeout(300)
@@ -181,3 +181,52 @@ def test_hung_model_worker_is_named_with_its_stacks(cluster, tmp_path):
     assert "most recent call first" in open(f"{out}/logs/model_worker-1.log").read()
     print(next(line for line in err.splitlines() if "hung" in line))
     assert_gone(pids)
+
+
+# SGLang servers as Ray tasks, through the real launch path; the test switch makes the engine's
+# command `python -m realcore.serve` (the built-in server, which takes SGLang's flags).
+@pytest.mark.timeout(300)
+def test_sglang_servers_serve_an_async_run(cluster, tmp_path):
+    from test_slurm import engine_env, engine_pids, metric_rows
+
+    out, proc = launch_async(cluster, tmp_path, "allocation_mode=sglang.d2+d2", "trainer.total_steps=3",
+                             env=engine_env())
+    try:
+        stdout, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stdout[-2000:] + err[-3000:]
+    assert metric_rows(out) == 3
+    for i in range(2):
+        assert f"sglang server {i} ready at http://" in open(f"{out}/logs/gen_server-{i}.log").read()
+    deadline = time.time() + 20
+    while engine_pids(out) and time.time() < deadline:
+        time.sleep(0.3)
+    assert engine_pids(out) == {}, "an engine outlived its Ray task"
+
+
+@pytest.mark.timeout(300)
+def test_sglang_server_that_exits_0_is_resubmitted(cluster, tmp_path):
+    """SGLang exits 0 on SIGTERM: a server that ends unasked fails its task all the same, and Ray's
+    launcher submits the task again while training goes on."""
+    from test_slurm import engine_env, engine_pids, metric_rows, restarts, wait_restarted, wait_rows
+
+    out, proc = launch_async(cluster, tmp_path, "allocation_mode=sglang.d2+d2", "trainer.total_steps=150",
+                             env=engine_env())
+    try:
+        wait_rows(out, 3, proc)
+        first = engine_pids(out)
+        assert set(first) == {0, 1}, first
+        os.kill(first[1], signal.SIGTERM)
+        wait_restarted(out, "gen_server/1", proc)
+        deadline = time.time() + 90
+        while 1 not in (again := engine_pids(out)) or again[1] == first[1]:
+            assert proc.poll() is None and time.time() < deadline, "server 1 did not come back"
+            time.sleep(0.3)
+        stdout, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stdout[-2000:] + err[-3000:]
+    assert [(r["who"], r["why"]) for r in restarts(out)] == [("gen_server/1", "died (exit code 1)")]
+    assert "exited on its own (exit code 0)" in open(f"{out}/logs/gen_server-1.log").read()
+    assert metric_rows(out) == 150

@@ -237,10 +237,10 @@ RECOVER = ["dataset=tiny-arith", "recover_mode=auto", "recover_delay_s=1", "trai
            "rollout.max_head_offpolicyness=2"]
 
 
-def launch_recover(tmp_path, cache, *overrides):
+def launch_recover(tmp_path, cache, *overrides, env=None):
     out = str(tmp_path / "run")
     cmd = launch_cmd(out, *RECOVER, f"trial_name={tmp_path.name}", *overrides, cache=cache)
-    return out, subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return out, subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
 def break_rollout_side(out, proc):
@@ -375,3 +375,65 @@ def test_hung_model_worker_is_named_with_its_stacks(slurm, tmp_path, cache):
     print(next(line for line in err.splitlines() if "hung" in line))
     assert squeue() == ""
     assert_gone(pids)
+
+
+# SGLang servers under Slurm, through the real launch path: each server task starts the engine's
+# command line on its node. The test switch REALCORE_TEST_ENGINE_BUILTIN=1 makes that command
+# `python -m realcore.serve` (the built-in server, which takes SGLang's flags): no SGLang here.
+def engine_env() -> dict:
+    return {**os.environ, "REALCORE_TEST_ENGINE_BUILTIN": "1"}
+
+
+def engine_pids(out) -> dict[int, int]:
+    """server index -> pid of the engine process (the stand-in for SGLang) of the run in `out`."""
+    from test_cluster_engines import _engine_pids
+
+    found = {}
+    for pid in _engine_pids(out):
+        argv = open(f"/proc/{pid}/cmdline", "rb").read().decode().split("\0")
+        found[int(next(a for a in argv if a.startswith(f"{out}/.engine/")).split("gen_server-")[1].split("/")[0])] = pid
+    return found
+
+
+@pytest.mark.timeout(400)
+def test_sglang_servers_serve_an_async_run(slurm, tmp_path, cache):
+    out = str(tmp_path / "run")
+    r = subprocess.run(launch_cmd(out, "allocation_mode=sglang.d2+d2", "trainer.total_steps=3", cache=cache),
+                       cwd=REPO, capture_output=True, text=True, timeout=360, env=engine_env())
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert len(open(f"{out}/metrics.jsonl").read().splitlines()) == 3
+    for i in range(2):
+        log = open(f"{out}/logs/gen_server-{i}.log").read()
+        assert f"sglang server {i} ready at http://" in log, log[-2000:]
+    assert squeue() == "" and engine_pids(out) == {}  # no engine left behind with its job
+
+
+@pytest.mark.timeout(300)
+def test_killed_sglang_server_restarts_in_its_task(slurm, tmp_path, cache):
+    """SIGKILL the engine of server 0: its task starts a new one (new port, published), the manager
+    catches it up, and the run finishes with every step trained once."""
+    out, proc = launch_recover(tmp_path, cache, "allocation_mode=sglang.d2+d2", "trainer.total_steps=150",
+                               env=engine_env())
+    try:
+        wait_rows(out, 3, proc)
+        first = engine_pids(out)
+        assert set(first) == {0, 1}, first
+        os.kill(first[0], signal.SIGKILL)
+        wait_restarted(out, "gen_server/0", proc)
+        deadline = time.time() + 60
+        while "server 0 restarted at" not in open(f"{out}/logs/gserver_manager-0.log").read():
+            assert proc.poll() is None and time.time() < deadline, "the manager never saw server 0 come back"
+            time.sleep(0.3)
+        again = engine_pids(out)
+        wait_rows(out, metric_rows(out) + 3, proc)
+        stdout, err = proc.communicate(timeout=200)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stdout[-2000:] + err[-3000:]
+    assert again[0] != first[0] and again[1] == first[1], (first, again)
+    rows = restarts(out)
+    assert [(r["who"], r["action"], r["why"]) for r in rows] == [("gen_server/0", "restart in place", "died (exit code 1)")], rows
+    assert "exited on its own" in open(f"{out}/logs/gen_server-0.log").read()
+    assert metric_rows(out) == 150
+    print(f"audit: {assert_ledger_exact(out)}")
+    assert squeue() == ""

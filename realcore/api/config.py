@@ -76,7 +76,8 @@ class RoleConfig(_Strict):
     """A model role (actor, ref): its backend and, if trainable, its optimizer."""
 
     backend: Literal["torch", "megatron"] | None = Field(
-        None, description="torch | megatron; None: torch for the actor, the actor's backend for other roles")
+        None, description="torch | megatron; None: for the actor torch on a data-parallel training mesh, megatron "
+        "when allocation_mode asks for pN/tN/cN/eN > 1; other roles: the actor's backend")
     megatron: MegatronConfig = Field(default_factory=MegatronConfig, description="read by backend=megatron only")
     trainable: bool = Field(False, description="has an optimizer: MFCs that train (ppo_update, sft_update) need it")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="used when trainable")
@@ -275,7 +276,8 @@ class SlurmConfig(_Strict):
     qos: str | None = Field(None, description="sbatch --qos; None: the default QOS")
     time_limit: str | None = Field(None, description="sbatch --time, e.g. 2-00:00:00")
     nodes: int | None = Field(None, gt=0, description="sbatch --nodes; None lets Slurm choose")
-    gpus_per_node: int = Field(0, ge=0, description="GPUs per node; model workers and generation servers get one each")
+    gpus_per_node: int = Field(0, ge=0, description="GPUs per node; 0: none requested. Each model worker and built-in "
+                               "server gets one, each SGLang/vLLM server tp*pp (allocation_mode), on one node")
     cpus_per_task: int = Field(1, gt=0, description="CPUs of every worker process")
     mem_per_cpu_mb: int | None = Field(None, gt=0, description="sbatch/srun --mem-per-cpu (needed where memory is a consumable)")
     container_prefix: str = Field("", description="prefix of every worker command, e.g. 'apptainer exec --nv image.sif'")
@@ -297,7 +299,8 @@ class RayConfig(_Strict):
     address: str | None = Field(None, description="ray.init address ('auto', 'ray://host:10001'); None starts a local Ray")
     cpus_per_worker: float = Field(1.0, gt=0, description="CPUs of every worker process (fractions allowed)")
     gpus_per_worker: int = Field(
-        0, ge=0, le=1, description="0: no GPU; 1: each model worker (one rank) and generation server gets one GPU")
+        0, ge=0, le=1, description="0: no GPU; 1: each model worker (one rank) and built-in server gets one GPU, "
+        "each SGLang/vLLM server tp*pp (allocation_mode)")
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK", description="Ray strategy of each mesh's placement group (the model workers; the generation servers): "
         "PACK: few nodes; SPREAD: many; STRICT_PACK: one node; STRICT_SPREAD: one worker per node")
@@ -369,6 +372,18 @@ class LoggingConfig(_Strict):
     wandb: WandbConfig = Field(WandbConfig(), description="Weights & Biases (off unless logging.wandb.project is set)")
 
 
+def _model_parallel(allocation_mode: str) -> bool:
+    """Whether the training mesh splits the model (pN/tN/cN/eN > 1); False for an unparsable mode,
+    which the launcher's checks report."""
+    from realcore.api.alloc import parse_allocation_mode
+
+    try:
+        m = parse_allocation_mode(allocation_mode).train
+    except ValueError:
+        return False
+    return (m.pp, m.tp, m.cp, m.ep) != (1, 1, 1, 1)
+
+
 class ExperimentConfig(_Strict):
     """One run: what `python -m realcore.launch` composes from experiments/ and the command line."""
 
@@ -425,7 +440,7 @@ class ExperimentConfig(_Strict):
         if not self.mfcs:
             raise ValueError("mfcs: an experiment declares at least one MFC")
         if self.actor.backend is None:
-            self.actor.backend = "torch"
+            self.actor.backend = "megatron" if _model_parallel(self.allocation_mode) else "torch"
         if self.ref is not None and self.ref.backend is None:  # roles share one mesh: same backend by default
             self.ref.backend = self.actor.backend
         return self

@@ -107,6 +107,7 @@ def server_command(
     api_key: str | None = None,
     private_dir: str | None = None,
     python: str | None = None,
+    pp: int = 1,
 ) -> tuple[list[str], dict[str, str]]:
     """Return `(argv, env)` that start one `engine` server; `env` holds only the variables to set
     on top of the caller's environment (PYTHONPATH, if set, already includes the caller's).
@@ -127,7 +128,7 @@ def server_command(
         raise ValueError("local servers are started by realcore's own worker")
     if engine not in ENGINES:
         raise ValueError(f"allocation_mode: unknown generation engine {engine!r}; expected one of local, sglang, vllm")
-    for name, value in (("tp", tp), ("max_batch_size", max_batch_size), ("port", port)):
+    for name, value in (("tp", tp), ("pp", pp), ("max_batch_size", max_batch_size), ("port", port)):
         if value < 1:
             raise ValueError(f"server_command: {name} must be >= 1, got {value}")
     if cuda is None:
@@ -136,8 +137,12 @@ def server_command(
         cuda = torch.cuda.is_available()
     if engine == "sglang":
         argv, env = _sglang(python, model_path, host, port, tp, seed, max_batch_size, cuda)
+        if pp > 1:
+            argv += ["--pp-size", str(pp)]
     else:
         argv, env = _vllm(python, model_path, host, port, tp, seed, max_batch_size, cuda)
+        if pp > 1:
+            argv += ["--pipeline-parallel-size", str(pp)]
     if not _is_own(python):
         env["PATH"] = os.pathsep.join(p for p in (os.path.dirname(python), os.environ.get("PATH", "")) if p)
     if api_key and engine == "vllm":
@@ -151,7 +156,18 @@ def server_command(
     return argv + [str(a) for a in extra_args], env
 
 
+def builtin_stands_in() -> bool:
+    """The test switch REALCORE_TEST_ENGINE_BUILTIN=1: SGLang's command runs the built-in server
+    (`python -m realcore.serve`, which takes SGLang's flags), so the cluster tests exercise the real
+    launch path of an SGLang server on machines without SGLang. Not a user option."""
+    return os.environ.get("REALCORE_TEST_ENGINE_BUILTIN") == "1"
+
+
 def _sglang(python, model_path, host, port, tp, seed, max_batch_size, cuda) -> tuple[list[str], dict[str, str]]:
+    if builtin_stands_in():
+        return [python or sys.executable, "-m", "realcore.serve", "--model-path", model_path, "--host", host,
+                "--port", str(port), "--tp-size", str(tp), "--random-seed", str(seed),
+                "--max-running-requests", str(max_batch_size)], {}
     argv = [
         python or sys.executable, "-m", "sglang.launch_server",
         "--model-path", model_path,
@@ -272,6 +288,8 @@ def engine_available(engine: str, python: str | None = None) -> str | None:
         return None
     if engine not in ENGINES:
         return f"unknown generation engine {engine!r}; expected one of local, sglang, vllm"
+    if engine == "sglang" and builtin_stands_in():
+        return None
     try:
         found = module_available(engine, python)
     except RuntimeError as e:

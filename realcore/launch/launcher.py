@@ -120,7 +120,7 @@ def start_engine_servers(cfg: ExperimentConfig, alloc: AllocationMode, env: dict
             s.bind((cfg.system.host, 0))
             port = s.getsockname()[1]
         argv, extra_env = server_command(alloc.backend, model_path=cfg.model.path, host=cfg.system.host, port=port,
-                                         tp=alloc.gen.tp, seed=cfg.seed + 1000 * i,
+                                         tp=alloc.gen.tp, pp=alloc.gen.pp, seed=cfg.seed + 1000 * i,
                                          max_batch_size=cfg.generation.max_batch_size, api_key=token, private_dir=out,
                                          python=cfg.rollout.server_python)
         proc = spawn_command(f"gen_server/{i}", argv, env={**env, **extra_env}, log_path=os.path.join(logs, f"gen_server-{i}.log"))

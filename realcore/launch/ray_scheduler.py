@@ -46,14 +46,24 @@ def worker_specs(cfg: ExperimentConfig, alloc: AllocationMode) -> list[tuple[str
     """(name, type, index) of every worker process, the master last."""
     specs = [(f"model_worker/{i}", "model_worker", i) for i in range(alloc.train.world_size)]
     if alloc.gen is not None:
-        if alloc.backend != "local":
-            raise ValueError("scheduler=ray: only built-in generation servers (allocation_mode local.*) for now")
         specs += [(f"gen_server/{i}", "gen_server", i) for i in range(alloc.gen.dp)]
     if cfg.mode == "async":
         specs.append(("gserver_manager", "gserver_manager", 0))
         specs += [(f"rollout_worker/{i}", "rollout_worker", i) for i in range(cfg.rollout.n_workers)]
     specs.append(("master", "master", 0))
     return specs
+
+
+def mesh_bundles(cfg: ExperimentConfig, alloc: AllocationMode) -> dict[str, tuple[int, dict]]:
+    """kind -> (tasks, resources of each) of the two meshes that get a placement group: model workers
+    (one rank, ray.gpus_per_worker GPUs each) and generation servers (a built-in server is one rank;
+    an SGLang/vLLM server spans tp*pp GPUs, its own TP/PP workers)."""
+    r = cfg.ray
+    meshes = {"model_worker": (alloc.train.world_size, r.gpus_per_worker)}
+    if alloc.gen is not None:
+        per_server = 1 if alloc.backend == "local" else alloc.gen.tp * alloc.gen.pp
+        meshes["gen_server"] = (alloc.gen.dp, r.gpus_per_worker * per_server)
+    return {kind: (n, {"CPU": r.cpus_per_worker, **({"GPU": g} if g else {})}) for kind, (n, g) in meshes.items()}
 
 
 def preempt_path(cfg: ExperimentConfig) -> str:
@@ -66,6 +76,8 @@ def _run_worker(cfg: ExperimentConfig, argv: list[str], env: dict, log_path: str
     """Inside a Ray task: run one realcore worker under the task runner; (exit code, why)."""
     from realcore.launch.cluster import run_task
 
+    if "CUDA_VISIBLE_DEVICES" in os.environ:  # Ray's choice of GPUs for this task reaches the worker (and its engine)
+        env = {**env, "CUDA_VISIBLE_DEVICES": os.environ["CUDA_VISIBLE_DEVICES"]}
     return run_task(cfg, argv, name=name, attempt=attempt, restart=False, env=env, log_path=log_path,
                     preempt_file=preempt_path(cfg) if name == "master" else None)
 
@@ -82,20 +94,16 @@ def run_ray(cfg: ExperimentConfig, alloc: AllocationMode, config_path: str, secr
     r = cfg.ray
     ray.init(address=r.address, namespace=f"realcore-{cfg.experiment_name}-{cfg.trial_name}",
              include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
-    gpu = r.gpus_per_worker
-    meshes = {"model_worker": alloc.train.world_size}
-    if alloc.gen is not None:
-        meshes["gen_server"] = alloc.gen.dp
-    groups = {}
-    for kind, n in meshes.items():
-        bundle = {"CPU": r.cpus_per_worker, **({"GPU": gpu} if gpu else {})}
-        groups[kind] = placement_group([dict(bundle) for _ in range(n)], strategy=r.placement_strategy)
+    meshes = mesh_bundles(cfg, alloc)
+    groups = {kind: placement_group([dict(bundle) for _ in range(n)], strategy=r.placement_strategy)
+              for kind, (n, bundle) in meshes.items()}
     try:
         ready = [g.ready() for g in groups.values()]
         _, pending = ray.wait(ready, num_returns=len(ready), timeout=cfg.system.startup_timeout_s)
         if pending:
+            need = ", ".join(f"{kind} {n} x {bundle}" for kind, (n, bundle) in meshes.items())
             print(f"realcore: Ray could not place the workers within {cfg.system.startup_timeout_s:g} s "
-                  f"(need {meshes} x {r.cpus_per_worker} CPU); is the cluster big enough?", file=sys.stderr)
+                  f"(need {need}); is the cluster big enough?", file=sys.stderr)
             return 1
         task = ray.remote(_run_worker)
         n_servers = alloc.gen.dp if alloc.gen is not None else 0
@@ -112,8 +120,8 @@ def run_ray(cfg: ExperimentConfig, alloc: AllocationMode, config_path: str, secr
             if kind in groups:
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=groups[kind], placement_group_bundle_index=index)
-                if gpu:
-                    options["num_gpus"] = gpu
+                if "GPU" in meshes[kind][1]:
+                    options["num_gpus"] = meshes[kind][1]["GPU"]
             log = os.path.join(logs, "master.out" if kind == "master" else name.replace("/", "-") + ".log")
             return task.options(**options).remote(cfg, argv, env, log, name, attempt)
 

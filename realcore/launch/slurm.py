@@ -74,12 +74,16 @@ def check_config(cfg: ExperimentConfig) -> None:
 def steps(cfg: ExperimentConfig, alloc: AllocationMode) -> list[Step]:
     """The job steps of a run, in start order (the master last, like the local scheduler)."""
     check_config(cfg)
-    gpu = 1 if cfg.slurm.gpus_per_node else 0
-    out = [Step("model_worker", alloc.train.world_size, gpu)]
+    gpus = cfg.slurm.gpus_per_node
+    out = [Step("model_worker", alloc.train.world_size, 1 if gpus else 0)]  # one rank per GPU
     if alloc.gen is not None:
-        if alloc.backend != "local":
-            raise ValueError("scheduler=slurm: only built-in generation servers (allocation_mode local.*) for now")
-        out.append(Step("gen_server", alloc.gen.dp, gpu))
+        # One task per server: a built-in server is one process on one GPU; an SGLang/vLLM server
+        # spans tp*pp GPUs of its node (its own TP/PP workers; multi-node servers are not supported).
+        per_server = 1 if alloc.backend == "local" else alloc.gen.tp * alloc.gen.pp
+        if gpus and per_server > gpus:
+            raise ValueError(f"allocation_mode: a {alloc.backend} server of tp*pp={per_server} GPUs does not fit on a "
+                             f"node of slurm.gpus_per_node={gpus} (servers across nodes are not supported)")
+        out.append(Step("gen_server", alloc.gen.dp, per_server if gpus else 0))
     if cfg.mode == "async":
         out += [Step("gserver_manager", 1), Step("rollout_worker", cfg.rollout.n_workers)]
     out.append(Step("master", 1))
@@ -158,6 +162,7 @@ def sbatch_script(cfg: ExperimentConfig, alloc: AllocationMode, config_path: str
         'start() { local name=$1; shift; "$@" 2> "$slurm/step-$name.err" & step_of[$!]=$name; }',
     ]
     for st in all_steps:
+        lines.append(f"# {_describe(cfg, alloc, st)}")
         lines.append(f"start {st.kind} " + step_command(cfg, alloc, st, config_path, secret_path))
     requeue = [
         '        if [ ! -e "$slurm/stop" ]; then  # not when the launcher was told to stop',
@@ -184,6 +189,19 @@ def sbatch_script(cfg: ExperimentConfig, alloc: AllocationMode, config_path: str
         "",
     ]
     return "\n".join(lines)
+
+
+def _describe(cfg: ExperimentConfig, alloc: AllocationMode, st: Step) -> str:
+    """One comment line per step in the batch script: what its tasks are."""
+    gpus = f", {st.gpus_per_task} GPU(s) each" if st.gpus_per_task else ""
+    if st.kind == "model_worker":
+        return f"{st.ntasks} model worker(s): the training mesh {cfg.allocation_mode.split('+')[-1]}{gpus}"
+    if st.kind == "gen_server" and alloc.backend != "local":
+        g = alloc.gen
+        return f"{st.ntasks} {alloc.backend} server(s) (tp {g.tp}, pp {g.pp}){gpus}, each started by its task"
+    if st.kind == "gen_server":
+        return f"{st.ntasks} built-in generation server(s){gpus}"
+    return f"{st.ntasks} {st.kind.replace('_', ' ')}(s)" if st.ntasks > 1 else st.kind.replace("_", " ")
 
 
 def _run(argv: list[str], timeout_s: float = 30, env: dict | None = None) -> str:

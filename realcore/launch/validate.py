@@ -172,9 +172,12 @@ def check_generation_servers(cfg: ExperimentConfig, alloc: AllocationMode) -> No
         raise ConfigError(f"allocation_mode: unknown generation engine {alloc.backend!r} (local, sglang, vllm)")
     if alloc.backend == "local" and alloc.gen.world_size != alloc.gen.dp:
         raise ConfigError(f"allocation_mode: built-in servers are data parallel only (local.dN), got {cfg.allocation_mode!r}")
+    if alloc.backend != "local" and (alloc.gen.cp, alloc.gen.ep) != (1, 1):
+        raise ConfigError(f"allocation_mode: {alloc.backend} servers take dN, pN and tN only (got {cfg.allocation_mode!r})")
     from realcore.backends.server_launch import engine_available
 
-    missing = engine_available(alloc.backend, cfg.rollout.server_python)
+    # On a cluster the server starts on its node, which checks its own interpreter (engine_server.py).
+    missing = engine_available(alloc.backend, cfg.rollout.server_python) if cfg.scheduler == "local" else None
     if missing:
         raise ConfigError(f"allocation_mode: {missing}")
     if alloc.backend != "local" and cfg.rollout.weight_update == "memory":
@@ -182,15 +185,20 @@ def check_generation_servers(cfg: ExperimentConfig, alloc: AllocationMode) -> No
 
 
 def check_model_layout(cfg: ExperimentConfig, alloc: AllocationMode) -> None:
-    """Checks that need the model's config: Megatron's parallel layout and its known pitfalls."""
+    """Checks that need the model's config: the servers' TP, Megatron's parallel layout and its known pitfalls."""
     roles = {role: r for role, r in cfg.roles().items() if r.backend == "megatron"}
-    if not roles:
+    servers_split = alloc.gen is not None and alloc.backend != "local" and alloc.gen.tp > 1
+    if not roles and not servers_split:
         return
     from transformers import AutoConfig
 
     from realcore.backends.megatron.parallel import check_megatron_config
 
     hf_config = AutoConfig.from_pretrained(cfg.model.path)
+    heads = getattr(hf_config, "num_attention_heads", None)
+    if servers_split and heads and heads % alloc.gen.tp:
+        raise ConfigError(f"allocation_mode: {alloc.backend} servers of tp {alloc.gen.tp} split attention heads over "
+                          f"ranks, and {cfg.model.path} has {heads}; use a tp that divides {heads}")
     for role, r in roles.items():
         try:
             check_megatron_config(role, r.megatron, alloc.train, hf_config)

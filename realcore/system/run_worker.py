@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 
+from realcore.api.alloc import parse_allocation_mode
 from realcore.api.config import ExperimentConfig
 from realcore.system.process import PREEMPTED_EXIT, setup_worker_process, start_heartbeat
 
@@ -83,6 +84,10 @@ def run(args, cfg: ExperimentConfig, secret: bytes) -> int:
             worker.run()
         finally:
             worker.close()
+    elif args.type == "gen_server" and parse_allocation_mode(cfg.allocation_mode).backend != "local":
+        from realcore.system.engine_server import serve_engine  # SGLang/vLLM under Slurm or Ray
+
+        return serve_engine(cfg, args.index)
     elif args.type == "gen_server":
         import json
 
