@@ -88,6 +88,10 @@ class RoleConfig(_Strict):
         False, description="trainable roles: keep only each transformer layer's input and recompute the layer in "
         "backward (less activation memory, about one more forward of compute). torch: HF gradient checkpointing; "
         "megatron: megatron-core full recompute, one layer per unit")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="parameters' compute dtype. bfloat16: megatron keeps bf16 parameters with fp32 main "
+        "gradients and fp32 master weights and optimizer state (megatron-core's mixed precision); log-probs are "
+        "computed in fp32 from the bf16 logits. On CPU only where it has bf16 instructions (avx512_bf16 or amx_bf16)")
 
     @model_validator(mode="after")
     def _check(self) -> "RoleConfig":

@@ -40,6 +40,13 @@ def validate(cfg: ExperimentConfig) -> tuple[DataFlowGraph, AllocationMode]:
             raise ConfigError(f"allocation_mode: {role}.backend=torch supports data parallel only (got {cfg.allocation_mode}); use pN/tN with the megatron backend")
         if r.backend == "megatron" and importlib.util.find_spec("megatron") is None:
             raise ConfigError(f"{role}.backend=megatron needs megatron-core: pip install -e '.[megatron]'")
+        if cfg.scheduler == "local":  # a cluster's login node is not where the workers run
+            from realcore.backends.precision import check_bf16
+
+            try:
+                check_bf16(r.dtype)
+            except ValueError as e:
+                raise ConfigError(f"{role}.{e}") from None
     for m in cfg.mfcs:
         generates = getattr(_mfc_class(m.type), "generates", False)
         if generates and alloc.gen is None and m.model is not None and cfg.roles()[m.model].backend == "megatron":

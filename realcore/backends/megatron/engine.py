@@ -28,6 +28,7 @@ from realcore.backends.batching import (block_causal_mask, check_train_data, lr_
 from realcore.backends.megatron.checkpoint import LazyHFState, gather_hf, load_shard
 from realcore.backends.megatron.cpu_compat import apply_cpu_compat, cuda_to_cpu_mode
 from realcore.backends.megatron.parallel import check_megatron_config, init_parallel_state, sequence_parallel
+from realcore.backends.precision import check_bf16
 
 
 class MegatronEngine(Engine):
@@ -54,6 +55,8 @@ class MegatronEngine(Engine):
         self.vpp = self.mcfg.virtual_pipeline_stages or 1
         self.n_stages = dims.pp * self.vpp
         self.sp = sequence_parallel(self.mcfg, dims)
+        check_bf16(role.dtype)
+        self.dtype = torch.bfloat16 if role.dtype == "bfloat16" else torch.float32
         self.config = self._transformer_config()
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.model_path = model_path
@@ -86,7 +89,9 @@ class MegatronEngine(Engine):
             tensor_model_parallel_size=d.tp, pipeline_model_parallel_size=d.pp, context_parallel_size=d.cp,
             expert_model_parallel_size=d.ep, virtual_pipeline_model_parallel_size=m.virtual_pipeline_stages,
             sequence_parallel=self.sp, batch_p2p_comm=m.batch_p2p_comm, overlap_p2p_comm=m.overlap_p2p_comm,
-            pipeline_dtype=torch.float32, params_dtype=torch.float32, calculate_per_token_loss=True,
+            # bf16: Megatron's mixed precision (bf16 weights and activations, fp32 main grads and master weights).
+            bf16=self.dtype == torch.bfloat16, pipeline_dtype=self.dtype, params_dtype=self.dtype,
+            calculate_per_token_loss=True,
             moe_token_dispatcher_type=m.moe_token_dispatcher, **recompute,
         )
 
@@ -113,7 +118,9 @@ class MegatronEngine(Engine):
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
             raise RuntimeError(f"megatron: checkpoint does not fit the model: missing {missing[:4]}, unexpected {unexpected[:4]}")
-        return model.to(self.device)
+        # Every parameter in the compute dtype, norms included, as Megatron's Float16Module does
+        # (megatron-core builds its norms in fp32 whatever params_dtype says).
+        return model.to(self.device, self.dtype)
 
     def _stage(self, v: int) -> int:
         return v * self.dims.pp + self.pp_rank
@@ -135,7 +142,8 @@ class MegatronEngine(Engine):
                 OptimizerConfig(
                     optimizer="adam", lr=opt.lr, weight_decay=opt.weight_decay, adam_beta1=opt.beta1,
                     adam_beta2=opt.beta2, adam_eps=opt.eps, clip_grad=opt.max_grad_norm,
-                    use_distributed_optimizer=self.mcfg.distributed_optimizer, params_dtype=torch.float32,
+                    use_distributed_optimizer=self.mcfg.distributed_optimizer, params_dtype=self.dtype,
+                    bf16=self.dtype == torch.bfloat16,  # fp32 master weights and Adam state beside the bf16 ones
                 ),
                 self.chunks,
             )
