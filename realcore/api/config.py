@@ -260,6 +260,10 @@ class MFCConfig(_Strict):
         None, gt=0, description="this MFC's micro-batch token budget, passed to its engine calls (logprobs, "
         "train_batch); None: the role's max_tokens_per_mb. Only for MFC types that micro-batch (inference, "
         "ppo_update, sft_update): on others it is an error")
+    args: dict[str, Any] = Field(
+        default_factory=dict, description="this MFC's own settings, validated when the graph is built by the "
+        "pydantic model its class declares as `Args` (`self.args = self.Args(**mfc.args)` in its __init__); an "
+        "error on a class that declares none")
 
 
 class NameResolveConfig(_Strict):

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import networkx as nx
+from pydantic import ValidationError
 
 from realcore.api.config import ExperimentConfig, MFCConfig
 from realcore.api.registry import lookup, registered
@@ -62,6 +63,21 @@ class DataFlowGraph:
         return "\n".join(lines)
 
 
+def _check_args(where: str, m: MFCConfig, cls) -> None:
+    """`args:` of an MFC entry against the pydantic model its class declares as `Args`."""
+    model = getattr(cls, "Args", None)
+    if model is None:
+        if m.args:
+            raise GraphError(f"{where}.args: MFC type {m.type!r} declares no Args model, so it takes no args")
+        return
+    try:
+        model.model_validate(m.args)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        raise GraphError(f"{where}.args{'.' + loc if loc else ''}: {err['msg']}") from None
+
+
 def _node(i: int, m: MFCConfig, cfg: ExperimentConfig) -> MFCNode:
     where = f"mfcs[{i}] ({m.name})"
     try:
@@ -79,6 +95,7 @@ def _node(i: int, m: MFCConfig, cfg: ExperimentConfig) -> MFCNode:
     if m.max_tokens_per_mb is not None and not getattr(cls, "micro_batches", False):
         raise GraphError(f"{where}.max_tokens_per_mb: MFC type {m.type!r} runs no token-budgeted forward pass "
                          "(only types with micro_batches = True, e.g. inference, ppo_update, sft_update, use it)")
+    _check_args(where, m, cls)
     for k in m.input_remap:
         if k not in m.inputs:
             raise GraphError(f"{where}.input_remap: {k!r} is not one of its inputs")
