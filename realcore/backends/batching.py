@@ -24,32 +24,79 @@ def lr_factor(step: int, opt: OptimizerConfig, total_steps: int) -> float:
     return opt.min_lr_ratio + (1.0 - opt.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def split_by_budget(lens: list[int], budget: int) -> list[list[int]]:
+def _units(n_seqs: int, group_sizes: list[int] | None) -> list[range]:
+    """The indivisible runs of sequence indices: each sequence, or each group of `group_sizes`."""
+    sizes = group_sizes if group_sizes is not None else [1] * n_seqs
+    if sum(sizes) != n_seqs or any(g < 1 for g in sizes):
+        raise ValueError(f"group_sizes {sizes} do not cover the {n_seqs} sequences")
+    starts = [0]
+    for g in sizes:
+        starts.append(starts[-1] + g)
+    return [range(a, b) for a, b in zip(starts[:-1], starts[1:])]
+
+
+def split_by_budget(lens: list[int], budget: int, group_sizes: list[int] | None = None) -> list[list[int]]:
     """Greedy, in-order split of sequence indices into micro-batches of at most `budget` tokens
-    (a sequence longer than the budget gets a micro-batch of its own)."""
+    (a sequence longer than the budget gets a micro-batch of its own). With `group_sizes` the
+    sequences of one group stay in one micro-batch (a group over the budget gets one of its own):
+    a loss over a whole group (DPO's pairs, GSPO's groups) then sees all of it."""
     if budget <= 0:
         raise ValueError(f"max_tokens_per_mb must be > 0, got {budget}")
     mbs: list[list[int]] = []
     cur: list[int] = []
     cur_tokens = 0
-    for i, n in enumerate(lens):
+    for unit in _units(len(lens), group_sizes):
+        n = sum(lens[i] for i in unit)
         if cur and cur_tokens + n > budget:
             mbs.append(cur)
             cur, cur_tokens = [], 0
-        cur.append(i)
+        cur.extend(unit)
         cur_tokens += n
     if cur:
         mbs.append(cur)
     return mbs
 
 
-def split_minibatches(n_seqs: int, n_minibatches: int) -> list[range]:
-    """`n_minibatches` contiguous chunks whose sizes differ by at most one (some may be empty)."""
-    q, r = divmod(n_seqs, n_minibatches)
+def split_minibatches(n_seqs: int, n_minibatches: int, group_sizes: list[int] | None = None) -> list[range]:
+    """`n_minibatches` contiguous chunks whose sizes differ by at most one sequence, or one group
+    with `group_sizes` (some may be empty)."""
+    units = _units(n_seqs, group_sizes)
+    q, r = divmod(len(units), n_minibatches)
     bounds = [0]
     for i in range(n_minibatches):
         bounds.append(bounds[-1] + q + (i < r))
-    return [range(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+    return [range(units[a].start, units[b - 1].stop) if b > a else range(0) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def groups_within(chunk: range, group_sizes: list[int] | None) -> list[int] | None:
+    """The group sizes of the sequences in `chunk` (a split_minibatches chunk: whole groups)."""
+    if group_sizes is None:
+        return None
+    return [len(u) for u in _units(sum(group_sizes), group_sizes) if u.start >= chunk.start and u.stop <= chunk.stop]
+
+
+def cu_seqlens(lens: list[int], device=None) -> torch.Tensor:
+    """(n + 1,) int32 offsets of packed sequences: sequence i is tokens [cu[i], cu[i + 1]) of the row,
+    the form varlen attention kernels take, and how a loss function finds sequence boundaries."""
+    out = torch.zeros(len(lens) + 1, dtype=torch.int32, device=device)
+    out[1:] = torch.tensor(lens, dtype=torch.int32, device=device).cumsum(0)
+    return out
+
+
+def train_batch(engine, data: dict[str, list[torch.Tensor]], loss_fn, loss_weight_fn, *, n_minibatches: int = 1,
+                temperature: float = 1.0, max_tokens_per_mb: int | None = None,
+                group_sizes: list[int] | None = None) -> dict[str, float]:
+    """Engine.train_batch of every backend: one optimizer step per minibatch (`engine._train_minibatch`
+    accumulates over micro-batches and ranks), the stats averaged over the minibatches."""
+    if engine.optimizer is None:
+        raise ValueError("train_batch: this model role is not trainable (role.trainable is False)")
+    lens = check_train_data(data)
+    results = []
+    for chunk in split_minibatches(len(lens), n_minibatches, group_sizes):
+        mb_data = {k: [v[i] for i in chunk] for k, v in data.items()}
+        results.append(engine._train_minibatch(mb_data, loss_fn, loss_weight_fn, temperature, max_tokens_per_mb,
+                                               groups_within(chunk, group_sizes)))
+    return mean_over_minibatches(results)
 
 
 def block_causal_mask(lens: list[int], device) -> torch.Tensor:

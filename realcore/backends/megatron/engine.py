@@ -23,8 +23,8 @@ import torch.distributed as dist
 from realcore.api.alloc import ParallelDims
 from realcore.api.config import RoleConfig
 from realcore.api.engine import Engine, GenerationResult, LossFn, LossWeightFn
-from realcore.backends.batching import (block_causal_mask, check_train_data, lr_factor, mean_over_minibatches,
-                                        reduce_weighted, split_by_budget, split_minibatches, token_logprobs)
+from realcore.backends.batching import (block_causal_mask, cu_seqlens, lr_factor, reduce_weighted, split_by_budget,
+                                        token_logprobs, train_batch)
 from realcore.backends.megatron.checkpoint import LazyHFState, gather_hf, load_shard
 from realcore.backends.megatron.cpu_compat import apply_cpu_compat, cuda_to_cpu_mode
 from realcore.backends.megatron.parallel import check_megatron_config, init_parallel_state, sequence_parallel
@@ -157,10 +157,11 @@ class MegatronEngine(Engine):
         # SP splits the row over TP ranks; CP cuts every sequence into 2 * cp chunks.
         return (self.dims.tp if self.sp else 1) * (2 * self.dims.cp if self.dims.cp > 1 else 1)
 
-    def _micro_batches(self, seqs: list[torch.Tensor], budget: int) -> tuple[list[list[int]], int]:
+    def _micro_batches(self, seqs: list[torch.Tensor], budget: int,
+                       group_sizes: list[int] | None = None) -> tuple[list[list[int]], int]:
         """Token-budget micro-batches and the common padded length of their packed rows."""
         lens = [int(s.numel()) for s in seqs]
-        mbs = split_by_budget(lens, budget) if lens else []
+        mbs = split_by_budget(lens, budget, group_sizes) if lens else []
         m = self._pad_multiple()
         c = 2 * self.dims.cp if self.dims.cp > 1 else 1  # with CP each sequence is padded on its own
         longest = max((sum(-(-lens[i] // c) * c for i in mb) for mb in mbs), default=m)
@@ -302,33 +303,30 @@ class MegatronEngine(Engine):
     # ---- training ----
 
     def train_batch(self, data: dict[str, list[torch.Tensor]], loss_fn: LossFn, loss_weight_fn: LossWeightFn, *,
-                    n_minibatches: int = 1, temperature: float = 1.0,
-                    max_tokens_per_mb: int | None = None) -> dict[str, float]:
-        if self.optimizer is None:
-            raise ValueError("train_batch: this model role is not trainable (role.trainable is False)")
-        lens = check_train_data(data)
-        results = []
-        for chunk in split_minibatches(len(lens), n_minibatches):
-            mb_data = {k: [v[i] for i in chunk] for k, v in data.items()}
-            results.append(self._train_minibatch(mb_data, loss_fn, loss_weight_fn, temperature, max_tokens_per_mb))
-        return mean_over_minibatches(results)
+                    n_minibatches: int = 1, temperature: float = 1.0, max_tokens_per_mb: int | None = None,
+                    group_sizes: list[int] | None = None) -> dict[str, float]:
+        return train_batch(self, data, loss_fn, loss_weight_fn, n_minibatches=n_minibatches, temperature=temperature,
+                           max_tokens_per_mb=max_tokens_per_mb, group_sizes=group_sizes)
 
     def forward_backward(self, data, loss_fn: LossFn, loss_weight_fn: LossWeightFn, temperature: float = 1.0,
-                         max_tokens_per_mb: int | None = None) -> dict[str, float]:
+                         max_tokens_per_mb: int | None = None, group_sizes: list[int] | None = None) -> dict[str, float]:
         """Gradients of the global token-mean loss in the DDP grad buffers (no optimizer step).
-        `max_tokens_per_mb`: this call's micro-batch token budget (None: the role's)."""
+        `max_tokens_per_mb`: this call's micro-batch token budget (None: the role's); `group_sizes`:
+        keep each group's sequences in one micro-batch."""
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import finalize_model_grads
 
         for c in self.chunks:
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
-        mbs, seq_len = self._micro_batches(data["input_ids"], max_tokens_per_mb or self.role.max_tokens_per_mb)
+        mbs, seq_len = self._micro_batches(data["input_ids"], max_tokens_per_mb or self.role.max_tokens_per_mb,
+                                           group_sizes)
         batches = []
         for idx in mbs:
             packed = {k: torch.cat([v[i] for i in idx]).to(self.device) for k, v in data.items()}
-            batches.append({"ids": packed["input_ids"].long(), "lens": [int(data["input_ids"][i].numel()) for i in idx],
-                            "data": packed})
+            lens = [int(data["input_ids"][i].numel()) for i in idx]
+            packed["cu_seqlens"] = cu_seqlens(lens, self.device)  # the loss function's sequence boundaries
+            batches.append({"ids": packed["input_ids"].long(), "lens": lens, "data": packed})
         batches = self._pad_micro_batches(batches)
 
         first_cp = ps.get_context_parallel_rank() == 0
@@ -364,8 +362,9 @@ class MegatronEngine(Engine):
                     weights[k] = weights.get(k, 0.0) + float(v[1])
         return reduce_weighted(sums, weights, None, dist.get_world_size())
 
-    def _train_minibatch(self, data, loss_fn, loss_weight_fn, temperature, max_tokens_per_mb) -> dict[str, float]:
-        stats = self.forward_backward(data, loss_fn, loss_weight_fn, temperature, max_tokens_per_mb)
+    def _train_minibatch(self, data, loss_fn, loss_weight_fn, temperature, max_tokens_per_mb,
+                         group_sizes=None) -> dict[str, float]:
+        stats = self.forward_backward(data, loss_fn, loss_weight_fn, temperature, max_tokens_per_mb, group_sizes)
         lr = self.role.optimizer.lr * lr_factor(self.version, self.role.optimizer, self.total_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
