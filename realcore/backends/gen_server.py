@@ -9,7 +9,10 @@ weight updates) from a thread-safe queue between decode steps, so new requests j
 batch (continuous batching) and weights change only at a token boundary. Results go back to the
 asyncio side through `loop.call_soon_threadsafe`. With a `secret`, a ZeroMQ ROUTER thread receives
 in-memory weight updates (realcore.system.wire: HMAC-checked, unauthenticated messages dropped
-and counted) and queues them to the engine thread like a disk update.
+and counted) and queues them to the engine thread like a disk update. SGLang's
+/init_weights_update_group and /update_weights_from_distributed join a trainer's weight-update
+group (gloo on CPU, NCCL on GPUs: realcore.backends.weight_group) and receive bucketed broadcasts
+on a worker thread, each bucket queued to the engine thread the same way.
 
 Hardening (docs/security.md): every endpoint, /health included, answers 401 without the bearer
 token; bodies are bounded (`max_body_bytes`, 413) and validated by realcore.backends.http_schemas
