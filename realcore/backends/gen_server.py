@@ -44,7 +44,7 @@ import os
 import queue
 import signal
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -385,6 +385,9 @@ class WeightGroup:
     pg: Any  # ProcessGroupGloo / ProcessGroupNCCL
     store: Any  # the TCPStore client it was built on (kept alive with it)
     device: torch.device
+    # One bucket at a time (a cancelled handler's thread runs on); per group, so a receive left
+    # waiting in a group the trainer gave up on does not hold up the next group.
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def close(self) -> None:
         try:
@@ -418,7 +421,7 @@ class Server:
         self.receiver: WeightsReceiver | None = None
         self.host = "127.0.0.1"  # the address run_server serves on: gloo's socket for weight-update groups
         self.groups: dict[str, WeightGroup] = {}  # weight-update groups joined, by name
-        self._collective = threading.Lock()  # one broadcast at a time (a cancelled handler's thread runs on)
+        self.shapes = {n: tuple(t.shape) for n, t in core.model.state_dict().items()}  # what a bucket may hold
         self.app = web.Application(middlewares=[self._middleware], client_max_size=max_body_bytes)
         self.app.add_routes([
             web.post("/generate", self.generate),
@@ -582,7 +585,7 @@ class Server:
         `rank_offset`; returns once every rank joined. A group of the same name is replaced."""
         body = http_schemas.parse(http_schemas.InitWeightsUpdateGroupRequest, await self._read(request), request.path)
         try:
-            group = await asyncio.to_thread(self._join, body)
+            group = await weight_group.in_thread(self._join, body)
         except Exception as e:  # refused (nccl without CUDA), or the rendezvous failed or timed out
             wire.count_dropped("http", "body", f"{request.path}: {one_line(e)[:200]}")
             return web.json_response({"success": False, "message": one_line(e)}, status=400)
@@ -613,8 +616,13 @@ class Server:
             group = self.groups.get(body.group_name)
             if group is None:
                 raise ValueError(f"no weight-update group {body.group_name!r} (call /init_weights_update_group first)")
+            # Checked before receiving (the trainer stops at the first refusal): this also bounds what
+            # the receive allocates to the model's own sizes.
+            wrong = [n for n, shape in zip(body.names, body.shapes) if self.shapes.get(n) != tuple(shape)]
+            if wrong:
+                raise ValueError(f"weights: {len(wrong)} unknown or wrongly shaped parameter(s), e.g. {wrong[:3]}")
             try:
-                tensors = await asyncio.to_thread(self._receive, group, body)
+                tensors = await weight_group.in_thread(self._receive, group, body)
             except Exception as e:
                 if self.groups.get(body.group_name) is group:
                     self.groups.pop(body.group_name).close()
@@ -626,7 +634,7 @@ class Server:
         return web.json_response({"success": True, "message": f"received {len(body.names)} tensors"})
 
     def _receive(self, group: WeightGroup, body: http_schemas.UpdateWeightsFromDistributedRequest) -> list[torch.Tensor]:
-        with self._collective:
+        with group.lock:
             return weight_group.receive(group.pg, body.dtypes, body.shapes, group.device,
                                         timedelta(seconds=WEIGHT_GROUP_TIMEOUT_S))
 

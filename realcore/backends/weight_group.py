@@ -16,6 +16,9 @@ and sends it in the init request. Every collective waits at most `timeout`.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import threading
 from datetime import timedelta
 
 import torch
@@ -100,3 +103,24 @@ def receive(group, dtypes: list[str], shapes: list[list[int]], device: torch.dev
     for w in works:
         w.wait(timeout)
     return tensors
+
+
+def in_thread(fn, *args, **kwargs) -> asyncio.Future:
+    """`fn(*args, **kwargs)` on a daemon thread of its own, awaitable: a collective that waits until its
+    deadline must neither hold a thread of the event loop's executor nor keep asyncio.run (which
+    joins those) from returning once its caller gave up on it."""
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as e:
+                fut.set_exception(e)
+            else:
+                fut.set_result(result)
+        except concurrent.futures.InvalidStateError:  # given up on (cancelled) meanwhile
+            pass
+
+    threading.Thread(target=run, name="weight-group", daemon=True).start()
+    return asyncio.wrap_future(fut)

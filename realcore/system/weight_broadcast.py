@@ -16,10 +16,8 @@ Every wait has a deadline: the rendezvous `system.startup_timeout_s`, HTTP calls
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import os
-import threading
 from datetime import timedelta
 
 import torch
@@ -31,26 +29,6 @@ from realcore.system.rendezvous import bind_gloo_to, serve_store
 log = logging.getLogger("realcore.weight_broadcast")
 HEALTH_TIMEOUT_S = 5.0
 JOIN_ATTEMPTS = 2  # a second one without the servers whose join failed
-
-
-def _in_thread(fn, *args, **kwargs) -> asyncio.Future:
-    """`fn(*args, **kwargs)` on a daemon thread: a collective that hangs until its deadline must not keep
-    asyncio.run (which joins its executor's threads) from returning once we gave up on it."""
-    fut: concurrent.futures.Future = concurrent.futures.Future()
-
-    def run() -> None:
-        try:
-            try:
-                result = fn(*args, **kwargs)
-            except BaseException as e:
-                fut.set_exception(e)
-            else:
-                fut.set_result(result)
-        except concurrent.futures.InvalidStateError:  # given up on (cancelled) meanwhile
-            pass
-
-    threading.Thread(target=run, name="weight-broadcast", daemon=True).start()
-    return asyncio.wrap_future(fut)
 
 
 async def _all_or_first_failure(aws: list, timeout_s: float) -> list:
@@ -159,7 +137,7 @@ class WeightSender:
                 refused[url] = e
                 raise
 
-        own = _in_thread(weight_group.new_group, self.backend, store, 0, world, name, host=self.host,
+        own = weight_group.in_thread(weight_group.new_group, self.backend, store, 0, world, name, host=self.host,
                          timeout=self.join_timeout)
         try:
             group, *_ = await _all_or_first_failure([own, *(init(k, u) for k, u in enumerate(clients))],
@@ -188,7 +166,7 @@ class WeightSender:
             calls = [c.update_weights_from_distributed(names, dtypes, shapes, self.group_name, version if last else None)
                      for c in members.values()]
             try:
-                await _all_or_first_failure([_in_thread(weight_group.send, self.group, tensors, self.timeout), *calls],
+                await _all_or_first_failure([weight_group.in_thread(weight_group.send, self.group, tensors, self.timeout), *calls],
                                             self.timeout.total_seconds())
             except Exception as e:
                 log.warning("weight-update group %s: bucket %d of version %d failed (%s); dropping the group",
