@@ -80,3 +80,21 @@ def test_learning_bench_quick(tmp_path):
     assert all(len(r["reward"]) == 3 and r["after"]["held-out"] is not None for r in results["runs"])
     png = (out / "learning.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
+
+
+@pytest.mark.timeout(200)
+def test_weight_update_bench_quick():
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "weight_update.py"), "--quick"],
+        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("| ") and not line.startswith("| method"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            rows[cells[0].split(" (")[0]] = cells[1:]
+    assert set(rows) == {"disk", "memory", "broadcast"}, proc.stdout
+    for update_s, resume_s, _ in rows.values():
+        assert float(update_s) >= 0 and float(resume_s) > 0
+    assert re.match(r"group join [\d.]+ s", rows["broadcast"][2]), rows

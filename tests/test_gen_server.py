@@ -351,6 +351,7 @@ def test_every_endpoint_needs_the_token(server, models):
         ("GET", "/v1/models", None),
         ("GET", "/health", None),
         ("GET", "/get_server_info", None),
+        ("POST", "/destroy_weights_update_group", {"group_name": "none"}),
     ]
     wrong = [{}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}, {"Authorization": f"bearer {TOKEN}"},
              {"Authorization": f"Bearer {TOKEN}x"}, {"Authorization": "Bearer \u00e9"}]
@@ -376,7 +377,7 @@ def test_every_endpoint_needs_the_token(server, models):
 
 def _bad_bodies() -> list[tuple[str, bytes]]:
     """(endpoint, raw body) pairs that must each answer 400; every field of every endpoint is hit."""
-    g = "/generate"
+    g, w = "/generate", "/update_weights_from_distributed"
 
     def gen(sp=None, **body):
         return g, json.dumps({"input_ids": PROMPT, **body, **({"sampling_params": sp} if sp is not None else {})}).encode()
@@ -417,6 +418,18 @@ def _bad_bodies() -> list[tuple[str, bytes]]:
         ("/pause_generation", b'{"mode": "abort", "x": 1}'), ("/pause_generation", b"[" * 5000),
         ("/continue_generation", b'{"x": 1}'), ("/continue_generation", b"[1]"),
         ("/abort_request", b"{}"), ("/abort_request", b'{"rid": 5}'), ("/abort_request", b'{"abort_all": "yes"}'),
+        # the weight-update group (rollout.weight_update=nccl): refused before any rendezvous or broadcast
+        *(("/init_weights_update_group", json.dumps({**init, **bad}).encode()) for init in [
+            {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2}] for bad in [
+            {"master_port": 0}, {"master_port": 70000}, {"rank_offset": 0}, {"rank_offset": 2}, {"world_size": 1},
+            {"backend": "mpi"}, {"group_name": ""}, {"master_address": ""}, {"x": 1}]),
+        ("/init_weights_update_group", b"{}"),
+        *((w, json.dumps({**upd, **bad}).encode()) for upd in [
+            {"names": ["a"], "dtypes": ["float32"], "shapes": [[2]]}] for bad in [
+            {"names": []}, {"dtypes": ["float32", "float32"]}, {"shapes": [[-1]]}, {"dtypes": ["complex64"]},
+            {"shapes": [[2**40]]}, {"load_format": "auto"}, {"weight_version": 1}, {"flush_cache": "no"}]),
+        (w, b'{"names": ["a"], "dtypes": ["float32"], "shapes": [[2]], "group_name": "none"}'),  # no such group
+        ("/destroy_weights_update_group", b'{"group_name": 5}'),
     ]
 
 

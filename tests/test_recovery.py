@@ -310,10 +310,11 @@ def test_stopped_model_worker_is_found_by_its_heartbeat(tmp_path, env, cache, mo
     assert_all_gone(out)
 
 
-@pytest.mark.parametrize("update", ["disk", "memory"])
+@pytest.mark.parametrize("update", ["disk", "memory", "nccl"])
 def test_restarted_server_gets_the_current_weights(tmp_path, cache, update):
     """The only generation server is SIGKILLed mid-run: restarted in place, it gets the current
-    weights (disk: the manager loads them; memory: the master pushes them) before it serves
+    weights (disk: the manager loads them; memory: the master pushes them; nccl: rank 0 builds a
+    new weight-update group with it and broadcasts them) before it serves
     again, so the run finishes, with its trainer untouched and its samples within the bound."""
     from realcore.system.ledger import audit
 

@@ -198,7 +198,13 @@ class RolloutConfig(_Strict):
     routing: Literal["round_robin", "least_requests"] = Field(
         "least_requests", description="which generation server (of those holding the current weights) runs the next "
         "rollout: least_requests: the one with fewest rollouts in flight; round_robin: each in turn")
-    weight_update: Literal["disk", "memory"] = Field("disk", description="disk: HF safetensors; memory: tensors over the wire (built-in servers)")
+    weight_update: Literal["disk", "memory", "nccl"] = Field(
+        "disk", description="how new weights reach the servers: disk: HF safetensors they load; memory: tensors over "
+        "the authenticated wire (built-in servers); nccl: a bucketed broadcast from trainer rank 0 over a weight-update "
+        "group (SGLang's /init_weights_update_group + /update_weights_from_distributed; NCCL with CUDA, gloo without)")
+    weight_bucket_mb: float = Field(
+        512.0, gt=0, description="weight_update=nccl: tensors per HTTP request + broadcast round, up to this many MiB "
+        "(a larger tensor goes alone)")
     filter_equal_reward_groups: bool = Field(
         False, description="dynamic filtering (async mode; sync mode ignores it): rollout workers drop groups whose "
         "rewards are all equal, and new rollouts take their place")

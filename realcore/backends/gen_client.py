@@ -1,7 +1,8 @@
 """`GenClient`: an async client of SGLang's HTTP API, for the built-in server
 (realcore.backends.gen_server) in CI and a real SGLang server on GPUs; plus `generate_resumable`,
 which survives interruptions by weight updates, and `push_weights`, the in-memory weight update of
-the built-in server.
+the built-in server. The weight-update group calls (`init_weights_update_group`,
+`update_weights_from_distributed`) are SGLang's, served by the built-in server too (docs/weight-update.md).
 
 Interruptible generation (as AReaL): a weight update pauses the servers with mode "abort", so
 running requests come back early with finish_reason "abort" and their partial output.
@@ -106,6 +107,30 @@ class GenClient:
         data = await self._request("POST", "/update_weights_from_disk", body, self.timeout_s)
         if not data.get("success"):
             raise RuntimeError(f"update_weights_from_disk({path!r}) failed: {data.get('message')}")
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str, backend: str) -> None:
+        """Make the server join a trainer's weight-update group (realcore.backends.weight_group);
+        returns when every rank joined, so call it concurrently with the trainer's own join."""
+        body = {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+                "world_size": world_size, "group_name": group_name, "backend": backend}
+        data = await self._request("POST", "/init_weights_update_group", body, self.timeout_s)
+        if not data.get("success"):
+            raise RuntimeError(f"init_weights_update_group({group_name!r}) failed: {data.get('message')}")
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              group_name: str, version=None, flush_cache: bool = True) -> None:
+        """Receive one bucket that rank 0 of `group_name` broadcasts now, tensor by tensor in this
+        order; `version` (send it with the last bucket) becomes the server's weight version."""
+        body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name, "flush_cache": flush_cache}
+        if version is not None:
+            body["weight_version"] = str(version)
+        data = await self._request("POST", "/update_weights_from_distributed", body, self.timeout_s)
+        if not data.get("success"):
+            raise RuntimeError(f"update_weights_from_distributed({group_name!r}) failed: {data.get('message')}")
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        await self._request("POST", "/destroy_weights_update_group", {"group_name": group_name}, CONTROL_TIMEOUT_S)
 
     async def pause(self, mode: str = "abort") -> None:
         if mode not in PAUSE_MODES:

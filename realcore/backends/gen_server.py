@@ -9,7 +9,10 @@ weight updates) from a thread-safe queue between decode steps, so new requests j
 batch (continuous batching) and weights change only at a token boundary. Results go back to the
 asyncio side through `loop.call_soon_threadsafe`. With a `secret`, a ZeroMQ ROUTER thread receives
 in-memory weight updates (realcore.system.wire: HMAC-checked, unauthenticated messages dropped
-and counted) and queues them to the engine thread like a disk update.
+and counted) and queues them to the engine thread like a disk update. SGLang's
+/init_weights_update_group and /update_weights_from_distributed join a trainer's weight-update
+group (gloo on CPU, NCCL on GPUs: realcore.backends.weight_group) and receive bucketed broadcasts
+on a worker thread, each bucket queued to the engine thread the same way.
 
 Hardening (docs/security.md): every endpoint, /health included, answers 401 without the bearer
 token; bodies are bounded (`max_body_bytes`, 413) and validated by realcore.backends.http_schemas
@@ -41,16 +44,18 @@ import os
 import queue
 import signal
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import zmq
 from aiohttp import web
 
 from realcore.api.config import GenerationConfig, SystemConfig
 from realcore.api.engine import GenerationResult
-from realcore.backends import http_schemas, openai_api
+from realcore.backends import http_schemas, openai_api, weight_group
 from realcore.backends.generation import GenerationEngine, read_hf_weights
 from realcore.backends.http_schemas import one_line
 from realcore.backends.models import load_model, load_tokenizer
@@ -60,6 +65,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = SystemConfig.model_fields["max_http_body_bytes"].default
 NO_CONTEXT_LIMIT = 1 << 20  # tokens, for a model that declares no max_position_embeddings
 CONTROL_TIMEOUT_S = 60.0  # a control command waits for at most one decode step; this is generous
+WEIGHT_GROUP_TIMEOUT_S = 600.0  # joining the trainer's weight-update group, and each bucket's broadcast
 _IDLE_POLL_S = 0.05
 
 
@@ -106,6 +112,7 @@ class _Weights:
     tensors: dict[str, torch.Tensor]
     version: str | None
     done: Callable[[Any], None]
+    partial: bool = False  # one bucket of a broadcast update: not every parameter
 
 
 # --- replies ------------------------------------------------------------------------------------
@@ -301,7 +308,7 @@ class EngineLoop:
             c.done(ValueError("weight update refused: an in_place pause holds requests (continue or abort them first)"))
             return
         try:
-            self.engine.load_weights(c.tensors)
+            self.engine.load_weights(c.tensors, partial=c.partial)
         except ValueError as e:
             c.done(e)
             return
@@ -370,6 +377,25 @@ class WeightsReceiver:
         return {"ok": True}
 
 
+# --- weight-update groups (SGLang's update_weights_from_distributed) -------------------------------
+
+
+@dataclass
+class WeightGroup:
+    pg: Any  # ProcessGroupGloo / ProcessGroupNCCL
+    store: Any  # the TCPStore client it was built on (kept alive with it)
+    device: torch.device
+    # One bucket at a time (a cancelled handler's thread runs on); per group, so a receive left
+    # waiting in a group the trainer gave up on does not hold up the next group.
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def close(self) -> None:
+        try:
+            self.pg.shutdown()
+        except Exception:  # already broken: nothing to release
+            pass
+
+
 # --- HTTP -----------------------------------------------------------------------------------------
 
 
@@ -393,6 +419,9 @@ class Server:
         self.limits = http_schemas.Limits(vocab_size=core.model.get_input_embeddings().num_embeddings,
                                           max_context=context, max_batch_size=max_batch_size)
         self.receiver: WeightsReceiver | None = None
+        self.host = "127.0.0.1"  # the address run_server serves on: gloo's socket for weight-update groups
+        self.groups: dict[str, WeightGroup] = {}  # weight-update groups joined, by name
+        self.shapes = {n: tuple(t.shape) for n, t in core.model.state_dict().items()}  # what a bucket may hold
         self.app = web.Application(middlewares=[self._middleware], client_max_size=max_body_bytes)
         self.app.add_routes([
             web.post("/generate", self.generate),
@@ -400,6 +429,9 @@ class Server:
             web.post("/pause_generation", self.pause_generation),
             web.post("/continue_generation", self.continue_generation),
             web.post("/abort_request", self.abort_request),
+            web.post("/init_weights_update_group", self.init_weights_update_group),
+            web.post("/update_weights_from_distributed", self.update_weights_from_distributed),
+            web.post("/destroy_weights_update_group", self.destroy_weights_update_group),
             web.post("/v1/chat/completions", self.chat_completions),
             web.post("/v1/completions", self.completions),
             web.get("/v1/models", self.models),
@@ -548,6 +580,71 @@ class Server:
         self.model_path = body.model_path
         return web.json_response({"success": True, "message": f"loaded {body.model_path}"})
 
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        """Join the trainer's weight-update group (realcore.backends.weight_group) as rank
+        `rank_offset`; returns once every rank joined. A group of the same name is replaced."""
+        body = http_schemas.parse(http_schemas.InitWeightsUpdateGroupRequest, await self._read(request), request.path)
+        try:
+            group = await weight_group.in_thread(self._join, body)
+        except Exception as e:  # refused (nccl without CUDA), or the rendezvous failed or timed out
+            wire.count_dropped("http", "body", f"{request.path}: {one_line(e)[:200]}")
+            return web.json_response({"success": False, "message": one_line(e)}, status=400)
+        old = self.groups.pop(body.group_name, None)
+        if old is not None:
+            old.close()
+        self.groups[body.group_name] = group
+        return web.json_response({"success": True, "message": f"joined {body.group_name} as rank {body.rank_offset} "
+                                                              f"of {body.world_size} ({body.backend})"})
+
+    def _join(self, body: http_schemas.InitWeightsUpdateGroupRequest) -> WeightGroup:
+        if body.backend == "nccl" and next(self.core.model.parameters()).device.type != "cuda":
+            raise ValueError("backend nccl: this server's model is not on a GPU (use gloo)")
+        timeout = timedelta(seconds=WEIGHT_GROUP_TIMEOUT_S)
+        store = dist.TCPStore(body.master_address, body.master_port, body.world_size, False, timeout)
+        pg = weight_group.new_group(body.backend, store, body.rank_offset, body.world_size, body.group_name,
+                                    host=self.host, timeout=timeout)
+        return WeightGroup(pg, store, weight_group.device_of(body.backend))
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        """Receive one bucket broadcast by the trainer (rank 0) and apply it between decode steps,
+        as a disk or in-memory update (the reply version changes only if `weight_version` is given:
+        the trainer sends it with the last bucket). A failed broadcast leaves the group unusable:
+        it is dropped (the trainer builds a new one)."""
+        try:
+            body = http_schemas.parse(http_schemas.UpdateWeightsFromDistributedRequest, await self._read(request),
+                                      request.path)
+            group = self.groups.get(body.group_name)
+            if group is None:
+                raise ValueError(f"no weight-update group {body.group_name!r} (call /init_weights_update_group first)")
+            # Checked before receiving (the trainer stops at the first refusal): this also bounds what
+            # the receive allocates to the model's own sizes.
+            wrong = [n for n, shape in zip(body.names, body.shapes) if self.shapes.get(n) != tuple(shape)]
+            if wrong:
+                raise ValueError(f"weights: {len(wrong)} unknown or wrongly shaped parameter(s), e.g. {wrong[:3]}")
+            try:
+                tensors = await weight_group.in_thread(self._receive, group, body)
+            except Exception as e:
+                if self.groups.get(body.group_name) is group:
+                    self.groups.pop(body.group_name).close()
+                raise ValueError(f"the broadcast failed ({one_line(e)}); group {body.group_name!r} dropped") from None
+            await self._call(lambda done: _Weights(dict(zip(body.names, tensors)), body.weight_version, done, partial=True))
+        except ValueError as e:  # SGLang's shape for a refused update
+            wire.count_dropped("http", "body", f"{request.path}: {one_line(e)[:200]}")
+            return web.json_response({"success": False, "message": one_line(e)}, status=400)
+        return web.json_response({"success": True, "message": f"received {len(body.names)} tensors"})
+
+    def _receive(self, group: WeightGroup, body: http_schemas.UpdateWeightsFromDistributedRequest) -> list[torch.Tensor]:
+        with group.lock:
+            return weight_group.receive(group.pg, body.dtypes, body.shapes, group.device,
+                                        timedelta(seconds=WEIGHT_GROUP_TIMEOUT_S))
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        body = http_schemas.parse(http_schemas.DestroyWeightsUpdateGroupRequest, await self._read(request), request.path)
+        group = self.groups.pop(body.group_name, None)
+        if group is not None:
+            group.close()
+        return web.json_response({"success": True, "message": "destroyed" if group else "no such group"})
+
     async def pause_generation(self, request: web.Request) -> web.Response:
         body = http_schemas.parse(http_schemas.PauseGenerationRequest, await self._read(request), request.path)
         await self._call(lambda done: _Pause(body.mode, done))
@@ -574,7 +671,8 @@ class Server:
         dropped = self.receiver.dropped if self.receiver is not None else 0
         info = {"model_path": self.model_path, "max_batch_size": self.max_batch_size, "dropped_weight_messages": dropped,
                 "max_context": self.limits.max_context, "vocab_size": self.limits.vocab_size,
-                "max_http_body_bytes": self.max_body_bytes, "drops": wire.dropped()}
+                "max_http_body_bytes": self.max_body_bytes, "drops": wire.dropped(),
+                "weight_update_groups": sorted(self.groups)}
         return web.json_response({**info, **self.core.info()})
 
 
@@ -624,6 +722,7 @@ def run_server(
         raise ValueError(f"gen_server: max_body_bytes must be > 0, got {max_body_bytes}")
     core = EngineLoop(load_model(model_path), load_tokenizer(model_path), seed=seed)
     server = Server(core, model_path=model_path, token=token, max_batch_size=max_batch_size, max_body_bytes=max_body_bytes)
+    server.host = host
     engine_thread = threading.Thread(target=core.run, name="gen_server-engine", daemon=True)
     engine_thread.start()
     try:

@@ -150,15 +150,16 @@ class GenerationEngine:
         return finished
 
     @torch.no_grad()
-    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, tensors: dict[str, torch.Tensor], *, partial: bool = False) -> None:
         """Copy `tensors` (name -> tensor, HF names) into the live model; call between steps.
 
-        Every parameter must be given (tied duplicates such as lm_head.weight may be); all checks
+        Every parameter must be given (tied duplicates such as lm_head.weight may be), unless
+        `partial` (one bucket of a bucketed update, as SGLang applies them); all checks
         run before the first copy, so a bad update changes nothing. Running requests keep their
         KV cache (computed with the old weights); retract() them first to recompute it."""
         state = self.model.state_dict()  # shares storage with the parameters; tied weights under both names
         unknown = sorted(set(tensors) - set(state))
-        missing = sorted(n for n, _ in self.model.named_parameters() if n not in tensors)
+        missing = [] if partial else sorted(n for n, _ in self.model.named_parameters() if n not in tensors)
         wrong = [n for n, t in tensors.items() if n in state and tuple(t.shape) != tuple(state[n].shape)]
         for what, names in (("unknown", unknown), ("missing", missing), ("wrongly shaped", wrong)):
             if names:

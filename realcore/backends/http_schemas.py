@@ -31,6 +31,7 @@ import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
 from realcore.api.config import GenerationConfig
+from realcore.backends.weight_group import DTYPES
 
 SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
 SGLANG_SAMPLING_EPS = 1e-6  # SGLang treats a temperature below this as greedy
@@ -142,6 +143,59 @@ class BatchGenerateRequest(_Body):
 class UpdateWeightsFromDiskRequest(_Body):
     model_path: str = Field(min_length=1, max_length=4096, description="an HF directory of *.safetensors")
     weight_version: str | None = Field(None, min_length=1, max_length=MAX_RID_CHARS, description="the version the reply carries")
+
+
+GroupName = Annotated[str, Field(min_length=1, max_length=MAX_RID_CHARS)]
+MAX_WEIGHT_TENSORS = 1 << 16  # per request (a bucket); a model has a few thousand at most
+MAX_GROUP_WORLD = 1 << 16
+
+
+class InitWeightsUpdateGroupRequest(_Body):
+    """SGLang's /init_weights_update_group: join the trainer's weight-update group as rank `rank_offset`."""
+
+    master_address: str = Field(min_length=1, max_length=255, description="the trainer's TCPStore host")
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1, lt=MAX_GROUP_WORLD, description="this server's first rank (the trainer is rank 0)")
+    world_size: int = Field(ge=2, le=MAX_GROUP_WORLD)
+    group_name: GroupName = "weight_update_group"
+    backend: Literal["nccl", "gloo"] = "nccl"
+
+    @model_validator(mode="after")
+    def _rank_in_world(self) -> InitWeightsUpdateGroupRequest:
+        if self.rank_offset >= self.world_size:
+            raise ValueError(f"rank_offset {self.rank_offset} is outside world_size {self.world_size}")
+        return self
+
+
+class UpdateWeightsFromDistributedRequest(_Body):
+    """SGLang's /update_weights_from_distributed: receive one bucket, broadcast by rank 0 tensor by
+    tensor in this order. `flush_cache`, `abort_all_requests`, `torch_empty_cache`: SGLang's; the
+    built-in engine has no prefix cache to flush and aborts through /pause_generation, so they are
+    accepted and ignored. `load_format` only None (SGLang's default)."""
+
+    names: list[Annotated[str, Field(min_length=1, max_length=4096)]] = Field(min_length=1, max_length=MAX_WEIGHT_TENSORS)
+    dtypes: list[str] = Field(min_length=1, max_length=MAX_WEIGHT_TENSORS)
+    shapes: list[list[Annotated[int, Field(ge=0, lt=2**31)]]] = Field(min_length=1, max_length=MAX_WEIGHT_TENSORS)
+    group_name: GroupName = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    torch_empty_cache: bool = False
+    weight_version: str | None = Field(None, min_length=1, max_length=MAX_RID_CHARS, description="the version replies carry from now on")
+    load_format: None = None
+
+    @model_validator(mode="after")
+    def _aligned(self) -> UpdateWeightsFromDistributedRequest:
+        if not len(self.names) == len(self.dtypes) == len(self.shapes):
+            raise ValueError(f"names, dtypes and shapes differ in length ({len(self.names)}, {len(self.dtypes)}, "
+                             f"{len(self.shapes)})")
+        unknown = sorted({d for d in self.dtypes if d not in DTYPES})
+        if unknown:
+            raise ValueError(f"dtypes: unknown {unknown[:3]} (one of {sorted(DTYPES)})")
+        return self
+
+
+class DestroyWeightsUpdateGroupRequest(_Body):
+    group_name: GroupName = "weight_update_group"
 
 
 class PauseGenerationRequest(_Body):

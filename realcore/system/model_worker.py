@@ -26,8 +26,9 @@ from realcore.system.batch_source import source_keys
 from realcore.system.control import ControlServer
 from realcore.system.data_plane import DataClient, DataServer, Storage
 from realcore.system.name_resolve import make_name_resolver
-from realcore.system.protocol import (Clear, Configure, Configured, Evaluate, Evaluated, Exit, Fetch, Fetched, MFCDone,
-                                      Pause, Published, PublishWeights, RunMFC, Save, SaveState, Start, Status)
+from realcore.system.protocol import (BroadcastWeights, Clear, Configure, Configured, Evaluate, Evaluated, Exit, Fetch,
+                                      Fetched, MFCDone, Pause, Published, PublishWeights, RunMFC, Save, SaveState, Start,
+                                      Status)
 from realcore.system import worker_state
 from realcore.system.sampler import EpochSampler
 from realcore.system.stream import TrajectoryStream
@@ -69,6 +70,7 @@ class ModelWorker:
                        if cfg.mode == "async" and self.head else None)
         self.generator = None  # sync mode with generation servers: where `generate` MFCs sample
         self.evaluator = None  # worker 0, when eval.freq_steps is set: made at the first EVALUATE
+        self.sender = None  # worker 0, weight_update=nccl: its weight-update group with the servers
         info = {"control": self.control.address, "data": self.data.address, "pid": os.getpid()}
         if self.stream is not None:
             info["stream"] = self.stream.address
@@ -258,6 +260,26 @@ class ModelWorker:
         if self.index == 0 and msg.http:
             asyncio.run(self._servers_load(msg.http, msg.path, msg.version))
 
+    def broadcast_weights(self, msg: BroadcastWeights) -> Published:
+        """rollout.weight_update=nccl: rank 0 broadcasts the actor's weights to the servers over its
+        weight-update group (realcore.system.weight_broadcast); a Megatron role's ranks first gather
+        them to rank 0. Published.failed: the servers it did not update."""
+        engine = self.engines["actor"]
+        if self._sharded("actor"):
+            state = engine.hf_state_dict()
+        else:
+            state = engine.model.state_dict() if self.index == 0 else None
+        if self.index != 0:
+            return Published()
+        if self.sender is None:
+            from realcore.system.weight_broadcast import WeightSender
+
+            self.sender = WeightSender(self.cfg, engine=self.alloc.backend, tp=self.alloc.gen.world_size // self.alloc.gen.dp)  # ranks per server
+        failed = self.sender.send(state, msg.version, msg.servers)
+        if failed:
+            log.warning("weights v%d not broadcast to %s", msg.version, ", ".join(failed))
+        return Published(failed)
+
     async def _servers_load(self, urls: list[str], path: str, version: int) -> None:
         from realcore.backends.server_launch import client_for
 
@@ -273,6 +295,7 @@ class ModelWorker:
     def handle(self, msg):
         handlers = {Configure: self.configure, Fetch: self.fetch, RunMFC: self.run_mfc, Save: self.save,
                     SaveState: self.save_state, PublishWeights: self.publish_weights, Evaluate: self.evaluate,
+                    BroadcastWeights: self.broadcast_weights,
                     Clear: lambda m: self.storage.drop(m.ids)}
         if type(msg) not in handlers:
             raise ValueError(f"unexpected command {msg.CMD.name}")

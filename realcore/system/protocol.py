@@ -40,6 +40,7 @@ class Cmd(IntEnum):
     REROUTE = 19  # rollout worker -> manager: a server stopped answering; give me another one
     EVALUATE = 20  # master -> model worker 0: evaluate the current policy on the held-out prompts
     SERVER_VERSION = 21  # rollout worker -> manager: which weight version does this server hold now?
+    BROADCAST_WEIGHTS = 22  # master -> model workers: broadcast the trainable weights to the servers (weight-update group)
 
 
 class BadBody(ValueError):
@@ -231,6 +232,15 @@ class PublishWeights:
     path: str | None = None
     http: list[str] = field(default_factory=list)
     servers: list[str] = field(default_factory=list)
+
+
+@message(Cmd.BROADCAST_WEIGHTS, Published)
+class BroadcastWeights:
+    """rollout.weight_update=nccl: rank 0 broadcasts the actor's weights to the servers at `servers`
+    (http addresses) over the weight-update group, which it (re)builds when they are not its members."""
+
+    version: int
+    servers: list[str]
 
 
 @body

@@ -1,10 +1,12 @@
 """How new weights reach the generation servers after a training step: as an HF folder the servers
-load (disk: what SGLang and vLLM read), or as tensors pushed over the authenticated wire to the
-built-in servers' update sockets (memory). With a gserver manager (async mode) the manager pauses
-and resumes generation around the update; without one (sync mode) the servers are idle and rank 0
-of the trainer tells them itself.
+load (disk: what SGLang and vLLM read), as tensors pushed over the authenticated wire to the
+built-in servers' update sockets (memory), or broadcast by trainer rank 0 over a weight-update
+group, NCCL on GPUs and gloo on CPU (nccl: SGLang's /update_weights_from_distributed, which the
+built-in server speaks too; docs/weight-update.md). With a gserver manager (async mode) the
+manager pauses and resumes generation around the update; without one (sync mode) the servers are
+idle and rank 0 of the trainer tells them itself.
 
-Neither keeps recovery state: after a restart the master publishes the current version again
+None keeps recovery state: after a restart the master publishes the current version again
 before any rollout starts (the servers restarted with the initial weights).
 """
 
@@ -18,7 +20,7 @@ import time
 
 from realcore.system import keys
 from realcore.system.name_resolve import make_name_resolver
-from realcore.system.protocol import Pause, PublishWeights, UpdateWeights
+from realcore.system.protocol import BroadcastWeights, Pause, PublishWeights, UpdateWeights
 
 log = logging.getLogger("realcore.weight_sync")
 RETRY_PUSH_S = 30.0  # a catch-up push the manager still reports as missing after this is sent again
@@ -54,19 +56,24 @@ class DiskWeights:
 
 
 class MemoryWeights:
+    ADDRESS = "weights"  # which of a server's published addresses the trainer sends to
+
     def __init__(self, master):
         self.m = master
         self.pushed: dict[str, tuple[int, float]] = {}  # server -> (version, when) of the last catch-up push
 
+    def message(self, version: int, servers: list[str]):
+        return PublishWeights(version, servers=servers)
+
     def push(self, version: int, servers: list[str]) -> None:
-        replies = self.m.call_all(PublishWeights(version, servers=servers), "push weights")
+        replies = self.m.call_all(self.message(version, servers), "push weights")
         failed = {a for r in replies.values() for a in r.failed}
         if failed:  # servers that died: each is caught up after its restart (manager: "behind")
             log.warning("weights v%d did not reach %s", version, ", ".join(sorted(failed)))
 
     def publish(self, version: int):
         m = self.m
-        servers = server_addresses(m.cfg, m.alloc.gen.dp, "weights")
+        servers = server_addresses(m.cfg, m.alloc.gen.dp, self.ADDRESS)
         if not m.async_mode:
             self.push(version, servers)
             return None
@@ -78,7 +85,7 @@ class MemoryWeights:
         """Push the current weights to servers that restarted (only the trainer holds them); once
         per server and version, again only if the manager still lists it after a while."""
         m, now = self.m, time.monotonic()
-        addresses = server_addresses(m.cfg, m.alloc.gen.dp, "weights")
+        addresses = server_addresses(m.cfg, m.alloc.gen.dp, self.ADDRESS)
         todo = [a for a in (addresses[i] for i in servers)
                 if self.pushed.get(a, (-1, 0.0))[0] != m.version or now - self.pushed[a][1] > RETRY_PUSH_S]
         if todo:
@@ -86,5 +93,17 @@ class MemoryWeights:
             self.pushed.update({a: (m.version, now) for a in todo})
 
 
+class CollectiveWeights(MemoryWeights):
+    """nccl: as memory, but rank 0 broadcasts to the servers' http addresses over its weight-update
+    group. A catch-up names only the servers that restarted: rank 0 builds a group of those, and the
+    next update a group of all again (realcore.system.weight_broadcast)."""
+
+    ADDRESS = "http"
+
+    def message(self, version: int, servers: list[str]):
+        return BroadcastWeights(version, servers)
+
+
 def make_weight_sync(master):
-    return MemoryWeights(master) if master.cfg.rollout.weight_update == "memory" else DiskWeights(master)
+    kind = master.cfg.rollout.weight_update
+    return {"memory": MemoryWeights, "nccl": CollectiveWeights}.get(kind, DiskWeights)(master)

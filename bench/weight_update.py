@@ -1,0 +1,225 @@
+"""Weight-update benchmark: seconds to move a new version of the policy to generation servers by
+disk, by memory (the authenticated wire) and by a gloo broadcast (rollout.weight_update=nccl's
+protocol on CPU), and the interrupt-to-resume time of each.
+
+    python bench/weight_update.py [--model tiny|smollm2-135m] [--servers N] [--repeats R] [--quick]
+
+Built-in servers (`realcore.backends.gen_server`, one thread each) serve the model; this process is
+the trainer (its fp32 state dict, as the torch engine holds it). Per method:
+- "update s": the trainer's whole update of idle servers. disk: write the HF safetensors, then the
+  servers load them; memory: push to every server's update socket; broadcast: the bucketed
+  broadcast (rollout.weight_bucket_mb, default 512) through /update_weights_from_distributed, its
+  group already built (the first update's group build is the "group join s" column).
+- "interrupt-to-resume s": what generation waits in an async run: /pause_generation (abort) while
+  the servers generate (4 requests each), the update (disk: the load only, the file is written
+  before the pause), /continue_generation.
+Medians of `--repeats` (3) updates, each a new version; every method ends with the servers holding
+the version it sent (checked). `--quick`: tiny model, 1 repeat (the smoke test's seconds-long run).
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from types import SimpleNamespace
+
+os.environ["OMP_NUM_THREADS"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
+
+import torch  # noqa: E402
+
+from realcore.api.config import ModelConfig, RolloutConfig  # noqa: E402
+from realcore.backends.gen_client import GenClient, push_weights  # noqa: E402
+from realcore.backends.models import load_model, prepare_model  # noqa: E402
+from realcore.system.weight_broadcast import WeightSender  # noqa: E402
+
+TOKEN = "bench-token"
+SECRET = os.urandom(32)
+TIMEOUT_S = 600.0
+LOAD_REQUESTS = 4  # generating on each server while it is interrupted
+SERVER = """
+import json, os, sys
+from realcore.backends.gen_server import run_server
+run_server(sys.argv[1], seed=0, max_batch_size=8, token=sys.argv[2], secret=bytes.fromhex(os.environ["SECRET_HEX"]),
+           on_ready=lambda a: print(json.dumps(a), flush=True))
+"""
+
+
+def start_servers(path: str, n: int, log_dir: str) -> list[tuple[subprocess.Popen, dict]]:
+    out = []
+    for i in range(n):
+        log = open(os.path.join(log_dir, f"server-{i}.log"), "w")
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "SECRET_HEX": SECRET.hex()}
+        proc = subprocess.Popen([sys.executable, "-c", SERVER, path, TOKEN], stdout=subprocess.PIPE, stderr=log, env=env,
+                                text=True)
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"server {i} did not start; see {log.name}")
+        out.append((proc, json.loads(line)))
+    return out
+
+
+async def on_all(urls: list[str], fn):
+    clients = [GenClient(u, token=TOKEN, timeout_s=TIMEOUT_S) for u in urls]
+    try:
+        return await asyncio.gather(*(fn(c) for c in clients))
+    finally:
+        await asyncio.gather(*(c.close() for c in clients))
+
+
+class Load:
+    """Keeps LOAD_REQUESTS long greedy requests running on every server (a thread with its own loop)."""
+
+    def __init__(self, urls: list[str]):
+        self.urls, self.stop = urls, threading.Event()
+        self.thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+
+    async def _run(self):
+        async def keep(client, k):
+            while not self.stop.is_set():
+                params = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 512}
+                try:
+                    await client.generate([1, 2, 3, 4], params, rid=f"load-{k}-{time.monotonic_ns()}")
+                except Exception:
+                    await asyncio.sleep(0.05)
+
+        await on_all(self.urls, lambda c: asyncio.gather(*(keep(c, k) for k in range(LOAD_REQUESTS))))
+
+    def __enter__(self):
+        self.thread.start()
+        time.sleep(1.0)  # requests running
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        asyncio.run(on_all(self.urls, lambda c: c.abort()))
+        self.thread.join(timeout=60)
+
+
+def interrupted(urls: list[str], update) -> float:
+    """Seconds from pause (abort) to continue around `update()`, with the servers generating."""
+    with Load(urls):
+        t0 = time.perf_counter()
+        asyncio.run(on_all(urls, lambda c: c.pause("abort")))
+        update()
+        asyncio.run(on_all(urls, lambda c: c.resume()))
+        return time.perf_counter() - t0
+
+
+def versions(urls: list[str]) -> list[str]:
+    return [i["weight_version"] for i in asyncio.run(on_all(urls, lambda c: c.server_info()))]
+
+
+def bench(path: str, n_servers: int, repeats: int, bucket_mb: float) -> tuple[list[tuple[str, float, float, str]], int]:
+    model = load_model(path)
+    state = model.state_dict()
+    nbytes = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in state.values()}.values())
+    work = tempfile.mkdtemp(prefix="bench-weights-")
+    servers = start_servers(path, n_servers, work)
+    urls = [a["http"] for _, a in servers]
+    version = 0
+    rows = []
+    try:
+        asyncio.run(on_all(urls, lambda c: c.wait_ready(60)))
+
+        # disk: the trainer writes an HF folder (safetensors), the servers load it
+        def write(v):
+            out = os.path.join(work, f"v{v}")
+            model.save_pretrained(out, safe_serialization=True)
+            return out
+
+        def disk_load(out, v):
+            asyncio.run(on_all(urls, lambda c: c.update_weights_from_disk(out, v)))
+
+        upd, intr = [], []
+        for _ in range(repeats):
+            version += 1
+            t0 = time.perf_counter()
+            disk_load(write(version), version)
+            upd.append(time.perf_counter() - t0)
+            version += 1
+            out = write(version)
+            intr.append(interrupted(urls, lambda: disk_load(out, version)))
+        assert versions(urls) == [str(version)] * n_servers
+        rows.append(("disk (safetensors)", statistics.median(upd), statistics.median(intr), ""))
+
+        # memory: pushed over the authenticated wire to every server's update socket
+        def push(v):
+            for _, a in servers:
+                push_weights(a["weights"], SECRET, str(v), state, TIMEOUT_S)
+
+        upd, intr = [], []
+        for _ in range(repeats):
+            version += 1
+            t0 = time.perf_counter()
+            push(version)
+            upd.append(time.perf_counter() - t0)
+            version += 1
+            intr.append(interrupted(urls, lambda: push(version)))
+        assert versions(urls) == [str(version)] * n_servers
+        rows.append(("memory (HMAC'd wire)", statistics.median(upd), statistics.median(intr), ""))
+
+        # broadcast: rollout.weight_update=nccl's protocol over gloo
+        cfg = SimpleNamespace(
+            system=SimpleNamespace(host="127.0.0.1", startup_timeout_s=TIMEOUT_S, request_timeout_s=TIMEOUT_S),
+            rollout=SimpleNamespace(server_token=TOKEN, request_timeout_s=TIMEOUT_S, weight_bucket_mb=bucket_mb))
+        sender = WeightSender(cfg, engine="local", tp=1)
+        version += 1
+        assert sender.send(state, version, urls) == []
+        join_s = sender.stats["join_s"]
+
+        def broadcast(v):
+            if sender.send(state, v, urls):
+                raise RuntimeError("broadcast failed (see the log)")
+
+        upd, intr = [], []
+        for _ in range(repeats):
+            version += 1
+            t0 = time.perf_counter()
+            broadcast(version)
+            upd.append(time.perf_counter() - t0)
+            version += 1
+            intr.append(interrupted(urls, lambda: broadcast(version)))
+        assert versions(urls) == [str(version)] * n_servers and sender.n_groups == 1
+        rows.append((f"broadcast (gloo, {bucket_mb:g} MiB buckets)", statistics.median(upd), statistics.median(intr),
+                     f"group join {join_s:.2f} s (first update only)"))
+    finally:
+        for proc, _ in servers:
+            proc.terminate()
+        for proc, _ in servers:
+            proc.wait(timeout=30)
+        shutil.rmtree(work, ignore_errors=True)
+    return rows, nbytes
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, choices=["tiny", "smollm2-135m"], help="default smollm2-135m, tiny with --quick")
+    p.add_argument("--servers", type=int, default=1, help="generation servers (each a process with one thread)")
+    p.add_argument("--repeats", type=int, default=None, help="updates per method (default 3, 1 with --quick)")
+    p.add_argument("--bucket-mb", type=float, default=RolloutConfig.model_fields["weight_bucket_mb"].default)
+    p.add_argument("--quick", action="store_true", help="tiny model, 1 repeat: a smoke test")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    name = args.model or ("tiny" if args.quick else "smollm2-135m")
+    repeats = args.repeats or (1 if args.quick else 3)
+    path = prepare_model(ModelConfig(name=name), seed=0)
+    rows, nbytes = bench(path, args.servers, repeats, args.bucket_mb)
+    print(f"\nweight update of {name} ({nbytes / 2**20:.1f} MiB fp32) to {args.servers} built-in server(s), "
+          f"median of {repeats}\n")
+    print("| method | update s | interrupt-to-resume s | note |")
+    print("|---|---|---|---|")
+    for method, upd, intr, note in rows:
+        print(f"| {method} | {upd:.2f} | {intr:.2f} | {note} |")
+
+
+if __name__ == "__main__":
+    main()

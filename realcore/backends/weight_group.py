@@ -1,0 +1,126 @@
+"""The weight-update process group between a trainer and generation servers (SGLang's
+`/init_weights_update_group` + `/update_weights_from_distributed` protocol), both sides.
+
+Rank 0 is the trainer, which serves the group's TCPStore; server k joins as ranks
+`rank_offset .. rank_offset + tp - 1` (the built-in server has tp 1). The group is NOT the default
+process group: each side builds a ProcessGroupGloo / ProcessGroupNCCL over its own store (SGLang's
+`init_custom_process_group` does the same through torch internals), so a server keeps its own
+default group (TP) and the trainer its training mesh.
+
+An update is a sequence of buckets; each bucket is one HTTP request carrying the names, dtypes and
+shapes, and one broadcast from rank 0 per tensor, in that order (what SGLang's receiver does).
+
+Backend: "nccl" when the trainer has CUDA, else "gloo" (CPU runs and tests); the trainer decides
+and sends it in the init request. Every collective waits at most `timeout`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+# The dtype names SGLang's clients send (str(dtype) without "torch.").
+DTYPES = {name: getattr(torch, name) for name in ("float32", "float16", "bfloat16", "float64", "int64", "int32",
+                                                   "int8", "uint8", "bool")}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def new_group(backend: str, store: dist.Store, rank: int, world_size: int, group_name: str, *, host: str,
+              timeout: timedelta):
+    """A process group over `store` (its keys prefixed with `group_name`), outside torch.distributed's
+    default group; returns once all `world_size` ranks joined (or raises at `timeout`).
+    Gloo listens on `host` (the address this process publishes), not the machine's hostname."""
+    store = dist.PrefixStore(group_name, store)
+    if backend == "gloo":
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [gloo_device(host)]
+        return dist.ProcessGroupGloo(store, rank, world_size, opts)
+    if backend == "nccl":
+        if not (dist.is_nccl_available() and torch.cuda.is_available()):
+            raise ValueError("weight update group: backend nccl needs CUDA and a torch built with NCCL (use gloo on CPU)")
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+    raise ValueError(f"weight update group: backend must be nccl or gloo, got {backend!r}")
+
+
+def gloo_device(host: str):
+    """Gloo's socket on `host`; a wildcard address cannot be advertised to peers: the default device
+    then (GLOO_SOCKET_IFNAME, else the hostname's address)."""
+    if host in ("", "0.0.0.0", "::"):
+        return dist.ProcessGroupGloo.create_default_device()
+    return dist.ProcessGroupGloo.create_device(hostname=host)
+
+
+def device_of(backend: str) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+def buckets(state: dict[str, torch.Tensor], bucket_bytes: int) -> list[list[str]]:
+    """Names in order, cut into buckets of at most `bucket_bytes` (a larger tensor is a bucket alone).
+    A tensor that shares storage with an earlier one (tied embeddings) is sent once, under its first name."""
+    out: list[list[str]] = [[]]
+    size, seen = 0, set()
+    for name, t in state.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)) if t.numel() else None
+        if key in seen:
+            continue
+        seen.add(key)
+        nbytes = t.numel() * t.element_size()
+        if out[-1] and size + nbytes > bucket_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(name)
+        size += nbytes
+    return [b for b in out if b]
+
+
+def send(group, tensors: list[torch.Tensor], timeout: timedelta) -> None:
+    """Rank 0: broadcast each tensor in order (contiguous, on the group's device)."""
+    works = [group.broadcast(t, 0) for t in tensors]
+    for w in works:
+        w.wait(timeout)
+
+
+def receive(group, dtypes: list[str], shapes: list[list[int]], device: torch.device, timeout: timedelta
+            ) -> list[torch.Tensor]:
+    """A server's rank: the tensors of one bucket, as rank 0 broadcasts them."""
+    tensors = [torch.empty(shape, dtype=DTYPES[d], device=device) for d, shape in zip(dtypes, shapes)]
+    works = [group.broadcast(t, 0) for t in tensors]
+    for w in works:
+        w.wait(timeout)
+    return tensors
+
+
+def in_thread(fn, *args, **kwargs) -> asyncio.Future:
+    """`fn(*args, **kwargs)` on a daemon thread of its own, awaitable: a collective that waits until its
+    deadline must neither hold a thread of the event loop's executor nor keep asyncio.run (which
+    joins those) from returning once its caller gave up on it."""
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as e:
+                fut.set_exception(e)
+            else:
+                fut.set_result(result)
+        except concurrent.futures.InvalidStateError:  # given up on (cancelled) meanwhile
+            pass
+
+    threading.Thread(target=run, name="weight-group", daemon=True).start()
+    return asyncio.wrap_future(fut)

@@ -1,0 +1,208 @@
+"""rollout.weight_update=nccl on CPU: the same protocol over gloo. Built-in servers join the
+trainer's weight-update group through SGLang's /init_weights_update_group and receive bucketed
+broadcasts through /update_weights_from_distributed (realcore.backends.weight_group, the trainer's
+side realcore.system.weight_broadcast); a restarted server rejoins; an async run ends with every
+server at the trainer's version. The NCCL path itself needs GPUs: its test skips here."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from realcore.backends import weight_group
+from realcore.backends.gen_client import GenClient
+from realcore.backends.generation import read_hf_weights
+from realcore.system.weight_broadcast import WeightSender
+from test_gen_server import _make_model
+
+pytestmark = pytest.mark.timeout(180)
+TOKEN = "test-token"
+PROMPT = [5, 17, 42, 9, 100]
+GREEDY = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 24}
+SERVER = """
+import json, sys
+from realcore.backends.gen_server import run_server
+run_server(sys.argv[1], seed=3, max_batch_size=8, token=sys.argv[2], on_ready=lambda a: print(json.dumps(a), flush=True))
+"""
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("broadcast")
+    return {name: _make_model(root / "cache", root / name, seed) for name, seed in (("A", 0), ("B", 1))}
+
+
+class Servers:
+    """Built-in server processes serving model A, started and stopped by the test."""
+
+    def __init__(self, model: str, log_dir):
+        self.model, self.log_dir, self.procs = model, log_dir, {}
+
+    def start(self) -> str:
+        log = open(self.log_dir / f"server-{len(self.procs)}.log", "w+")
+        proc = subprocess.Popen([sys.executable, "-c", SERVER, self.model, TOKEN], stdout=subprocess.PIPE, stderr=log,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"}, text=True)
+        line = proc.stdout.readline()
+        if not line:
+            log.seek(0)
+            pytest.fail(f"server did not start:\n{log.read()[-3000:]}")
+        url = json.loads(line)["http"]
+        self.procs[url] = proc
+        return url
+
+    def kill(self, url: str) -> None:
+        self.procs[url].kill()
+        self.procs[url].wait(timeout=30)
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=30)
+
+
+@pytest.fixture
+def servers(models, tmp_path):
+    s = Servers(models["A"], tmp_path)
+    yield s
+    s.stop_all()
+
+
+def sender(bucket_mb: float = 0.05) -> WeightSender:
+    cfg = SimpleNamespace(
+        system=SimpleNamespace(host="127.0.0.1", startup_timeout_s=30.0, request_timeout_s=30.0),
+        rollout=SimpleNamespace(server_token=TOKEN, request_timeout_s=30.0, weight_bucket_mb=bucket_mb))
+    return WeightSender(cfg, engine="local", tp=1)
+
+
+def call(url: str, fn):
+    async def main():
+        client = GenClient(url, token=TOKEN, timeout_s=30)
+        try:
+            await client.wait_ready(30)
+            return await fn(client)
+        finally:
+            await client.close()
+
+    return asyncio.run(main())
+
+
+def greedy(url: str):
+    return call(url, lambda c: c.generate(PROMPT, GREEDY, rid=os.urandom(4).hex()))
+
+
+def test_buckets_cut_by_size_and_send_tied_weights_once():
+    emb = torch.zeros(10, 4)
+    state = {"embed": emb, "a": torch.zeros(3), "b": torch.zeros(20), "c": torch.zeros(2), "lm_head": emb}
+    assert weight_group.buckets(state, bucket_bytes=48) == [["embed"], ["a"], ["b"], ["c"]]
+    assert weight_group.buckets(state, bucket_bytes=10**6) == [["embed", "a", "b", "c"]]
+
+
+def test_servers_receive_a_bucketed_broadcast_and_generate_with_it(servers, models):
+    """Two servers of model A receive B's weights in many buckets over gloo: their greedy tokens and
+    log-probs are those of a server that loads B from disk, and they report the version sent."""
+    urls = [servers.start(), servers.start()]
+    before = greedy(urls[0])
+    state_b = read_hf_weights(models["B"])
+    s = sender()
+    assert len(weight_group.buckets(state_b, s.bucket_bytes)) > 3  # bucketed for real
+    assert s.send(state_b, 1, urls) == []
+    got = [greedy(u) for u in urls]
+    call(urls[1], lambda c: c.update_weights_from_disk(models["B"], "2"))
+    from_disk = greedy(urls[1])
+    assert from_disk.output_ids != before.output_ids  # B's weights change the output: the test can fail
+    for g in got:
+        assert g.weight_version == "1"
+        assert g.output_ids == from_disk.output_ids
+        torch.testing.assert_close(torch.tensor(g.output_logprobs), torch.tensor(from_disk.output_logprobs), atol=1e-5, rtol=0)
+    # A second update reuses the group (same members): no new group is built.
+    assert s.send(read_hf_weights(models["A"]), 3, urls) == [] and s.n_groups == 1
+    assert greedy(urls[0]).output_ids == before.output_ids
+
+
+def test_a_restarted_server_rejoins_and_a_dead_one_is_left_out(servers, models):
+    """Server 1 dies: an update to [0, dead 1] reaches 0 alone (the dead one fails /health and
+    is left out of a new group); its restart at a new address joins the next group and gets the
+    weights; server 0 holds only the newest group (the old ones destroyed)."""
+    state_b = read_hf_weights(models["B"])
+    urls = [servers.start(), servers.start()]
+    s = sender(bucket_mb=64)
+    assert s.send(state_b, 1, urls) == []
+    servers.kill(urls[1])
+    assert s.send(state_b, 2, urls) == [urls[1]]
+    assert greedy(urls[0]).weight_version == "2"
+    restarted = servers.start()
+    assert greedy(restarted).weight_version == "0"
+    assert s.send(state_b, 2, [restarted]) == []  # the catch-up: a group of the restarted server alone
+    assert s.send(state_b, 3, [urls[0], restarted]) == []  # the next update: all of them again
+    assert [greedy(u).weight_version for u in (urls[0], restarted)] == ["3", "3"]
+    assert greedy(restarted).output_ids == greedy(urls[0]).output_ids
+    assert s.n_groups == 4
+    info = call(urls[0], lambda c: c.server_info())
+    assert info["weight_update_groups"] == [s.group_name]
+
+
+def test_update_without_a_group_is_refused(servers):
+    url = servers.start()
+
+    async def fn(client):
+        with pytest.raises(RuntimeError, match="no weight-update group"):
+            await client.update_weights_from_distributed(["lm_head.weight"], ["float32"], [[1]], "nope", version=1)
+        with pytest.raises(RuntimeError, match="world_size"):
+            await client.init_weights_update_group("127.0.0.1", 1, 3, 2, "g", "gloo")
+        with pytest.raises(RuntimeError, match="needs CUDA|not on a GPU"):
+            await client.init_weights_update_group("127.0.0.1", 1, 1, 2, "g", "nccl")
+        return await client.server_info()
+
+    info = call(url, fn)
+    assert info["weight_version"] == "0" and info["weight_update_groups"] == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="NCCL needs CUDA GPUs (the gloo tests above run the same protocol)")
+def test_nccl_broadcast_between_two_processes(tmp_path):
+    """The NCCL group of weight_group on GPU 0 (trainer) and the same or next GPU (receiver)."""
+    script = """
+import sys, datetime, torch, torch.distributed as dist
+from realcore.backends import weight_group as wg
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+torch.cuda.set_device(rank % torch.cuda.device_count())
+T = datetime.timedelta(seconds=60)
+store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, T, wait_for_workers=False)
+g = wg.new_group("nccl", store, rank, 2, "g", host="127.0.0.1", timeout=T)
+x = torch.arange(1000, dtype=torch.bfloat16, device="cuda")
+if rank == 0:
+    wg.send(g, [x], T)
+else:
+    got, = wg.receive(g, ["bfloat16"], [[1000]], wg.device_of("nccl"), T)
+    assert torch.equal(got, x)
+"""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(r), str(port)], cwd=REPO) for r in (0, 1)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+
+
+def test_async_run_with_broadcast_updates(tmp_path):
+    """rollout.weight_update=nccl (gloo here): an async run with 2 servers finishes, no weights on
+    disk, and after each update the manager finds every server at the trainer's version."""
+    from test_e2e_async import run_async
+
+    out, metrics = run_async(tmp_path, "rollout.weight_update=nccl", "rollout.weight_bucket_mb=0.5",
+                             "rollout.max_head_offpolicyness=1", steps=3)
+    assert metrics[-1]["version"] == 3 and not os.path.exists(out / "weights")
+    log = open(out / "logs" / "gserver_manager.log").read()
+    held = {int(v): json.loads(ids) for v, ids in re.findall(r"weights v(\d+): held by servers (\[[\d, ]*\])", log)}
+    assert held == {1: [0, 1], 2: [0, 1], 3: [0, 1]}, log[-2000:]
+    assert "weight-update group realcore-weights-" in open(out / "logs" / "model_worker-0.log").read()
