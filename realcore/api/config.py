@@ -75,8 +75,15 @@ class MegatronConfig(_Strict):
 class RoleConfig(_Strict):
     """A model role (actor, ref): its backend and, if trainable, its optimizer."""
 
-    backend: Literal["torch", "megatron"] | None = Field(
-        None, description="torch | megatron; None: torch for the actor, the actor's backend for other roles")
+    backend: Literal["torch", "fsdp", "megatron"] | None = Field(
+        None, description="torch (replicated on every data-parallel rank) | fsdp (the torch engine with parameters, "
+        "gradients and optimizer state sharded over data-parallel ranks by FSDP2; generates on generation servers "
+        "only) | megatron; None: torch for the actor, the actor's backend for other roles")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="compute dtype. bfloat16: torch autocasts to bf16; fsdp gathers parameters in bf16 "
+        "(FSDP2 MixedPrecisionPolicy) and reduces gradients in float32. Parameters and optimizer state stay float32 "
+        "and log-probs are taken in float32 from the bf16 logits. Refused on a CPU without bf16 instructions "
+        "(avx512_bf16 or amx_bf16); megatron: float32 only")
     megatron: MegatronConfig = Field(default_factory=MegatronConfig, description="read by backend=megatron only")
     trainable: bool = Field(False, description="has an optimizer: MFCs that train (ppo_update, sft_update) need it")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="used when trainable")
