@@ -4,7 +4,10 @@ Sequences are packed without padding: a micro-batch is one row (1, T) with posit
 at 0 per sequence and an explicit block-diagonal causal mask (transformers' sdpa path does not infer
 packing from position ids alone). Gradients are summed across the data-parallel group by hand (one
 flat bucket per dtype), so the loss is the token-level mean over the global batch whatever the
-micro-batch split or DP size.
+micro-batch split or DP size. Parameters are float32; `role.dtype=bfloat16` autocasts the forward.
+
+FSDPEngine (fsdp_engine.py) shards the same engine through the hooks `_parallelize`, `_autocast`,
+`_idle_passes` and `_reduce_grads`.
 """
 
 from __future__ import annotations
