@@ -41,6 +41,8 @@ class FSDPEngine(TorchEngine):
             raise ValueError("backend=fsdp needs torch.distributed initialised (the training mesh of a run)")
         if self.role.gradient_checkpointing:  # before sharding: the FSDP unit wraps the checkpointed block
             apply_ac(self.model)
+        # The model is still on the CPU: fully_shard moves each unit to the mesh's device as it shards
+        # it, so a GPU never holds more than the shards plus one whole unit.
         mesh = DeviceMesh.from_group(self.group, self.device.type)
         apply_fsdp(self.model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32))
         for m in self.model.modules():

@@ -1,7 +1,7 @@
 """The compute dtype of a model role (RoleConfig.dtype), and whether this machine can run it.
 
-bf16 on a CPU without bf16 instructions is emulated in float32 and rounded after every op: many
-times slower than float32 and no more exact than bf16, so it is refused rather than run.
+bf16 on a CPU without bf16 instructions is converted to float32 and back around every op: slower
+than float32 and no more exact than bf16, so it is refused rather than run.
 """
 
 from __future__ import annotations

@@ -55,7 +55,6 @@ class TorchEngine(Engine):
         self.dtype = compute_dtype(role.dtype, self.device)  # ValueError where bf16 cannot run
         # Parameters stay float32 (the optimizer's master copy); `dtype` is the compute dtype.
         self.model = AutoModelForCausalLM.from_pretrained(model_path, attn_implementation="sdpa", dtype=torch.float32)
-        self.model.to(self.device)
         self.tokenizer = _load_tokenizer(model_path)
         self._gen_engine = None
         self.optimizer = self.scheduler = None
@@ -67,8 +66,9 @@ class TorchEngine(Engine):
             self._init_training(role, total_steps)
 
     def _parallelize(self) -> None:
-        """Hook: wrap the model for training (FSDPEngine shards it). Here: replicated, with HF
-        gradient checkpointing (every decoder layer recomputed in backward) when asked."""
+        """Hook: place the model on the device and wrap it for training (FSDPEngine shards it). Here:
+        replicated, with HF gradient checkpointing (every decoder layer recomputed in backward) when asked."""
+        self.model.to(self.device)
         if self.role.gradient_checkpointing:
             self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
