@@ -1,16 +1,21 @@
-"""Training-step benchmark: the torch engine vs the Megatron-core engine, same model and batch.
+"""Training-step benchmark: the torch engine (replicated or FSDP2-sharded) vs the Megatron-core
+engine, same model and batch.
 
-    python bench/train_step.py [--model smollm2-135m|tiny | --path DIR] [--seqs N] [--len L] [--steps K] [--quick]
+    python bench/train_step.py [--model smollm2-135m|tiny | --path DIR] [--seqs N] [--len L] [--steps K]
+                               [--backends torch,fsdp,megatron] [--quick]
 
 One training step = `train_batch` on N sequences of L tokens (an SFT loss on every token, one
-optimizer step, micro-batches of at most `--mb-tokens`), fp32, one thread per process, gloo on
+optimizer step, micro-batches of at most `--mb-tokens`), one thread per process, gloo on
 127.0.0.1. Each layout runs in fresh processes: one warm-up step, then the median of K timed
 steps. Prints a markdown table: seconds per step, trained tokens per second (the whole mesh),
-and the peak resident memory of the largest process.
+the peak resident memory of the largest process, and (torch, fsdp) the bytes of parameters plus
+optimizer state that one rank holds (its shards under FSDP).
 
-Layouts: torch d1 and d2 (data parallel), megatron d1, d2, t2 (TP=2 + sequence parallel) and p2
-(PP=2, 1F1B). This machine has 2 cores, so at most 2 processes; on GPUs the same engines run
-the same code with NCCL. `--quick` (tiny model, 2 steps) is the smoke test's few-second run.
+Layouts: torch d1 and d2 (data parallel), fsdp d2 (parameters, gradients and AdamW state sharded
+over the 2 ranks), megatron d1, d2, t2 (TP=2 + sequence parallel) and p2 (PP=2, 1F1B), in fp32;
+then torch d1 and fsdp d2 in bf16 where the CPU has bf16 instructions. This machine has 2 cores,
+so at most 2 processes; on GPUs the same engines run the same code with NCCL. `--quick` (tiny
+model, 2 steps) is the smoke test's few-second run.
 """
 
 import argparse
@@ -29,8 +34,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-LAYOUTS = [("torch", "d1"), ("megatron", "d1"), ("torch", "d2"), ("megatron", "d2"), ("megatron", "d1t2"),
-           ("megatron", "d1p2")]
+LAYOUTS = [("torch", "d1", "float32"), ("megatron", "d1", "float32"), ("torch", "d2", "float32"),
+           ("fsdp", "d2", "float32"), ("megatron", "d2", "float32"), ("megatron", "d1t2", "float32"),
+           ("megatron", "d1p2", "float32"), ("torch", "d1", "bfloat16"), ("fsdp", "d2", "bfloat16")]
 
 
 def _loss_fn(logprobs, entropy, data):
@@ -49,7 +55,17 @@ def _batch(n: int, length: int, vocab: int) -> dict:
     return {"input_ids": ids, "loss_mask": [torch.ones(length, dtype=torch.int64) for _ in ids]}
 
 
-def _worker(rank, world, port, backend, mesh, args, out):
+def _state_bytes(engine) -> int:
+    """Parameters plus optimizer state held by this rank (a DTensor counts its local shard only)."""
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+    n = sum(local(p).numel() * p.element_size() for p in engine.model.parameters())
+    for state in engine.optimizer.state.values():
+        n += sum(local(t).numel() * t.element_size() for t in state.values() if torch.is_tensor(t))
+    return n
+
+
+def _worker(rank, world, port, backend, mesh, dtype, args, out):
     torch.set_num_threads(1)
     from transformers import AutoConfig
 
@@ -57,13 +73,17 @@ def _worker(rank, world, port, backend, mesh, args, out):
     from realcore.api.config import OptimizerConfig, RoleConfig
 
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    role = RoleConfig(backend=backend, trainable=True, max_tokens_per_mb=args.mb_tokens,
+    role = RoleConfig(backend=backend, trainable=True, max_tokens_per_mb=args.mb_tokens, dtype=dtype,
                       optimizer=OptimizerConfig(lr=1e-5, weight_decay=0.0))
     dims = parse_mesh(mesh)
     if backend == "torch":
         from realcore.backends.torch_engine import TorchEngine
 
         engine = TorchEngine(args.path, role, total_steps=args.steps + 1)
+    elif backend == "fsdp":
+        from realcore.backends.fsdp_engine import FSDPEngine
+
+        engine = FSDPEngine(args.path, role, total_steps=args.steps + 1)
     else:
         from realcore.backends.megatron.engine import MegatronEngine
 
@@ -82,9 +102,11 @@ def _worker(rank, world, port, backend, mesh, args, out):
             times.append(time.perf_counter() - t0)
     rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024], dtype=torch.float64)
     torch.distributed.all_reduce(rss, op=torch.distributed.ReduceOp.MAX)
+    state = torch.tensor([_state_bytes(engine) / 2**20 if backend != "megatron" else 0.0], dtype=torch.float64)
+    torch.distributed.all_reduce(state, op=torch.distributed.ReduceOp.MAX)
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"s": statistics.median(times), "rss_mb": float(rss)}, f)
+            json.dump({"s": statistics.median(times), "rss_mb": float(rss), "state_mb": float(state)}, f)
     torch.distributed.destroy_process_group()
 
 
@@ -94,13 +116,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(backend: str, mesh: str, args) -> dict:
+def run(backend: str, mesh: str, dtype: str, args) -> dict:
     from realcore.api.alloc import parse_mesh
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         world = parse_mesh(mesh).world_size
-        mp.spawn(_worker, args=(world, _free_port(), backend, mesh, args, out), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, _free_port(), backend, mesh, dtype, args, out), nprocs=world, join=True)
         with open(out) as f:
             return json.load(f)
 
@@ -113,6 +135,7 @@ def main() -> None:
     p.add_argument("--len", type=int, default=128)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--mb-tokens", type=int, default=1024)
+    p.add_argument("--backends", default="torch,fsdp,megatron", help="comma-separated: the layouts of these run")
     p.add_argument("--quick", action="store_true", help="tiny model, 8 x 32 tokens, 2 steps")
     args = p.parse_args()
     if args.quick:
@@ -124,9 +147,10 @@ def main() -> None:
         args.path = prepare_model(ModelConfig(name=args.model), seed=1)
     tokens = args.seqs * args.len
     print(f"model {args.path}, batch {args.seqs} x {args.len} = {tokens} tokens, micro-batches <= {args.mb_tokens} "
-          f"tokens, fp32, 1 thread/process, median of {args.steps} steps\n", flush=True)
-    print("| backend | layout | processes | s/step | tokens/s | peak RSS/process (MB) |")
-    print("|---|---|---|---|---|---|")
+          f"tokens, 1 thread/process, median of {args.steps} steps\n", flush=True)
+    print("| backend | layout | processes | s/step | tokens/s | peak RSS/process (MB) | params+optimizer/rank (MB) "
+          "| dtype |")
+    print("|---|---|---|---|---|---|---|---|")
     from realcore.api.alloc import parse_mesh
 
     from transformers import AutoConfig
@@ -134,17 +158,25 @@ def main() -> None:
     from realcore.api.config import MegatronConfig
     from realcore.backends.megatron.parallel import check_megatron_config
 
+    from realcore.backends.precision import bf16_unsupported
+
     hf_config = AutoConfig.from_pretrained(args.path)
-    for backend, mesh in LAYOUTS:
+    no_bf16 = bf16_unsupported("cuda" if torch.cuda.is_available() else "cpu")
+    for backend, mesh, dtype in LAYOUTS:
+        if backend not in args.backends.split(",") or (dtype == "bfloat16" and no_bf16):
+            continue
         if backend == "megatron":
             try:
                 check_megatron_config("actor", MegatronConfig(), parse_mesh(mesh), hf_config)
             except ValueError as e:  # e.g. SmolLM2's 9 heads do not split over TP=2
                 print(f"| {backend} | {mesh} | {parse_mesh(mesh).world_size} | n/a: {e} | | |", flush=True)
                 continue
-        r = run(backend, mesh, args)
+        r = run(backend, mesh, dtype, args)
+        state = f"{r['state_mb']:.1f}" if backend != "megatron" else "-"
         print(f"| {backend} | {mesh} | {parse_mesh(mesh).world_size} | {r['s']:.3f} | {tokens / r['s']:.0f} | "
-              f"{r['rss_mb']:.0f} |", flush=True)
+              f"{r['rss_mb']:.0f} | {state} | {dtype} |", flush=True)
+    if no_bf16:
+        print(f"\nbf16 rows left out: {no_bf16}")
 
 
 if __name__ == "__main__":

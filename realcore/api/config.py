@@ -75,9 +75,17 @@ class MegatronConfig(_Strict):
 class RoleConfig(_Strict):
     """A model role (actor, ref): its backend and, if trainable, its optimizer."""
 
-    backend: Literal["torch", "megatron"] | None = Field(
-        None, description="torch | megatron; None: for the actor torch on a data-parallel training mesh, megatron "
-        "when allocation_mode asks for pN/tN/cN/eN > 1; other roles: the actor's backend")
+    backend: Literal["torch", "fsdp", "megatron"] | None = Field(
+        None, description="torch (replicated on every data-parallel rank) | fsdp (the torch engine with parameters, "
+        "gradients and optimizer state sharded over data-parallel ranks by FSDP2; generates on generation servers "
+        "only) | megatron; None: for the actor torch on a data-parallel training mesh, megatron when "
+        "allocation_mode asks for pN/tN/cN/eN > 1; other roles: the actor's backend")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="compute dtype. bfloat16 — torch: autocast to bf16; fsdp: parameters gathered in bf16 "
+        "(FSDP2 MixedPrecisionPolicy), gradients reduced in float32; both keep float32 parameters and optimizer "
+        "state. megatron: megatron-core's mixed precision, bf16 parameters with float32 main gradients, master "
+        "weights and Adam state. Log-probs are taken in float32 from the bf16 logits. Refused on a CPU without bf16 "
+        "instructions (avx512_bf16 or amx_bf16)")
     megatron: MegatronConfig = Field(default_factory=MegatronConfig, description="read by backend=megatron only")
     trainable: bool = Field(False, description="has an optimizer: MFCs that train (ppo_update, sft_update) need it")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="used when trainable")
@@ -88,10 +96,6 @@ class RoleConfig(_Strict):
         False, description="trainable roles: keep only each transformer layer's input and recompute the layer in "
         "backward (less activation memory, about one more forward of compute). torch: HF gradient checkpointing; "
         "megatron: megatron-core full recompute, one layer per unit")
-    dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="parameters' compute dtype. bfloat16: megatron keeps bf16 parameters with fp32 main "
-        "gradients and fp32 master weights and optimizer state (megatron-core's mixed precision); log-probs are "
-        "computed in fp32 from the bf16 logits. On CPU only where it has bf16 instructions (avx512_bf16 or amx_bf16)")
 
     @model_validator(mode="after")
     def _check(self) -> "RoleConfig":

@@ -1,24 +1,43 @@
-"""Which compute dtype a role may use here: bf16 on GPUs, and on CPUs with bf16 instructions."""
+"""The compute dtype of a model role (RoleConfig.dtype), and whether this machine can run it.
+
+bf16 on a CPU without bf16 instructions is converted to float32 and back around every op: slower
+than float32 and no more exact than bf16, so it is refused rather than run.
+"""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 flags in /proc/cpuinfo of native bf16 matmuls
 
-@functools.cache
-def cpu_has_bf16() -> bool:
-    """Whether this CPU has bf16 instructions (AVX-512 BF16 or AMX); without them bf16 matmuls are emulated."""
+
+def cpu_has_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """True when the CPU lists one of BF16_CPU_FLAGS (False where /proc/cpuinfo is unreadable)."""
     try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
+        with open(cpuinfo) as f:
+            flags = {w for line in f if line.startswith("flags") for w in line.split(":", 1)[1].split()}
     except OSError:
         return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return any(flag in flags for flag in BF16_CPU_FLAGS)
 
 
-def check_bf16(dtype: str) -> None:
-    """ValueError (one line) for dtype=bfloat16 where it cannot run well: a CPU without bf16 instructions."""
-    if dtype == "bfloat16" and not torch.cuda.is_available() and not cpu_has_bf16():
-        raise ValueError("dtype=bfloat16: this CPU has no bf16 instructions (avx512_bf16 or amx_bf16); use float32")
+def bf16_unsupported(device_type: str, cpuinfo: str = "/proc/cpuinfo") -> str | None:
+    """Why bfloat16 cannot run on `device_type` here, in one line; None when it can."""
+    if device_type == "cuda":
+        return None if torch.cuda.is_bf16_supported() else "dtype=bfloat16: this GPU has no bf16 support (use float32)"
+    if device_type == "cpu" and not cpu_has_bf16(cpuinfo):
+        return (f"dtype=bfloat16: this CPU has no bf16 instructions ({' or '.join(BF16_CPU_FLAGS)} in {cpuinfo}); "
+                "use dtype=float32")
+    return None
+
+
+def compute_dtype(name: str, device: torch.device) -> torch.dtype:
+    """RoleConfig.dtype as a torch dtype; ValueError when the device cannot compute in it."""
+    if name == "float32":
+        return torch.float32
+    if name != "bfloat16":
+        raise ValueError(f"dtype: {name!r} is not float32 or bfloat16")
+    why = bf16_unsupported(device.type)
+    if why is not None:
+        raise ValueError(why)
+    return torch.bfloat16

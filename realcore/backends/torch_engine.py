@@ -4,7 +4,10 @@ Sequences are packed without padding: a micro-batch is one row (1, T) with posit
 at 0 per sequence and an explicit block-diagonal causal mask (transformers' sdpa path does not infer
 packing from position ids alone). Gradients are summed across the data-parallel group by hand (one
 flat bucket per dtype), so the loss is the token-level mean over the global batch whatever the
-micro-batch split or DP size.
+micro-batch split or DP size. Parameters are float32; `role.dtype=bfloat16` autocasts the forward.
+
+FSDPEngine (fsdp_engine.py) shards the same engine through the hooks `_parallelize`, `_autocast`,
+`_idle_passes` and `_reduce_grads`.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from realcore.api.config import RoleConfig
 from realcore.api.engine import Engine, GenerationResult, LossFn, LossWeightFn
 from realcore.backends.batching import (block_causal_mask, check_train_data, lr_factor, mean_over_minibatches,
                                         reduce_weighted, split_by_budget, split_minibatches, token_logprobs)
+from realcore.backends.precision import compute_dtype
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -48,21 +52,28 @@ class TorchEngine(Engine):
         self.group = group if group is not None or not self.distributed else dist.group.WORLD
         self.world_size = dist.get_world_size(self.group) if self.distributed else 1
         self.rank = dist.get_rank(self.group) if self.distributed else 0
+        self.dtype = compute_dtype(role.dtype, self.device)  # ValueError where bf16 cannot run
+        # Parameters stay float32 (the optimizer's master copy); `dtype` is the compute dtype.
         self.model = AutoModelForCausalLM.from_pretrained(model_path, attn_implementation="sdpa", dtype=torch.float32)
-        self.model.to(self.device)
         self.tokenizer = _load_tokenizer(model_path)
         self._gen_engine = None
         self.optimizer = self.scheduler = None
-        if role.trainable:
-            self._init_training(role, total_steps)
-        else:
+        if not role.trainable:
             self.model.eval()
             self.model.requires_grad_(False)
+        self._parallelize()
+        if role.trainable:
+            self._init_training(role, total_steps)
+
+    def _parallelize(self) -> None:
+        """Hook: place the model on the device and wrap it for training (FSDPEngine shards it). Here:
+        replicated, with HF gradient checkpointing (every decoder layer recomputed in backward) when asked."""
+        self.model.to(self.device)
+        if self.role.gradient_checkpointing:
+            self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
     def _init_training(self, role: RoleConfig, total_steps: int) -> None:
         opt = role.optimizer
-        if role.gradient_checkpointing:  # every decoder layer recomputed in backward
-            self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -73,9 +84,9 @@ class TorchEngine(Engine):
     # ---- forward ----
 
     def _autocast(self):
-        # bf16 only on GPUs; CPU stays float32 (bf16 matmuls are slow and inexact there).
-        if self.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
+        # dtype=bfloat16: matmuls in bf16 on float32 parameters; log-probs are still taken in float32.
+        if self.dtype == torch.bfloat16:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     def _forward_packed(self, seqs: list[torch.Tensor], temperature: float, with_entropy: bool):
@@ -103,11 +114,26 @@ class TorchEngine(Engine):
                  max_tokens_per_mb: int | None = None) -> list[torch.Tensor]:
         out: list[torch.Tensor] = []
         lens = [int(x.numel()) for x in input_ids]
+        mbs = split_by_budget(lens, max_tokens_per_mb or self.role.max_tokens_per_mb) if lens else []
+        idle = self._idle_passes(len(mbs))
         with torch.no_grad(), self._eval_mode():
-            for mb in split_by_budget(lens, max_tokens_per_mb or self.role.max_tokens_per_mb):
+            for mb in mbs:
                 lp, _ = self._forward_packed([input_ids[i] for i in mb], temperature, with_entropy=False)
                 out.extend(lp.float().cpu().split([lens[i] for i in mb]))
+            for _ in range(idle):
+                self._idle_pass(backward=False)
         return out
+
+    def _idle_passes(self, n_passes: int) -> int:
+        """Hook: passes this rank adds to its `n_passes` so that every rank of the group runs as many
+        (FSDPEngine: every pass gathers parameters collectively). Replicated: none."""
+        return 0
+
+    def _idle_pass(self, backward: bool) -> None:
+        """A forward (and backward) on two dummy tokens that changes no parameter: zero gradients."""
+        lp, _ = self._forward_packed([torch.zeros(2, dtype=torch.int64)], 1.0, with_entropy=False)
+        if backward:
+            (lp.sum() * 0.0).backward()
 
     # ---- training ----
 
@@ -132,17 +158,19 @@ class TorchEngine(Engine):
             packed = {k: torch.cat([v[i] for i in idx]).to(self.device) for k, v in data.items()}
             mbs.append((idx, packed, float(loss_weight_fn(packed))))
         global_w = self._allreduce_scalar(sum(w for _, _, w in mbs))
+        mbs = [mb for mb in mbs if mb[2] != 0]  # contributes nothing, and its mean may be 0/0
+        idle = self._idle_passes(len(mbs))
         sums: dict[str, float] = {}
         weights: dict[str, float] = {}
         for idx, packed, w in mbs:
-            if w == 0:  # contributes nothing, and its mean may be 0/0
-                continue
             lp, ent = self._forward_packed([data["input_ids"][i] for i in idx], temperature, with_entropy=True)
             loss, stats = loss_fn(lp, ent, packed)
             (loss * (w / global_w)).backward()
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + float(v) * w
                 weights[k] = weights.get(k, 0.0) + w
+        for _ in range(idle):
+            self._idle_pass(backward=True)
         stats = reduce_weighted(sums, weights, self.group, self.world_size, self.device)
         stats["lr"] = self.optimizer.param_groups[0]["lr"]
         stats["grad_norm"] = self._step()
@@ -160,14 +188,20 @@ class TorchEngine(Engine):
         for p in self.params:
             if p.grad is None:  # untouched this step (or empty minibatch): still joins the all-reduce
                 p.grad = torch.zeros_like(p)
-        if self.world_size > 1:
-            _allreduce_grads(self.params, self.group)
+        self._reduce_grads()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.role.optimizer.max_grad_norm)
+        if hasattr(grad_norm, "full_tensor"):  # sharded gradients (DTensors): the norm over all shards
+            grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
         return float(grad_norm)
+
+    def _reduce_grads(self) -> None:
+        """Hook: sum gradients over the data-parallel group (FSDPEngine: done by FSDP in backward)."""
+        if self.world_size > 1:
+            _allreduce_grads(self.params, self.group)
 
     # ---- generation and checkpoints ----
 
@@ -185,10 +219,13 @@ class TorchEngine(Engine):
         weights are identical on every data-parallel rank."""
         if self.rank != 0:
             return
-        path = os.path.abspath(path)
+        self._write_hf(os.path.abspath(path))
+
+    def _write_hf(self, path: str, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """Write the model (or `state_dict`, in its names) as an HF directory, atomically."""
         tmp, old = f"{path}.tmp-{os.getpid()}", f"{path}.old-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        self.model.save_pretrained(tmp)  # transformers 5 always writes safetensors
+        self.model.save_pretrained(tmp, state_dict=state_dict)  # transformers 5 always writes safetensors
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(tmp)
         # rename(2) cannot replace a non-empty directory: move the old one aside first.

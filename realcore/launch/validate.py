@@ -36,22 +36,20 @@ def validate(cfg: ExperimentConfig) -> tuple[DataFlowGraph, AllocationMode]:
         check_generation_servers(cfg, alloc)
     mesh = alloc.train
     for role, r in cfg.roles().items():
-        if r.backend == "torch" and (mesh.pp, mesh.tp, mesh.cp, mesh.ep) != (1, 1, 1, 1):
-            raise ConfigError(f"allocation_mode: {role}.backend=torch supports data parallel only (got {cfg.allocation_mode}); use pN/tN with the megatron backend")
+        if r.backend in ("torch", "fsdp") and (mesh.pp, mesh.tp, mesh.cp, mesh.ep) != (1, 1, 1, 1):
+            raise ConfigError(f"allocation_mode: {role}.backend={r.backend} supports data parallel only (got {cfg.allocation_mode}); use pN/tN with the megatron backend")
         if r.backend == "megatron" and importlib.util.find_spec("megatron") is None:
             raise ConfigError(f"{role}.backend=megatron needs megatron-core: pip install -e '.[megatron]'")
-        if cfg.scheduler == "local":  # a cluster's login node is not where the workers run
-            from realcore.backends.precision import check_bf16
-
-            try:
-                check_bf16(r.dtype)
-            except ValueError as e:
-                raise ConfigError(f"{role}.{e}") from None
+        check_dtype(cfg, role, r.backend, r.dtype)
     for m in cfg.mfcs:
         generates = getattr(_mfc_class(m.type), "generates", False)
-        if generates and alloc.gen is None and m.model is not None and cfg.roles()[m.model].backend == "megatron":
-            raise ConfigError(f"mfcs ({m.name}): {m.model}.backend=megatron samples on generation servers; "
+        backend = cfg.roles()[m.model].backend if m.model is not None else None
+        if generates and alloc.gen is None and backend in ("megatron", "fsdp"):
+            raise ConfigError(f"mfcs ({m.name}): {m.model}.backend={backend} samples on generation servers; "
                               f"use allocation_mode=local.d1+{cfg.allocation_mode}")
+    if cfg.eval.freq_steps is not None and alloc.gen is None and cfg.actor.backend == "fsdp":
+        raise ConfigError(f"eval.freq_steps: actor.backend=fsdp evaluates on generation servers; use "
+                          f"allocation_mode=local.d1+{cfg.allocation_mode} or eval.freq_steps=null")
     try:
         keys = source_keys(cfg)
     except KeyError as e:
@@ -63,6 +61,21 @@ def validate(cfg: ExperimentConfig) -> tuple[DataFlowGraph, AllocationMode]:
         if cfg.trainer.batch_size % node.n_seqs:
             raise ConfigError(f"mfcs ({node.name}).n_seqs: {node.n_seqs} does not divide trainer.batch_size {cfg.trainer.batch_size}")
     return dfg, alloc
+
+
+def check_dtype(cfg: ExperimentConfig, role: str, backend: str, dtype: str) -> None:
+    """bfloat16 needs hardware that has it. Cluster nodes are not this machine: there the engine
+    checks its own device when it starts."""
+    if dtype != "bfloat16":
+        return
+    if cfg.scheduler == "local":
+        import torch
+
+        from realcore.backends.precision import bf16_unsupported
+
+        why = bf16_unsupported("cuda" if torch.cuda.is_available() else "cpu")
+        if why is not None:
+            raise ConfigError(f"{role}.{why}")
 
 
 def check_names(cfg: ExperimentConfig) -> None:

@@ -93,6 +93,10 @@ class ModelWorker:
 
                 self.engines[role] = MegatronEngine(cfg.model.path, rcfg, self.mesh, total_steps=optimizer_steps(cfg, role),
                                                     seed=cfg.seed, role_name=role)
+            elif rcfg.backend == "fsdp":
+                from realcore.backends.fsdp_engine import FSDPEngine
+
+                self.engines[role] = FSDPEngine(cfg.model.path, rcfg, total_steps=optimizer_steps(cfg, role), seed=cfg.seed)
             else:
                 from realcore.backends.torch_engine import TorchEngine
 
@@ -222,8 +226,8 @@ class ModelWorker:
         ]
 
     def _sharded(self, role: str) -> bool:
-        """A Megatron role: every rank takes part in gathering its weights (rank 0 writes)."""
-        return self.cfg.roles()[role].backend == "megatron"
+        """A Megatron or FSDP role: every rank takes part in gathering its weights (rank 0 writes)."""
+        return self.cfg.roles()[role].backend in ("megatron", "fsdp")
 
     def save(self, msg: Save) -> None:
         """Each trainable role in HF format (the actor at the path itself), written by rank 0."""

@@ -28,7 +28,7 @@ from realcore.backends.batching import (block_causal_mask, cu_seqlens, lr_factor
 from realcore.backends.megatron.checkpoint import LazyHFState, gather_hf, load_shard
 from realcore.backends.megatron.cpu_compat import apply_cpu_compat, cuda_to_cpu_mode
 from realcore.backends.megatron.parallel import check_megatron_config, init_parallel_state, sequence_parallel
-from realcore.backends.precision import check_bf16
+from realcore.backends.precision import compute_dtype
 
 
 class MegatronEngine(Engine):
@@ -55,10 +55,9 @@ class MegatronEngine(Engine):
         self.vpp = self.mcfg.virtual_pipeline_stages or 1
         self.n_stages = dims.pp * self.vpp
         self.sp = sequence_parallel(self.mcfg, dims)
-        check_bf16(role.dtype)
-        self.dtype = torch.bfloat16 if role.dtype == "bfloat16" else torch.float32
-        self.config = self._transformer_config()
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.dtype = compute_dtype(role.dtype, self.device)
+        self.config = self._transformer_config()
         self.model_path = model_path
         self.tokenizer = _load_tokenizer(model_path)
         hf_state = LazyHFState(model_path)
