@@ -1,8 +1,8 @@
 """TorchEngine: a HF causal LM on one data-parallel rank, with packed micro-batches and AdamW.
 
 Sequences are packed without padding: a micro-batch is one row (1, T) with position ids restarting
-at 0 per sequence and an explicit block-diagonal causal mask (transformers' sdpa path does not infer
-packing from position ids alone). Gradients are summed across the data-parallel group by hand (one
+at 0 per sequence, and attention sees the row's sequence boundaries (cu_seqlens, varlen_attention.py),
+never a dense (T, T) mask. Gradients are summed across the data-parallel group by hand (one
 flat bucket per dtype), so the loss is the token-level mean over the global batch whatever the
 micro-batch split or DP size. Parameters are float32; `role.dtype=bfloat16` autocasts the forward.
 
@@ -21,9 +21,10 @@ import torch.distributed as dist
 
 from realcore.api.config import RoleConfig
 from realcore.api.engine import Engine, GenerationResult, LossFn, LossWeightFn
-from realcore.backends.batching import (block_causal_mask, check_train_data, lr_factor, mean_over_minibatches,
-                                        reduce_weighted, split_by_budget, split_minibatches, token_logprobs)
+from realcore.backends.batching import (cu_seqlens, lr_factor, reduce_weighted, split_by_budget, token_logprobs,
+                                        train_batch)
 from realcore.backends.precision import compute_dtype
+from realcore.backends.varlen_attention import packed_kwargs, standard_attention, use_packed_attention
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -55,6 +56,7 @@ class TorchEngine(Engine):
         self.dtype = compute_dtype(role.dtype, self.device)  # ValueError where bf16 cannot run
         # Parameters stay float32 (the optimizer's master copy); `dtype` is the compute dtype.
         self.model = AutoModelForCausalLM.from_pretrained(model_path, attn_implementation="sdpa", dtype=torch.float32)
+        use_packed_attention(self.model)  # packed rows by cu_seqlens; generation switches back to sdpa
         self.tokenizer = _load_tokenizer(model_path)
         self._gen_engine = None
         self.optimizer = self.scheduler = None
@@ -94,11 +96,9 @@ class TorchEngine(Engine):
         lens = [int(s.numel()) for s in seqs]
         ids = torch.cat(seqs).to(self.device, torch.int64)  # (T,)
         pos = torch.cat([torch.arange(n, device=self.device) for n in lens])  # (T,)
-        with self._autocast():
-            logits = self.model(
-                input_ids=ids[None], position_ids=pos[None], attention_mask=block_causal_mask(lens, self.device),
-                use_cache=False,
-            ).logits[0]  # (T, V)
+        with self._autocast():  # varlen attention: the row's sequence boundaries, no (T, T) mask
+            logits = self.model(input_ids=ids[None], position_ids=pos[None], use_cache=False,
+                                **packed_kwargs(cu_seqlens(lens, self.device), lens)).logits[0]  # (T, V)
         return token_logprobs(logits, ids, pos == 0, temperature, with_entropy)
 
     @contextlib.contextmanager
@@ -138,24 +138,19 @@ class TorchEngine(Engine):
     # ---- training ----
 
     def train_batch(self, data: dict[str, list[torch.Tensor]], loss_fn: LossFn, loss_weight_fn: LossWeightFn, *,
-                    n_minibatches: int = 1, temperature: float = 1.0,
-                    max_tokens_per_mb: int | None = None) -> dict[str, float]:
-        if self.optimizer is None:
-            raise ValueError("train_batch: this model role is not trainable (role.trainable is False)")
-        lens = check_train_data(data)
-        budget = max_tokens_per_mb or self.role.max_tokens_per_mb
-        results = []
-        for chunk in split_minibatches(len(lens), n_minibatches):
-            mb_data = {k: [v[i] for i in chunk] for k, v in data.items()}
-            results.append(self._train_minibatch(mb_data, loss_fn, loss_weight_fn, temperature, budget))
-        return mean_over_minibatches(results)
+                    n_minibatches: int = 1, temperature: float = 1.0, max_tokens_per_mb: int | None = None,
+                    group_sizes: list[int] | None = None) -> dict[str, float]:
+        return train_batch(self, data, loss_fn, loss_weight_fn, n_minibatches=n_minibatches, temperature=temperature,
+                           max_tokens_per_mb=max_tokens_per_mb, group_sizes=group_sizes)
 
-    def _train_minibatch(self, data, loss_fn, loss_weight_fn, temperature, budget: int) -> dict[str, float]:
+    def _train_minibatch(self, data, loss_fn, loss_weight_fn, temperature, max_tokens_per_mb: int | None,
+                         group_sizes: list[int] | None = None) -> dict[str, float]:
         """Accumulate token-weighted gradients over micro-batches and ranks, then one optimizer step."""
         lens = [int(x.numel()) for x in data["input_ids"]]
         mbs = []
-        for idx in split_by_budget(lens, budget) if lens else []:
+        for idx in split_by_budget(lens, max_tokens_per_mb or self.role.max_tokens_per_mb, group_sizes) if lens else []:
             packed = {k: torch.cat([v[i] for i in idx]).to(self.device) for k, v in data.items()}
+            packed["cu_seqlens"] = cu_seqlens([lens[i] for i in idx], self.device)  # sequence boundaries for the loss
             mbs.append((idx, packed, float(loss_weight_fn(packed))))
         global_w = self._allreduce_scalar(sum(w for _, _, w in mbs))
         mbs = [mb for mb in mbs if mb[2] != 0]  # contributes nothing, and its mean may be 0/0
@@ -211,7 +206,7 @@ class TorchEngine(Engine):
 
         if self._gen_engine is None:
             self._gen_engine = GenerationEngine(self.model, self.tokenizer, seed=self.seed)
-        with torch.no_grad(), self._eval_mode():
+        with torch.no_grad(), self._eval_mode(), standard_attention(self.model):
             return self._gen_engine.generate(prompts, gconfig)
 
     def save_hf(self, path: str) -> None:
@@ -225,7 +220,8 @@ class TorchEngine(Engine):
         """Write the model (or `state_dict`, in its names) as an HF directory, atomically."""
         tmp, old = f"{path}.tmp-{os.getpid()}", f"{path}.old-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        self.model.save_pretrained(tmp, state_dict=state_dict)  # transformers 5 always writes safetensors
+        with standard_attention(self.model):  # the exported config names transformers' own attention
+            self.model.save_pretrained(tmp, state_dict=state_dict)  # transformers 5 always writes safetensors
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(tmp)
         # rename(2) cannot replace a non-empty directory: move the old one aside first.

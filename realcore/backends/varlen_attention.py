@@ -9,8 +9,10 @@ every attention layer):
 - otherwise: causal SDPA on each sequence's slice, memory linear in packed tokens for bounded
   sequence lengths, the same numbers as the masked row up to float summation order.
 
-It is switched on only around a packed forward (`packed_attention(model)`): generation, with its
-KV cache and padding masks, keeps the model's own implementation.
+A training engine switches its model to it once (`use_packed_attention`), so that a layer that
+gradient checkpointing recomputes in backward attends the same way; generation, with its KV cache
+and padding masks, runs inside `standard_attention(model)` (transformers' sdpa). Called without
+boundaries (one unpadded sequence per row) it is plain causal attention.
 """
 
 from __future__ import annotations
@@ -36,18 +38,22 @@ def varlen_attention(module, query, key, value, attention_mask, dropout: float =
                      **kwargs):
     """query (1, H, T, D), key/value (1, Hkv, T, D) -> (1, T, H, D), None. Causal within each sequence."""
     cu = kwargs.get("cu_seq_lens_q")
-    if cu is None:
-        raise ValueError(f"{NAME} attention needs cu_seq_lens_q (use it through packed_attention)")
+    dropout = dropout if module.training else 0.0
+    gqa = query.shape[1] != key.shape[1]
+    if cu is None:  # whole rows, each one sequence
+        if attention_mask is not None or query.shape[2] != key.shape[2]:
+            raise ValueError(f"{NAME} attention: no padding masks or KV cache (generate inside standard_attention)")
+        out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scaling, is_causal=True,
+                                             enable_gqa=gqa)
+        return out.transpose(1, 2).contiguous(), None
     if query.shape[0] != 1:
         raise ValueError(f"{NAME} attention takes one packed row, got a batch of {query.shape[0]}")
-    dropout = dropout if module.training else 0.0
     flash = _flash_varlen() if query.is_cuda else None
     if flash is not None:
         max_len = int(kwargs.get("max_length_q") or int((cu[1:] - cu[:-1]).max()))
         out = flash(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu, cu, max_len,
                     max_len, dropout_p=dropout, softmax_scale=scaling, causal=True)  # (T, H, D)
         return out[None], None
-    gqa = query.shape[1] != key.shape[1]
     bounds = cu.tolist()
     parts = []
     for a, b in zip(bounds[:-1], bounds[1:]):
@@ -64,17 +70,21 @@ def _register() -> None:
     AttentionInterface.register(NAME, varlen_attention)
 
 
-@contextlib.contextmanager
-def packed_attention(model):
-    """Within the block, `model` attends by sequence boundaries (pass `**packed_kwargs(lens)` to its call)."""
+def use_packed_attention(model) -> None:
+    """From now on `model` attends by sequence boundaries (pass `**packed_kwargs(...)` to its calls)."""
     _register()
-    config = model.config
-    before = config._attn_implementation
-    config._attn_implementation = NAME
+    model.config._attn_implementation = NAME
+
+
+@contextlib.contextmanager
+def standard_attention(model):
+    """Within the block, `model` uses transformers' sdpa attention (padding masks, KV cache)."""
+    before = model.config._attn_implementation
+    model.config._attn_implementation = "sdpa"
     try:
         yield
     finally:
-        config._attn_implementation = before
+        model.config._attn_implementation = before
 
 
 def packed_kwargs(cu: torch.Tensor, lens: list[int]) -> dict:
