@@ -13,7 +13,8 @@ optimizer state that one rank holds (its shards under FSDP).
 
 Layouts: torch d1 and d2 (data parallel), fsdp d2 (parameters, gradients and AdamW state sharded
 over the 2 ranks), megatron d1, d2, t2 (TP=2 + sequence parallel) and p2 (PP=2, 1F1B), in fp32;
-then torch d1 and fsdp d2 in bf16 where the CPU has bf16 instructions. This machine has 2 cores,
+then torch d1, fsdp d2 and megatron d1 in bf16 where the CPU has bf16 instructions (`--layouts`
+picks rows, e.g. `megatron:d1:float32,megatron:d1:bfloat16`). This machine has 2 cores,
 so at most 2 processes; on GPUs the same engines run the same code with NCCL. `--quick` (tiny
 model, 2 steps) is the smoke test's few-second run.
 """
@@ -36,7 +37,8 @@ import torch.multiprocessing as mp  # noqa: E402
 
 LAYOUTS = [("torch", "d1", "float32"), ("megatron", "d1", "float32"), ("torch", "d2", "float32"),
            ("fsdp", "d2", "float32"), ("megatron", "d2", "float32"), ("megatron", "d1t2", "float32"),
-           ("megatron", "d1p2", "float32"), ("torch", "d1", "bfloat16"), ("fsdp", "d2", "bfloat16")]
+           ("megatron", "d1p2", "float32"), ("torch", "d1", "bfloat16"), ("fsdp", "d2", "bfloat16"),
+           ("megatron", "d1", "bfloat16")]
 
 
 def _loss_fn(logprobs, entropy, data):
@@ -136,6 +138,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--mb-tokens", type=int, default=1024)
     p.add_argument("--backends", default="torch,fsdp,megatron", help="comma-separated: the layouts of these run")
+    p.add_argument("--layouts", default=None, help="comma-separated backend:mesh:dtype rows to run (default: all)")
     p.add_argument("--quick", action="store_true", help="tiny model, 8 x 32 tokens, 2 steps")
     args = p.parse_args()
     if args.quick:
@@ -164,6 +167,8 @@ def main() -> None:
     no_bf16 = bf16_unsupported("cuda" if torch.cuda.is_available() else "cpu")
     for backend, mesh, dtype in LAYOUTS:
         if backend not in args.backends.split(",") or (dtype == "bfloat16" and no_bf16):
+            continue
+        if args.layouts and f"{backend}:{mesh}:{dtype}" not in args.layouts.split(","):
             continue
         if backend == "megatron":
             try:
