@@ -186,26 +186,6 @@ def test_hung_model_worker_is_named_with_its_stacks(cluster, tmp_path):
 # SGLang servers as Ray tasks, through the real launch path; the test switch makes the engine's
 # command `python -m realcore.serve` (the built-in server, which takes SGLang's flags).
 @pytest.mark.timeout(300)
-def test_sglang_servers_serve_an_async_run(cluster, tmp_path):
-    from test_slurm import engine_env, engine_pids, metric_rows
-
-    out, proc = launch_async(cluster, tmp_path, "allocation_mode=sglang.d2+d2", "trainer.total_steps=3",
-                             env=engine_env())
-    try:
-        stdout, err = proc.communicate(timeout=240)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, stdout[-2000:] + err[-3000:]
-    assert metric_rows(out) == 3
-    for i in range(2):
-        assert f"sglang server {i} ready at http://" in open(f"{out}/logs/gen_server-{i}.log").read()
-    deadline = time.time() + 20
-    while engine_pids(out) and time.time() < deadline:
-        time.sleep(0.3)
-    assert engine_pids(out) == {}, "an engine outlived its Ray task"
-
-
-@pytest.mark.timeout(300)
 def test_sglang_server_that_exits_0_is_resubmitted(cluster, tmp_path):
     """SGLang exits 0 on SIGTERM: a server that ends unasked fails its task all the same, and Ray's
     launcher submits the task again while training goes on."""
@@ -229,4 +209,10 @@ def test_sglang_server_that_exits_0_is_resubmitted(cluster, tmp_path):
     assert proc.returncode == 0, stdout[-2000:] + err[-3000:]
     assert [(r["who"], r["why"]) for r in restarts(out)] == [("gen_server/1", "died (exit code 1)")]
     assert "exited on its own (exit code 0)" in open(f"{out}/logs/gen_server-1.log").read()
+    for i in range(2):
+        assert f"sglang server {i} ready at http://" in open(f"{out}/logs/gen_server-{i}.log").read()
     assert metric_rows(out) == 150
+    deadline = time.time() + 20
+    while engine_pids(out) and time.time() < deadline:
+        time.sleep(0.3)
+    assert engine_pids(out) == {}, "an engine outlived its Ray task"

@@ -6,11 +6,23 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_torch_engine import VOCAB, make_data, model_dir, n_loss_tokens, nll_loss  # noqa: F401 (fixture)
+from test_torch_engine import VOCAB, make_data, n_loss_tokens, nll_loss
 
 from realcore.api.config import OptimizerConfig, RoleConfig
 from realcore.backends import varlen_attention
 from realcore.backends.torch_engine import TorchEngine
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=VOCAB, initializer_range=0.1)
+    path = str(tmp_path_factory.mktemp("tiny-qwen2"))
+    Qwen2ForCausalLM(cfg).save_pretrained(path)
+    return path
 
 
 def _role(**kw) -> RoleConfig:
@@ -104,4 +116,3 @@ def test_untrainable_role_refuses_train_batch(model_dir):
     engine = TorchEngine(model_dir, RoleConfig(backend="torch"), total_steps=1)
     with pytest.raises(ValueError, match="not trainable"):
         engine.train_batch(make_data([5], seed=0), nll_loss, n_loss_tokens)
-    assert VOCAB == 128
