@@ -29,6 +29,7 @@ from realcore.backends.server_launch import wait_http_ready
 from realcore.system import wire  # the one realcore.system module backends may use
 
 CONTROL_TIMEOUT_S = 30.0
+LORA_NAME = "actor"  # the adapter's name on the servers of a LoRA run
 FINISH_REASONS = ("stop", "length", "abort")
 PAUSE_MODES = ("abort", "retract", "in_place")
 
@@ -87,8 +88,10 @@ class GenClient:
     `token`: the server's bearer token (a run's: realcore.backends.server_launch.server_token),
     sent on every call, health and readiness probes included (docs/security.md)."""
 
-    def __init__(self, base_url: str, *, token: str | None = None, timeout_s: float = 600.0):
+    def __init__(self, base_url: str, *, token: str | None = None, timeout_s: float = 600.0,
+                 lora_name: str | None = None):
         self.base_url = base_url.rstrip("/")
+        self.lora_name = lora_name  # LoRA runs: every /generate names the adapter (SGLang's lora_path)
         self.token = token
         self.timeout_s = float(timeout_s)
         self._session: aiohttp.ClientSession | None = None
@@ -98,15 +101,43 @@ class GenClient:
     ) -> GenReply:
         body = {"input_ids": list(input_ids), "sampling_params": sampling_params, "return_logprob": return_logprob}
         body["rid"] = rid
+        if self.lora_name is not None:
+            body["lora_path"] = self.lora_name
         data = await self._request("POST", "/generate", body, self.timeout_s)
         return parse_generate_reply(data, return_logprob=return_logprob)
 
     async def update_weights_from_disk(self, path: str, version) -> None:
-        """Load the HF weights in `path` (a directory the server can read); tag them `version`."""
+        """Load the HF weights in `path` (a directory the server can read); tag them `version`.
+        A LoRA adapter folder (adapter_config.json) is loaded as adapter `lora_name` instead."""
+        from realcore.backends.lora import is_adapter_dir
+
+        if is_adapter_dir(path):
+            await self.load_lora_adapter(self.lora_name or LORA_NAME, path, version)
+            return
         body = {"model_path": path, "weight_version": str(version)}
         data = await self._request("POST", "/update_weights_from_disk", body, self.timeout_s)
         if not data.get("success"):
             raise RuntimeError(f"update_weights_from_disk({path!r}) failed: {data.get('message')}")
+
+    async def load_lora_adapter(self, name: str, path: str, version=None) -> None:
+        """SGLang's /load_lora_adapter, after /unload_lora_adapter of the same name (SGLang refuses
+        to load a name twice; an unload of a name not loaded fails and is ignored). `version` is
+        realcore's addition, read by the built-in server (SGLang ignores unknown fields)."""
+        try:
+            await self._request("POST", "/unload_lora_adapter", {"lora_name": name}, self.timeout_s)
+        except RuntimeError:  # not loaded (the first update, or a restarted server)
+            pass
+        body = {"lora_name": name, "lora_path": path}
+        if version is not None:
+            body["weight_version"] = str(version)
+        data = await self._request("POST", "/load_lora_adapter", body, self.timeout_s)
+        if not data.get("success"):
+            raise RuntimeError(f"load_lora_adapter({name!r}, {path!r}) failed: {data.get('error_message')}")
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        data = await self._request("POST", "/unload_lora_adapter", {"lora_name": name}, self.timeout_s)
+        if not data.get("success"):
+            raise RuntimeError(f"unload_lora_adapter({name!r}) failed: {data.get('error_message')}")
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, group_name: str, backend: str) -> None:

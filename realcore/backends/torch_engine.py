@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from realcore.api.config import RoleConfig
 from realcore.api.engine import Engine, GenerationResult, LossFn, LossWeightFn
+from realcore.backends import lora
 from realcore.backends.batching import (block_causal_mask, check_train_data, lr_factor, mean_over_minibatches,
                                         reduce_weighted, split_by_budget, split_minibatches, token_logprobs)
 
@@ -50,6 +51,8 @@ class TorchEngine(Engine):
         self.rank = dist.get_rank(self.group) if self.distributed else 0
         self.model = AutoModelForCausalLM.from_pretrained(model_path, attn_implementation="sdpa", dtype=torch.float32)
         self.model.to(self.device)
+        if role.lora is not None:  # PEFT wrapper: base weights frozen, only the adapters train
+            self.model = lora.apply_lora(self.model, role.lora)
         self.tokenizer = _load_tokenizer(model_path)
         self._gen_engine = None
         self.optimizer = self.scheduler = None
@@ -180,15 +183,24 @@ class TorchEngine(Engine):
         with torch.no_grad(), self._eval_mode():
             return self._gen_engine.generate(prompts, gconfig)
 
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full weights under HF names, what servers load (with LoRA: base + adapter merged)."""
+        return lora.merged_state(self.model) if self.role.lora is not None else self.model.state_dict()
+
     def save_hf(self, path: str) -> None:
         """Write a HF checkpoint atomically (tmp dir + rename). Only rank 0 of the group writes:
-        weights are identical on every data-parallel rank."""
+        weights are identical on every data-parallel rank. With LoRA: the adapter folder (PEFT's
+        adapter_model.safetensors + adapter_config.json), plus `merged/` when lora.export_merged."""
         if self.rank != 0:
             return
         path = os.path.abspath(path)
         tmp, old = f"{path}.tmp-{os.getpid()}", f"{path}.old-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        self.model.save_pretrained(tmp)  # transformers 5 always writes safetensors
+        self.model.save_pretrained(tmp)  # transformers 5 always writes safetensors; PEFT: the adapter only
+        if self.role.lora is not None and self.role.lora.export_merged:
+            lora.save_merged(self.model, os.path.join(tmp, "merged"))
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(os.path.join(tmp, "merged"))
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(tmp)
         # rename(2) cannot replace a non-empty directory: move the old one aside first.

@@ -38,6 +38,8 @@ def validate(cfg: ExperimentConfig) -> tuple[DataFlowGraph, AllocationMode]:
     for role, r in cfg.roles().items():
         if r.backend == "torch" and (mesh.pp, mesh.tp, mesh.cp, mesh.ep) != (1, 1, 1, 1):
             raise ConfigError(f"allocation_mode: {role}.backend=torch supports data parallel only (got {cfg.allocation_mode}); use pN/tN with the megatron backend")
+        if r.backend == "megatron" and r.lora is not None:
+            raise ConfigError(f"{role}.lora: LoRA needs backend=torch (data parallel only; got {cfg.allocation_mode})")
         if r.backend == "megatron" and importlib.util.find_spec("megatron") is None:
             raise ConfigError(f"{role}.backend=megatron needs megatron-core: pip install -e '.[megatron]'")
         if cfg.scheduler == "local":  # a cluster's login node is not where the workers run

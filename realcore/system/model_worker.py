@@ -242,10 +242,8 @@ class ModelWorker:
         if msg.servers:
             from realcore.backends.gen_client import push_weights
 
-            if sharded:
-                state = engine.hf_state_dict()
-            else:
-                state = engine.model.state_dict() if self.index == 0 else None
+            # Megatron: every rank joins the gather. Torch: rank 0's (with LoRA, base + adapter merged).
+            state = engine.hf_state_dict() if sharded or self.index == 0 else None
             failed = []
             for address in msg.servers if self.index == 0 else []:
                 try:  # a server that died is caught up after its restart; the others get the weights now
@@ -265,10 +263,7 @@ class ModelWorker:
         weight-update group (realcore.system.weight_broadcast); a Megatron role's ranks first gather
         them to rank 0. Published.failed: the servers it did not update."""
         engine = self.engines["actor"]
-        if self._sharded("actor"):
-            state = engine.hf_state_dict()
-        else:
-            state = engine.model.state_dict() if self.index == 0 else None
+        state = engine.hf_state_dict() if self._sharded("actor") or self.index == 0 else None
         if self.index != 0:
             return Published()
         if self.sender is None:

@@ -1,0 +1,132 @@
+"""LoRA adapters through PEFT: wrap a HF model so only the adapters train, and the conversions
+every other part needs (docs/lora.md).
+
+Two name spaces meet here. The trainer's model is a `peft.PeftModel`, whose adapter tensors PEFT
+saves as `base_model.model.<module>.lora_{A,B}.weight` (adapter_model.safetensors, the format
+SGLang's /load_lora_adapter and vLLM read). Servers and the merged export use plain HF names
+(`<module>.weight`), so `merged_state` and `merge_adapter` give W + (alpha / r) * B @ A under
+those names. `merge_adapter` needs no PEFT: the built-in server applies an adapter folder with it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import safetensors.torch
+import torch
+
+from realcore.api.config import LoraConfig
+
+ADAPTER_NAME = "default"  # PEFT's name of the one adapter a model carries
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+_PREFIX = "base_model.model."  # PEFT's prefix of the wrapped model's module names
+
+
+def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
+    """`model` wrapped by PEFT with one LoRA adapter; every base weight frozen (requires_grad False)."""
+    from peft import LoraConfig as PeftLoraConfig, get_peft_model
+
+    peft_cfg = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, target_modules=list(cfg.target_modules),
+                              lora_dropout=cfg.dropout, bias="none", task_type="CAUSAL_LM")
+    try:
+        return get_peft_model(model, peft_cfg)
+    except ValueError as e:  # e.g. no module matches target_modules
+        raise ValueError(f"lora: {e}") from None
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+def adapter_state(model) -> dict[str, torch.Tensor]:
+    """The adapter's tensors under PEFT's saved names (what adapter_model.safetensors holds)."""
+    from peft import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(model)
+
+
+def merged_state(model) -> dict[str, torch.Tensor]:
+    """The base model's state dict (HF names, tied weights under both names, like
+    `model.state_dict()` of the unwrapped model) with each adapted weight replaced by W + delta.
+    The live model is not changed (merging in place and back would not restore W bit for bit)."""
+    from peft.tuners.lora import LoraLayer
+
+    out: dict[str, torch.Tensor] = {}
+    for name, t in model.get_base_model().state_dict().items():
+        if "lora_" not in name:
+            out[name.replace(".base_layer.", ".")] = t.detach()
+    with torch.no_grad():
+        for name, module in model.get_base_model().named_modules():
+            if isinstance(module, LoraLayer):
+                w = module.get_base_layer().weight
+                out[f"{name}.weight"] = w + module.get_delta_weight(ADAPTER_NAME).to(w.dtype)
+    return out
+
+
+def save_adapter(model, path: str) -> None:
+    """adapter_model.safetensors + adapter_config.json in `path` (PEFT's format)."""
+    model.save_pretrained(path)
+
+
+def save_merged(model, path: str) -> None:
+    """A plain HF checkpoint of base + adapter in `path`, loadable by transformers without PEFT."""
+    from transformers import AutoModelForCausalLM
+
+    base = model.get_base_model()
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(base.config, dtype=next(base.parameters()).dtype)
+    plain.load_state_dict({k: v.detach().clone() for k, v in merged_state(model).items()}, assign=True)
+    plain.tie_weights()
+    plain.save_pretrained(path)
+    if getattr(base, "generation_config", None) is not None:
+        base.generation_config.save_pretrained(path)
+
+
+def is_adapter_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, ADAPTER_CONFIG))
+
+
+def read_adapter(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(adapter_config.json, tensors) of a PEFT LoRA folder; ValueError if it is not one."""
+    cfg_file, weights = os.path.join(path, ADAPTER_CONFIG), os.path.join(path, ADAPTER_WEIGHTS)
+    if not (os.path.isfile(cfg_file) and os.path.isfile(weights)):
+        raise ValueError(f"lora: {path!r} holds no {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}")
+    with open(cfg_file) as f:
+        cfg = json.load(f)
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"lora: {path!r} is a {cfg.get('peft_type')} adapter, not LORA")
+    if cfg.get("rank_pattern") or cfg.get("alpha_pattern") or cfg.get("use_dora"):
+        raise ValueError(f"lora: {path!r}: rank_pattern, alpha_pattern and DoRA are not supported")
+    return cfg, safetensors.torch.load_file(weights)
+
+
+def merge_adapter(base: dict[str, torch.Tensor], cfg: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """{HF weight name: base + scale * B @ A} for every module the adapter changes (PEFT's
+    get_delta_weight: scale = alpha / r, or alpha / sqrt(r) with rsLoRA; transposed when
+    fan_in_fan_out). `base` holds at least those weights, under HF names."""
+    r = int(cfg["r"])
+    scale = cfg["lora_alpha"] / (math.sqrt(r) if cfg.get("use_rslora") else r)
+    out: dict[str, torch.Tensor] = {}
+    for key, a in tensors.items():
+        if not key.endswith(".lora_A.weight"):
+            continue
+        module = key[: -len(".lora_A.weight")]
+        b = tensors.get(f"{module}.lora_B.weight")
+        name = f"{module.removeprefix(_PREFIX)}.weight"
+        if b is None or name not in base:
+            raise ValueError(f"lora: adapter tensor {key!r} has no lora_B or no base weight {name!r}")
+        w = base[name]
+        delta = b.to(w.device, torch.float32) @ a.to(w.device, torch.float32)  # (out, r) @ (r, in)
+        if cfg.get("fan_in_fan_out"):
+            delta = delta.T
+        if tuple(delta.shape) != tuple(w.shape):
+            raise ValueError(f"lora: {name}: the adapter's B @ A is {tuple(delta.shape)}, the weight {tuple(w.shape)}")
+        out[name] = w + (delta * scale).to(w.dtype)
+    if not out:
+        raise ValueError("lora: the adapter holds no lora_A / lora_B tensors")
+    return out

@@ -1,0 +1,194 @@
+"""LoRA (actor.lora, PEFT): only the adapters train; checkpoints hold the adapter (plus a merged HF
+export on request) and reload exactly; the built-in server applies an adapter through SGLang's
+/load_lora_adapter and then generates as a server of the merged weights; an async run with LoRA
+ends with its servers at the trainer's version."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+import torch
+
+from realcore.api.config import LoraConfig, OptimizerConfig, RoleConfig
+from realcore.backends import lora
+from realcore.backends.torch_engine import TorchEngine
+from test_torch_engine import make_data, n_loss_tokens, nll_loss
+from test_weight_broadcast import GREEDY, PROMPT, Servers, call, greedy
+
+pytestmark = pytest.mark.timeout(300)
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    from test_gen_server import _make_model
+
+    root = tmp_path_factory.mktemp("lora")
+    return _make_model(root / "cache", root / "base", 0)  # tiny qwen2 with a tokenizer, spread weights
+
+
+def lora_role(**lora_kw) -> RoleConfig:
+    return RoleConfig(trainable=True, optimizer=OptimizerConfig(lr=1e-2, eps=1e-3),
+                      lora=LoraConfig(rank=4, alpha=8.0, **lora_kw))
+
+
+def spread_adapter(engine: TorchEngine, seed: int) -> None:
+    """PEFT starts B at zero (the adapter changes nothing); a large random B makes the merged
+    model's greedy tokens differ from the base model's, so the comparisons below are not vacuous."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in engine.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.3, generator=g)
+
+
+def test_only_adapters_train_and_base_weights_stay_bit_identical(model_dir):
+    eng = TorchEngine(model_dir, lora_role(target_modules=["q_proj", "v_proj", "down_proj"]), total_steps=10)
+    names = [n for n, p in eng.model.named_parameters() if p.requires_grad]
+    assert names and all("lora_A" in n or "lora_B" in n for n in names)
+    assert {id(p) for g in eng.optimizer.param_groups for p in g["params"]} == {id(p) for p in eng.params}
+    assert len(eng.params) == len(names) == 2 * 2 * 3  # A and B, 2 layers, 3 target modules
+    before = {n: p.detach().clone() for n, p in eng.model.named_parameters()}
+    eng.train_batch(make_data([7, 5, 9], seed=1), nll_loss, n_loss_tokens)
+    eng.train_batch(make_data([6, 8], seed=2), nll_loss, n_loss_tokens)
+    after = dict(eng.model.named_parameters())
+    for n, p in after.items():
+        if n in names:
+            assert not torch.equal(p, before[n]), f"adapter {n} did not change"
+        else:
+            assert torch.equal(p, before[n]), f"base weight {n} changed"
+
+
+def test_adapter_checkpoint_and_merged_export(model_dir, tmp_path):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    role = lora_role(export_merged=True)
+    eng = TorchEngine(model_dir, role, total_steps=10)
+    spread_adapter(eng, 0)
+    eng.train_batch(make_data([7, 5, 9], seed=1), nll_loss, n_loss_tokens)
+    eng.save_hf(str(tmp_path / "ckpt"))
+    files = set(os.listdir(tmp_path / "ckpt"))
+    assert {"adapter_model.safetensors", "adapter_config.json", "merged"} <= files and "model.safetensors" not in files
+    saved = load_file(str(tmp_path / "ckpt" / "adapter_model.safetensors"))
+    assert saved and all(".lora_A." in k or ".lora_B." in k for k in saved)
+
+    seqs = make_data([9, 4, 12], seed=3)["input_ids"]
+    want = eng.logprobs(seqs)
+
+    def plain_logprobs(model):
+        out = []
+        with torch.no_grad():
+            for s in seqs:
+                logits = model(input_ids=s[None]).logits[0].float()
+                out.append(torch.cat([torch.zeros(1), logits[:-1].log_softmax(-1).gather(1, s[1:, None])[:, 0]]))
+        return out
+
+    # The adapter folder on the plain base model (PEFT's own loader) gives the same log-probs.
+    base = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa", dtype=torch.float32)
+    reloaded = PeftModel.from_pretrained(base, str(tmp_path / "ckpt")).eval()
+    for a, b in zip(plain_logprobs(reloaded), want):
+        torch.testing.assert_close(a[1:], b[1:], rtol=0, atol=1e-5)
+    # The merged export loads in transformers alone, and matches.
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ckpt" / "merged"), dtype=torch.float32).eval()
+    assert not hasattr(merged, "peft_config")
+    for a, b in zip(plain_logprobs(merged), want):
+        torch.testing.assert_close(a[1:], b[1:], rtol=0, atol=1e-5)
+    # merge_adapter (the server's, no PEFT) agrees with PEFT's merge.
+    cfg, tensors = lora.read_adapter(str(tmp_path / "ckpt"))
+    plain_state = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    by_server = lora.merge_adapter(plain_state, cfg, tensors)
+    by_peft = lora.merged_state(eng.model)
+    assert len(by_server) == 2 * 4
+    for n, t in by_server.items():
+        assert torch.equal(t, by_peft[n]), n
+
+
+def test_recover_state_round_trips(model_dir, tmp_path):
+    eng = TorchEngine(model_dir, lora_role(), total_steps=10)
+    eng.train_batch(make_data([7, 5], seed=1), nll_loss, n_loss_tokens)
+    eng.save_state(str(tmp_path))
+    data = make_data([6, 9], seed=2)
+    stats_a = eng.train_batch(data, nll_loss, n_loss_tokens)
+
+    again = TorchEngine(model_dir, lora_role(), total_steps=10)
+    again.load_state(str(tmp_path))
+    assert again.version == 1
+    stats_b = again.train_batch(data, nll_loss, n_loss_tokens)
+    assert stats_a == stats_b
+    for (n, p), (_, q) in zip(eng.model.named_parameters(), again.model.named_parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_lora_config_is_checked():
+    with pytest.raises(ValueError, match="lora: only a trainable role"):
+        RoleConfig(lora=LoraConfig())
+    with pytest.raises(ValueError, match="backend=megatron"):
+        RoleConfig(trainable=True, backend="megatron", lora=LoraConfig())
+    with pytest.raises(ValueError, match="lora:"):
+        lora.apply_lora(torch.nn.Sequential(torch.nn.Linear(2, 2)), LoraConfig(target_modules=["q_proj"]))
+
+
+def test_builtin_server_applies_an_adapter_like_the_merged_export(model_dir, tmp_path):
+    """Server 1 serves the base model and loads the adapter (SGLang's /load_lora_adapter); server 2
+    serves the merged export. Same greedy tokens (and log-probs); different from the base model's;
+    after /unload_lora_adapter server 1 is the base model again."""
+    eng = TorchEngine(model_dir, lora_role(export_merged=True), total_steps=10)
+    spread_adapter(eng, 1)
+    eng.save_hf(str(tmp_path / "ckpt"))
+    servers = Servers(model_dir, tmp_path)
+    try:
+        base_url = servers.start()
+        servers.model = str(tmp_path / "ckpt" / "merged")
+        merged_url = servers.start()
+        base = greedy(base_url)
+        call(base_url, lambda c: c.load_lora_adapter("actor", str(tmp_path / "ckpt"), version=7))
+        adapted, want = greedy(base_url), greedy(merged_url)
+        assert adapted.output_ids == want.output_ids != base.output_ids
+        torch.testing.assert_close(adapted.output_logprobs, want.output_logprobs, rtol=0, atol=1e-4)
+        assert adapted.weight_version == "7"
+
+        async def named(c):  # SGLang's per-request adapter name: the loaded one is accepted
+            return await c.generate(PROMPT, GREEDY, rid="named", return_logprob=True)
+
+        from realcore.backends.gen_client import GenClient
+
+        async def with_name(client: GenClient):
+            client.lora_name = "actor"
+            return await named(client)
+
+        assert call(base_url, with_name).output_ids == want.output_ids
+
+        async def wrong_name(client: GenClient):
+            client.lora_name = "other"
+            return await named(client)
+
+        with pytest.raises(RuntimeError, match="not the loaded adapter"):
+            call(base_url, wrong_name)
+        # A folder of full weights goes to /update_weights_from_disk, an adapter folder to /load_lora_adapter.
+        call(base_url, lambda c: c.update_weights_from_disk(str(tmp_path / "ckpt"), 8))
+        assert greedy(base_url).output_ids == want.output_ids
+        call(base_url, lambda c: c.unload_lora_adapter("actor"))
+        assert greedy(base_url).output_ids == base.output_ids
+        with pytest.raises(RuntimeError, match="is not loaded"):
+            call(base_url, lambda c: c.unload_lora_adapter("actor"))
+    finally:
+        servers.stop_all()
+
+
+def test_async_run_with_lora(tmp_path):
+    """A tiny async PPO run that trains LoRA adapters: servers load each version's adapter folder
+    (disk update -> /load_lora_adapter) and end at the trainer's version; checkpoints are adapters."""
+    from test_e2e_async import run_async
+
+    out, metrics = run_async(tmp_path, "actor.lora={rank:4,alpha:8}", "rollout.max_head_offpolicyness=1", steps=3)
+    assert metrics[-1]["version"] == 3
+    log = open(out / "logs" / "gserver_manager.log").read()
+    held = {int(v): json.loads(ids) for v, ids in re.findall(r"weights v(\d+): held by servers (\[[\d, ]*\])", log)}
+    assert held == {1: [0, 1], 2: [0, 1], 3: [0, 1]}, log[-2000:]
+    ckpt = out / "checkpoints" / "step_3"
+    assert (ckpt / "adapter_model.safetensors").exists() and not (ckpt / "model.safetensors").exists()
