@@ -5,15 +5,19 @@ ends with its servers at the trainer's version."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
+import socket
+import subprocess
 
 import pytest
 import torch
 
 from realcore.api.config import LoraConfig, OptimizerConfig, RoleConfig
 from realcore.backends import lora
+from realcore.backends.gen_client import GenClient
 from realcore.backends.torch_engine import TorchEngine
 from test_torch_engine import make_data, n_loss_tokens, nll_loss
 from test_weight_broadcast import GREEDY, PROMPT, Servers, call, greedy
@@ -155,8 +159,6 @@ def test_builtin_server_applies_an_adapter_like_the_merged_export(model_dir, tmp
         async def named(c):  # SGLang's per-request adapter name: the loaded one is accepted
             return await c.generate(PROMPT, GREEDY, rid="named", return_logprob=True)
 
-        from realcore.backends.gen_client import GenClient
-
         async def with_name(client: GenClient):
             client.lora_name = "actor"
             return await named(client)
@@ -192,3 +194,85 @@ def test_async_run_with_lora(tmp_path):
     assert held == {1: [0, 1], 2: [0, 1], 3: [0, 1]}, log[-2000:]
     ckpt = out / "checkpoints" / "step_3"
     assert (ckpt / "adapter_model.safetensors").exists() and not (ckpt / "model.safetensors").exists()
+
+
+def test_sglang_command_serves_the_adapter_from_the_start(model_dir, tmp_path, monkeypatch):
+    """SGLang's launch line of a LoRA run (--enable-lora, --max-lora-rank, --lora-target-modules,
+    --lora-paths actor=<all-zero adapter>), run by the built-in server standing in for SGLang
+    (the test switch REALCORE_TEST_ENGINE_BUILTIN=1): requests name the adapter from version 0 on,
+    and the base model's tokens are unchanged by the zero adapter; an adapter above the rank bound
+    is refused, an updated adapter is loaded under the same name."""
+    from realcore.backends.server_launch import client_for, server_command
+
+    cfg = LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"])
+    argv, env = server_command("sglang", model_path=model_dir, host="127.0.0.1", port=1, tp=1, seed=3,
+                               max_batch_size=8, cuda=True, lora=cfg, private_dir=str(tmp_path))
+    assert argv[argv.index("--lora-paths") + 1] == f"actor={tmp_path}/lora-init"
+    assert argv[argv.index("--max-lora-rank") + 1] == "4" and "--enable-lora" in argv
+    monkeypatch.setenv("REALCORE_TEST_ENGINE_BUILTIN", "1")
+    servers = Servers(model_dir, tmp_path)
+    try:
+        base = greedy(servers.start())
+        port = _free_port()
+        argv, env = server_command("sglang", model_path=model_dir, host="127.0.0.1", port=port, tp=1, seed=3,
+                                   max_batch_size=8, lora=cfg, api_key="test-token", private_dir=str(tmp_path))
+        assert "realcore.serve" in argv
+        proc = subprocess.Popen(argv, env={**os.environ, **env, "OMP_NUM_THREADS": "1"},
+                                stdout=subprocess.DEVNULL, stderr=open(tmp_path / "sglang.log", "w"))
+        servers.procs[f"http://127.0.0.1:{port}"] = proc
+        url = f"http://127.0.0.1:{port}"
+
+        async def as_run(fn):  # the client a LoRA run's rollout worker makes for SGLang
+            client = client_for("sglang", url, token="test-token", timeout_s=30, lora=True)
+            try:
+                await client.wait_ready(60)
+                return await fn(client)
+            finally:
+                await client.close()
+
+        first = asyncio.run(as_run(lambda c: c.generate(PROMPT, GREEDY, rid="v0", return_logprob=True)))
+        assert first.output_ids == base.output_ids
+        info = asyncio.run(as_run(lambda c: c.server_info()))
+        assert info["lora_adapter"] == "actor"
+
+        eng = TorchEngine(model_dir, lora_role(target_modules=["q_proj", "v_proj"], export_merged=True), total_steps=1)
+        spread_adapter(eng, 2)
+        eng.save_hf(str(tmp_path / "v1"))
+        asyncio.run(as_run(lambda c: c.update_weights_from_disk(str(tmp_path / "v1"), 1)))
+        after = asyncio.run(as_run(lambda c: c.generate(PROMPT, GREEDY, rid="v1", return_logprob=True)))
+        assert after.weight_version == "1" and after.output_ids != base.output_ids
+
+        big = TorchEngine(model_dir, RoleConfig(trainable=True, lora=LoraConfig(rank=8, target_modules=["q_proj"])),
+                          total_steps=1)
+        big.save_hf(str(tmp_path / "big"))
+        with pytest.raises(RuntimeError, match="above --max-lora-rank 4"):
+            asyncio.run(as_run(lambda c: c.load_lora_adapter("actor", str(tmp_path / "big"))))
+    finally:
+        servers.stop_all()
+
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("how", ["sglang", "memory"])
+def test_async_run_with_lora_other_paths(tmp_path, monkeypatch, how):
+    """sglang: SGLang's launch line and API (the built-in server standing in, REALCORE_TEST_ENGINE_BUILTIN=1):
+    servers start with the zero adapter, every request names it, each update loads the new one.
+    memory: the trainer pushes base + adapter merged over the wire."""
+    from test_e2e_async import run_async
+
+    if how == "sglang":
+        monkeypatch.setenv("REALCORE_TEST_ENGINE_BUILTIN", "1")
+        extra = ["allocation_mode=sglang.d2p1t1+d2p1t1"]
+    else:
+        extra = ["rollout.weight_update=memory"]
+    out, metrics = run_async(tmp_path, "actor.lora={rank:4,alpha:8}", "rollout.max_head_offpolicyness=1", *extra,
+                             steps=3)
+    assert metrics[-1]["version"] == 3
+    log = open(out / "logs" / "gserver_manager.log").read()
+    held = {int(v): json.loads(ids) for v, ids in re.findall(r"weights v(\d+): held by servers (\[[\d, ]*\])", log)}
+    assert held == {1: [0, 1], 2: [0, 1], 3: [0, 1]}, log[-2000:]

@@ -29,7 +29,6 @@ from realcore.backends.server_launch import wait_http_ready
 from realcore.system import wire  # the one realcore.system module backends may use
 
 CONTROL_TIMEOUT_S = 30.0
-LORA_NAME = "actor"  # the adapter's name on the servers of a LoRA run
 FINISH_REASONS = ("stop", "length", "abort")
 PAUSE_MODES = ("abort", "retract", "in_place")
 
@@ -109,7 +108,7 @@ class GenClient:
     async def update_weights_from_disk(self, path: str, version) -> None:
         """Load the HF weights in `path` (a directory the server can read); tag them `version`.
         A LoRA adapter folder (adapter_config.json) is loaded as adapter `lora_name` instead."""
-        from realcore.backends.lora import is_adapter_dir
+        from realcore.backends.lora import LORA_NAME, is_adapter_dir
 
         if is_adapter_dir(path):
             await self.load_lora_adapter(self.lora_name or LORA_NAME, path, version)

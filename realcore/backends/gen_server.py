@@ -126,6 +126,26 @@ class _Adapter:
     done: Callable[[Any], None]
 
 
+@dataclass
+class LoraServing:
+    """SGLang's LoRA launch flags (--enable-lora, --max-lora-rank, --lora-target-modules,
+    --lora-paths): the bounds an adapter loaded later must keep (None: any), and the adapter loaded
+    at start (name, path), if any."""
+
+    max_rank: int | None = None
+    target_modules: list[str] | None = None
+    initial: tuple[str, str] | None = None
+
+    def check(self, config: dict) -> None:
+        if self.max_rank is not None and int(config["r"]) > self.max_rank:
+            raise ValueError(f"lora: the adapter's rank {config['r']} is above --max-lora-rank {self.max_rank}")
+        targets = config.get("target_modules") or []
+        targets = [targets] if isinstance(targets, str) else targets
+        if self.target_modules is not None and not set(targets) <= set(self.target_modules):
+            raise ValueError(f"lora: the adapter targets {sorted(targets)}, outside --lora-target-modules "
+                             f"{sorted(self.target_modules)}")
+
+
 # --- replies ------------------------------------------------------------------------------------
 
 
@@ -456,8 +476,9 @@ class Server:
     """The aiohttp handlers; each forwards one command to the engine thread and awaits its result."""
 
     def __init__(self, core: EngineLoop, *, model_path: str, token: str | None, max_batch_size: int,
-                 max_body_bytes: int):
+                 max_body_bytes: int, lora_serving: LoraServing | None = None):
         self.core, self.model_path, self.max_batch_size = core, model_path, max_batch_size
+        self.lora_serving = lora_serving or LoraServing()
         self.max_body_bytes = max_body_bytes
         self._authorization = f"Bearer {token}".encode() if token else None  # None: run_server checked loopback
         context = getattr(core.model.config, "max_position_embeddings", None) or NO_CONTEXT_LIMIT
@@ -638,6 +659,7 @@ class Server:
         try:
             body = http_schemas.parse(http_schemas.LoadLoRAAdapterRequest, await self._read(request), request.path)
             config, tensors = await asyncio.to_thread(lora.read_adapter, body.lora_path)  # off the engine thread
+            self.lora_serving.check(config)
             await self._call(lambda done: _Adapter(body.lora_name, config, tensors, body.weight_version, done))
         except ValueError as e:  # SGLang's shape for a refused update
             wire.count_dropped("http", "body", f"{request.path}: {one_line(e)[:200]}")
@@ -776,6 +798,7 @@ def run_server(
     on_ready: Callable[[dict], None] | None = None,
     stop_on_sigterm: bool = True,
     no_token_on_loopback: bool = False,
+    lora_serving: LoraServing | None = None,
 ) -> None:
     """Serve `model_path` until SIGTERM (returns), SystemExit or KeyboardInterrupt (propagate).
 
@@ -785,7 +808,7 @@ def run_server(
     `no_token_on_loopback`, a loopback `host` may serve without a token. Bodies over
     `max_body_bytes` answer 413. `on_ready({"http": "http://host:port", "weights": "tcp://host:port"
     or None})` is called once listening; "weights" is the in-memory update socket, present when
-    `secret` is given."""
+    `secret` is given. `lora_serving`: SGLang's LoRA flags (an adapter loaded before serving)."""
     if not token and not (no_token_on_loopback and is_loopback(host)):
         raise ValueError("gen_server: needs a token (every endpoint answers 401 without it; realcore derives one "
                          "from the run's secret, or takes rollout.server_token)")
@@ -794,7 +817,16 @@ def run_server(
     if max_body_bytes <= 0:
         raise ValueError(f"gen_server: max_body_bytes must be > 0, got {max_body_bytes}")
     core = EngineLoop(load_model(model_path), load_tokenizer(model_path), seed=seed)
-    server = Server(core, model_path=model_path, token=token, max_batch_size=max_batch_size, max_body_bytes=max_body_bytes)
+    if lora_serving is not None and lora_serving.initial is not None:
+        name, path = lora_serving.initial
+        config, tensors = lora.read_adapter(path)
+        lora_serving.check(config)
+        failed: list = []
+        core._adapter(_Adapter(name, config, tensors, None, lambda r: failed.append(r) if isinstance(r, Exception) else None))
+        if failed:
+            raise failed[0]
+    server = Server(core, model_path=model_path, token=token, max_batch_size=max_batch_size, max_body_bytes=max_body_bytes,
+                    lora_serving=lora_serving)
     server.host = host
     engine_thread = threading.Thread(target=core.run, name="gen_server-engine", daemon=True)
     engine_thread.start()

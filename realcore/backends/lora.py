@@ -19,6 +19,7 @@ import torch
 
 from realcore.api.config import LoraConfig
 
+LORA_NAME = "actor"  # the adapter's name on the generation servers of a LoRA run
 ADAPTER_NAME = "default"  # PEFT's name of the one adapter a model carries
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -130,3 +131,40 @@ def merge_adapter(base: dict[str, torch.Tensor], cfg: dict, tensors: dict[str, t
     if not out:
         raise ValueError("lora: the adapter holds no lora_A / lora_B tensors")
     return out
+
+
+def write_zero_adapter(model_path: str, cfg: LoraConfig, path: str) -> str:
+    """A PEFT adapter folder for `model_path` whose every A and B is zero: it changes nothing, as
+    the trainer's initial adapter (PEFT starts B at zero). SGLang servers start with it loaded
+    (--lora-paths), so requests can name the adapter before the first update. Shapes come from the
+    model's config alone (a meta-device model), so no weights are read. Returns `path`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    tensors: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in cfg.target_modules:
+            tensors[f"{_PREFIX}{name}.lora_A.weight"] = torch.zeros(cfg.rank, module.in_features)
+            tensors[f"{_PREFIX}{name}.lora_B.weight"] = torch.zeros(module.out_features, cfg.rank)
+    if not tensors:
+        raise ValueError(f"lora: no Linear module of {model_path!r} is named one of {cfg.target_modules}")
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank, "lora_alpha": cfg.alpha,
+              "target_modules": sorted(cfg.target_modules), "lora_dropout": 0.0, "bias": "none",
+              "fan_in_fan_out": False, "use_rslora": False, "base_model_name_or_path": model_path}
+    # Each file by rename: servers started one after another may read it while the next writes it.
+    os.makedirs(path, exist_ok=True)
+    tmp = f".tmp-{os.getpid()}"
+    safetensors.torch.save_file(tensors, os.path.join(path, ADAPTER_WEIGHTS + tmp))
+    with open(os.path.join(path, ADAPTER_CONFIG + tmp), "w") as f:
+        json.dump(config, f, indent=2)
+    os.replace(os.path.join(path, ADAPTER_WEIGHTS + tmp), os.path.join(path, ADAPTER_WEIGHTS))
+    os.replace(os.path.join(path, ADAPTER_CONFIG + tmp), os.path.join(path, ADAPTER_CONFIG))
+    return path
+
+
+def sglang_flags(cfg: LoraConfig, initial_adapter: str, name: str) -> list[str]:
+    """SGLang's launch flags for serving the adapter `name` (SGLang 0.5 server args: LoRA is off
+    unless enabled; rank and target modules bound what /load_lora_adapter may load later)."""
+    return ["--enable-lora", "--max-lora-rank", str(cfg.rank), "--lora-target-modules", *cfg.target_modules,
+            "--lora-paths", f"{name}={initial_adapter}"]

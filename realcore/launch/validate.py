@@ -191,6 +191,9 @@ def check_generation_servers(cfg: ExperimentConfig, alloc: AllocationMode) -> No
         raise ConfigError(f"allocation_mode: {missing}")
     if alloc.backend != "local" and cfg.rollout.weight_update == "memory":
         raise ConfigError("rollout.weight_update: memory works with built-in servers only (allocation_mode local.*)")
+    if alloc.backend == "vllm" and cfg.actor.lora is not None:
+        raise ConfigError("actor.lora: LoRA runs serve the adapter on built-in or SGLang servers (vLLM's adapter "
+                          "loading is not wired); use local.* or sglang.*")
     if alloc.backend == "vllm" and cfg.rollout.weight_update == "nccl":
         raise ConfigError("rollout.weight_update: nccl works with built-in and SGLang servers (vLLM's weight transfer "
                           "engine has its own rendezvous, docs/weight-update.md); use disk with vllm.*")
