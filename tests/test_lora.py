@@ -187,13 +187,17 @@ def test_async_run_with_lora(tmp_path):
     (disk update -> /load_lora_adapter) and end at the trainer's version; checkpoints are adapters."""
     from test_e2e_async import run_async
 
-    out, metrics = run_async(tmp_path, "actor.lora={rank:4,alpha:8}", "rollout.max_head_offpolicyness=1", steps=3)
+    out, metrics = run_async(tmp_path, "actor.lora={rank:4,alpha:8,export_merged:true}",
+                             "rollout.max_head_offpolicyness=1", steps=3)
     assert metrics[-1]["version"] == 3
+    assert sorted(f for f in os.listdir(out / "weights" / "v3") if f.endswith(".safetensors")) == [
+        "adapter_model.safetensors"] and not (out / "weights" / "v3" / "merged").exists()
     log = open(out / "logs" / "gserver_manager.log").read()
     held = {int(v): json.loads(ids) for v, ids in re.findall(r"weights v(\d+): held by servers (\[[\d, ]*\])", log)}
     assert held == {1: [0, 1], 2: [0, 1], 3: [0, 1]}, log[-2000:]
     ckpt = out / "checkpoints" / "step_3"
     assert (ckpt / "adapter_model.safetensors").exists() and not (ckpt / "model.safetensors").exists()
+    assert (ckpt / "merged" / "model.safetensors").exists()
 
 
 def test_sglang_command_serves_the_adapter_from_the_start(model_dir, tmp_path, monkeypatch):
@@ -276,3 +280,20 @@ def test_async_run_with_lora_other_paths(tmp_path, monkeypatch, how):
     log = open(out / "logs" / "gserver_manager.log").read()
     held = {int(v): json.loads(ids) for v, ids in re.findall(r"weights v(\d+): held by servers (\[[\d, ]*\])", log)}
     assert held == {1: [0, 1], 2: [0, 1], 3: [0, 1]}, log[-2000:]
+
+
+def test_sync_run_with_lora_on_two_data_parallel_ranks(tmp_path):
+    """ppo-math (sync, generation colocated with training through the PEFT-wrapped model, DP=2):
+    the adapters' gradients are all-reduced like full weights; the run ends with an adapter checkpoint."""
+    from test_e2e_sync import assert_all_gone, assert_clean_logs, launch_cmd
+
+    out = tmp_path / "run"
+    cmd = launch_cmd(out, "trainer.total_steps=2", "actor.lora={rank:4,alpha:8}", "eval.freq_steps=null",
+                     cache=str(tmp_path / "cache"))
+    r = subprocess.run(cmd, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert [json.loads(x)["step"] for x in open(out / "metrics.jsonl")] == [1, 2]
+    assert (out / "checkpoints" / "step_2" / "adapter_model.safetensors").exists()
+    assert_all_gone(str(out))
+    assert_clean_logs(str(out), r.stdout, r.stderr)

@@ -83,7 +83,7 @@ class LoraConfig(_Strict):
         description="names (last component) of the Linear modules that get an adapter, e.g. q_proj, gate_proj")
     dropout: float = Field(0.0, ge=0, lt=1, description="lora_dropout on the adapter's input during training")
     export_merged: bool = Field(
-        False, description="save_hf (checkpoints, trainer.save_freq) also writes `merged/`: the base weights with "
+        False, description="save_hf (checkpoints, trainer.save_freq_steps) also writes `merged/`: the base weights with "
         "the adapter merged in, a plain HF model that loads in transformers alone")
 
 

@@ -187,17 +187,18 @@ class TorchEngine(Engine):
         """The full weights under HF names, what servers load (with LoRA: base + adapter merged)."""
         return lora.merged_state(self.model) if self.role.lora is not None else self.model.state_dict()
 
-    def save_hf(self, path: str) -> None:
+    def save_hf(self, path: str, *, merged: bool = True) -> None:
         """Write a HF checkpoint atomically (tmp dir + rename). Only rank 0 of the group writes:
         weights are identical on every data-parallel rank. With LoRA: the adapter folder (PEFT's
-        adapter_model.safetensors + adapter_config.json), plus `merged/` when lora.export_merged."""
+        adapter_model.safetensors + adapter_config.json), plus `merged/` when lora.export_merged
+        and `merged` (weights for servers skip it)."""
         if self.rank != 0:
             return
         path = os.path.abspath(path)
         tmp, old = f"{path}.tmp-{os.getpid()}", f"{path}.old-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         self.model.save_pretrained(tmp)  # transformers 5 always writes safetensors; PEFT: the adapter only
-        if self.role.lora is not None and self.role.lora.export_merged:
+        if merged and self.role.lora is not None and self.role.lora.export_merged:
             lora.save_merged(self.model, os.path.join(tmp, "merged"))
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(os.path.join(tmp, "merged"))
