@@ -174,6 +174,12 @@ def test_builtin_server_applies_an_adapter_like_the_merged_export(model_dir, tmp
         # A folder of full weights goes to /update_weights_from_disk, an adapter folder to /load_lora_adapter.
         call(base_url, lambda c: c.update_weights_from_disk(str(tmp_path / "ckpt"), 8))
         assert greedy(base_url).output_ids == want.output_ids
+        # Loading again without unloading replaces the adapter (merged onto the base, not onto itself).
+        body = {"lora_name": "actor", "lora_path": str(tmp_path / "ckpt")}
+        call(base_url, lambda c: c._request("POST", "/load_lora_adapter", body, 30))
+        again = greedy(base_url)
+        assert again.output_ids == want.output_ids
+        torch.testing.assert_close(again.output_logprobs, want.output_logprobs, rtol=0, atol=1e-4)
         call(base_url, lambda c: c.unload_lora_adapter("actor"))
         assert greedy(base_url).output_ids == base.output_ids
         with pytest.raises(RuntimeError, match="is not loaded"):
