@@ -11,6 +11,7 @@ import os
 import re
 import socket
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -201,6 +202,10 @@ def test_async_run_with_lora(tmp_path):
     log = open(out / "logs" / "gserver_manager.log").read()
     held = {int(v): json.loads(ids) for v, ids in re.findall(r"weights v(\d+): held by servers (\[[\d, ]*\])", log)}
     assert held == {1: [0, 1], 2: [0, 1], 3: [0, 1]}, log[-2000:]
+    for i in (0, 1):  # every update reached the servers as an adapter (not as full weights)
+        server_log = open(out / "logs" / f"gen_server-{i}.log").read()
+        loaded = re.findall(r"LoRA adapter 'actor' merged into \d+ weights \(version (\d+)\)", server_log)
+        assert {"1", "2", "3"} <= set(loaded), server_log[-2000:]
     ckpt = out / "checkpoints" / "step_3"
     assert (ckpt / "adapter_model.safetensors").exists() and not (ckpt / "model.safetensors").exists()
     assert (ckpt / "merged" / "model.safetensors").exists()
@@ -286,6 +291,10 @@ def test_async_run_with_lora_other_paths(tmp_path, monkeypatch, how):
     log = open(out / "logs" / "gserver_manager.log").read()
     held = {int(v): json.loads(ids) for v, ids in re.findall(r"weights v(\d+): held by servers (\[[\d, ]*\])", log)}
     assert held == {1: [0, 1], 2: [0, 1], 3: [0, 1]}, log[-2000:]
+    for i in (0, 1):  # every update reached the servers as an adapter (not as full weights)
+        server_log = open(out / "logs" / f"gen_server-{i}.log").read()
+        loaded = re.findall(r"LoRA adapter 'actor' merged into \d+ weights \(version (\d+)\)", server_log)
+        assert {"1", "2", "3"} <= set(loaded), server_log[-2000:]
 
 
 def test_sync_run_with_lora_on_two_data_parallel_ranks(tmp_path):
@@ -303,3 +312,40 @@ def test_sync_run_with_lora_on_two_data_parallel_ranks(tmp_path):
     assert (out / "checkpoints" / "step_2" / "adapter_model.safetensors").exists()
     assert_all_gone(str(out))
     assert_clean_logs(str(out), r.stdout, r.stderr)
+
+
+def test_in_memory_push_of_the_adapter_alone(model_dir, tmp_path):
+    """rollout.weight_update=memory with LoRA: the trainer pushes the adapter's tensors alone with
+    its config over the authenticated wire; the server applies them as /load_lora_adapter would."""
+    from realcore.backends.gen_client import push_weights
+    from test_gen_server import MAX_BODY, SECRET, SERVER, TOKEN
+
+    eng = TorchEngine(model_dir, lora_role(), total_steps=1)
+    spread_adapter(eng, 3)
+    eng.save_hf(str(tmp_path / "ckpt"))
+    log = open(tmp_path / "server.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-c", SERVER, model_dir, TOKEN, str(MAX_BODY)], stdout=subprocess.PIPE,
+                            stderr=log, env={**os.environ, "OMP_NUM_THREADS": "1", "SECRET_HEX": SECRET.hex()}, text=True)
+    try:
+        addrs = json.loads(proc.stdout.readline())
+        url = addrs["http"]
+        base = greedy(url)
+        state = lora.adapter_state(eng.model)
+        assert all(".lora_A." in n or ".lora_B." in n for n in state)
+        header = {"name": "actor", "config": lora.adapter_config(eng.role.lora)}
+        push_weights(addrs["weights"], SECRET, "5", state, 30, lora=header)
+        pushed = greedy(url)
+        assert pushed.weight_version == "5" and pushed.output_ids != base.output_ids
+        assert call(url, lambda c: c.server_info())["lora_adapter"] == "actor"
+        call(url, lambda c: c.unload_lora_adapter("actor"))
+        assert greedy(url).output_ids == base.output_ids
+        call(url, lambda c: c.load_lora_adapter("actor", str(tmp_path / "ckpt")))
+        from_disk = greedy(url)
+        assert from_disk.output_ids == pushed.output_ids
+        torch.testing.assert_close(from_disk.output_logprobs, pushed.output_logprobs, rtol=0, atol=0)
+        with pytest.raises(RuntimeError, match="lora_alpha"):
+            push_weights(addrs["weights"], SECRET, "6", state, 30, lora={"name": "actor", "config": {"r": 4}})
+        assert greedy(url).output_ids == pushed.output_ids  # a refused push changes nothing
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0

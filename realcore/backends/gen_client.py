@@ -259,10 +259,12 @@ async def generate_resumable(
 
 def push_weights(
     address: str, secret: bytes, version: str, state_dict: dict[str, torch.Tensor], timeout_s: float,
-    connect_timeout_s: float = CONTROL_TIMEOUT_S, limits: wire.Limits | None = None,
+    connect_timeout_s: float = CONTROL_TIMEOUT_S, limits: wire.Limits | None = None, lora: dict | None = None,
 ) -> None:
     """Send weights to a built-in server's in-memory update socket (`on_ready(...)["weights"]`)
     and wait until they are applied. The tensors must stay unchanged until this returns (zero-copy).
+    `lora` ({"name", "config": adapter_config.json's fields}): the tensors are a LoRA adapter (PEFT's
+    names), which the server loads as /load_lora_adapter would.
 
     A server that is gone fails fast instead of at `timeout_s`: ConnectionError when no connection
     is made within `connect_timeout_s`, or when the connection drops before the reply (a socket
@@ -281,7 +283,8 @@ def push_weights(
     try:
         sock.connect(address)
         try:
-            wire.send(sock, {"version": str(version), "names": names}, tensors, endpoint=endpoint, to=address)
+            header = {"version": str(version), "names": names, **({"lora": lora} if lora is not None else {})}
+            wire.send(sock, header, tensors, endpoint=endpoint, to=address)
         except zmq.Again:
             raise ConnectionError(f"push_weights: no connection to {address} within {connect_timeout_s:g} s") from None
         poller = zmq.Poller()

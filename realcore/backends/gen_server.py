@@ -378,6 +378,7 @@ class EngineLoop:
         self.adapter, self.lora_base = c.name, base
         if c.version is not None:
             self.weight_version = str(c.version)
+        log.info("gen_server: LoRA adapter %r merged into %d weights (version %s)", c.name, len(merged), self.weight_version)
         c.done({})
 
     def info(self) -> dict:
@@ -432,10 +433,17 @@ class WeightsReceiver:
             if not result.done():
                 result.set_result(value)
 
+        adapter = header.get("lora")
         try:
-            self.core.submit(_Weights(dict(zip(names, tensors)), version, done))
+            if adapter is not None:  # a LoRA adapter's tensors, loaded as /load_lora_adapter would
+                if not isinstance(adapter, dict) or not isinstance(adapter.get("name"), str):
+                    return {"ok": False, "error": "weights: lora needs a name (str) and a config"}
+                config = lora.check_config(adapter.get("config"))
+                self.core.submit(_Adapter(adapter["name"], config, dict(zip(names, tensors)), version, done))
+            else:
+                self.core.submit(_Weights(dict(zip(names, tensors)), version, done))
             outcome = result.result(timeout=CONTROL_TIMEOUT_S)
-        except (RuntimeError, TimeoutError) as e:
+        except (RuntimeError, TimeoutError, ValueError) as e:
             outcome = e
         if isinstance(outcome, BaseException):
             return {"ok": False, "error": one_line(outcome)}

@@ -88,6 +88,29 @@ def save_merged(model, path: str) -> None:
         base.generation_config.save_pretrained(path)
 
 
+def adapter_config(cfg: LoraConfig) -> dict:
+    """The adapter_config.json fields that say how to apply an adapter trained with `cfg`
+    (apply_lora's PEFT settings: no rsLoRA, weights stored (out, in))."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank, "lora_alpha": cfg.alpha,
+            "target_modules": sorted(cfg.target_modules), "lora_dropout": 0.0, "bias": "none",
+            "fan_in_fan_out": False, "use_rslora": False}
+
+
+def check_config(cfg) -> dict:
+    """An adapter config (adapter_config.json, or one sent with in-memory tensors) that
+    merge_adapter can apply; ValueError otherwise."""
+    if not isinstance(cfg, dict):
+        raise ValueError("lora: the adapter config is not a mapping")
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"lora: a {cfg.get('peft_type')} adapter, not LORA")
+    r, alpha = cfg.get("r"), cfg.get("lora_alpha")
+    if type(r) is not int or r <= 0 or type(alpha) not in (int, float) or not math.isfinite(alpha):
+        raise ValueError(f"lora: the adapter config needs r (an int > 0) and lora_alpha (a number), got {r!r}, {alpha!r}")
+    if cfg.get("rank_pattern") or cfg.get("alpha_pattern") or cfg.get("use_dora"):
+        raise ValueError("lora: rank_pattern, alpha_pattern and DoRA are not supported")
+    return cfg
+
+
 def is_adapter_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, ADAPTER_CONFIG))
 
@@ -99,10 +122,10 @@ def read_adapter(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
         raise ValueError(f"lora: {path!r} holds no {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}")
     with open(cfg_file) as f:
         cfg = json.load(f)
-    if cfg.get("peft_type", "LORA") != "LORA":
-        raise ValueError(f"lora: {path!r} is a {cfg.get('peft_type')} adapter, not LORA")
-    if cfg.get("rank_pattern") or cfg.get("alpha_pattern") or cfg.get("use_dora"):
-        raise ValueError(f"lora: {path!r}: rank_pattern, alpha_pattern and DoRA are not supported")
+    try:
+        check_config(cfg)
+    except ValueError as e:
+        raise ValueError(f"{e} ({path!r})") from None
     return cfg, safetensors.torch.load_file(weights)
 
 
@@ -149,9 +172,7 @@ def write_zero_adapter(model_path: str, cfg: LoraConfig, path: str) -> str:
             tensors[f"{_PREFIX}{name}.lora_B.weight"] = torch.zeros(module.out_features, cfg.rank)
     if not tensors:
         raise ValueError(f"lora: no Linear module of {model_path!r} is named one of {cfg.target_modules}")
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank, "lora_alpha": cfg.alpha,
-              "target_modules": sorted(cfg.target_modules), "lora_dropout": 0.0, "bias": "none",
-              "fan_in_fan_out": False, "use_rslora": False, "base_model_name_or_path": model_path}
+    config = {**adapter_config(cfg), "base_model_name_or_path": model_path}
     # Each file by rename: servers started one after another may read it while the next writes it.
     os.makedirs(path, exist_ok=True)
     tmp = f".tmp-{os.getpid()}"

@@ -242,13 +242,20 @@ class ModelWorker:
         if msg.servers:
             from realcore.backends.gen_client import push_weights
 
-            # Megatron: every rank joins the gather. Torch: rank 0's (with LoRA, base + adapter merged).
-            state = engine.hf_state_dict() if sharded or self.index == 0 else None
+            # Megatron: every rank joins the gather. Torch: rank 0's; with LoRA the adapter alone.
+            lora_cfg, adapter = self.cfg.actor.lora, None
+            if lora_cfg is not None:
+                from realcore.backends import lora
+
+                state = lora.adapter_state(engine.model) if self.index == 0 else None
+                adapter = {"name": lora.LORA_NAME, "config": lora.adapter_config(lora_cfg)}
+            else:
+                state = engine.hf_state_dict() if sharded or self.index == 0 else None
             failed = []
             for address in msg.servers if self.index == 0 else []:
                 try:  # a server that died is caught up after its restart; the others get the weights now
                     push_weights(address, self.control.secret, str(msg.version), state, self.cfg.system.request_timeout_s,
-                                 limits=wire.Limits.of(self.cfg.system))
+                                 limits=wire.Limits.of(self.cfg.system), lora=adapter)
                 except (ConnectionError, TimeoutError) as e:
                     log.warning("weights not pushed to %s: %s", address, e)
                     failed.append(address)
