@@ -24,6 +24,7 @@ from test_torch_engine import make_data, n_loss_tokens, nll_loss
 from test_weight_broadcast import GREEDY, PROMPT, Servers, call, greedy
 
 pytestmark = pytest.mark.timeout(300)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 torch.set_num_threads(1)
 
 
@@ -57,6 +58,10 @@ def test_only_adapters_train_and_base_weights_stay_bit_identical(model_dir):
     assert {id(p) for g in eng.optimizer.param_groups for p in g["params"]} == {id(p) for p in eng.params}
     assert len(eng.params) == len(names) == 2 * 2 * 3  # A and B, 2 layers, 3 target modules
     before = {n: p.detach().clone() for n, p in eng.model.named_parameters()}
+    # Every data-parallel rank builds the same adapter (PEFT's random A is drawn from the seed).
+    torch.manual_seed(123)  # whatever the global random state
+    twin = TorchEngine(model_dir, lora_role(target_modules=["q_proj", "v_proj", "down_proj"]), total_steps=10)
+    assert all(torch.equal(p, before[n]) for n, p in twin.model.named_parameters())
     eng.train_batch(make_data([7, 5, 9], seed=1), nll_loss, n_loss_tokens)
     eng.train_batch(make_data([6, 8], seed=2), nll_loss, n_loss_tokens)
     after = dict(eng.model.named_parameters())
@@ -117,6 +122,8 @@ def test_recover_state_round_trips(model_dir, tmp_path):
     eng = TorchEngine(model_dir, lora_role(), total_steps=10)
     eng.train_batch(make_data([7, 5], seed=1), nll_loss, n_loss_tokens)
     eng.save_state(str(tmp_path))
+    saved = torch.load(tmp_path / "engine.pt", weights_only=True)["model"]
+    assert saved and all("lora_" in n for n in saved)  # the frozen base is not saved again
     data = make_data([6, 9], seed=2)
     stats_a = eng.train_batch(data, nll_loss, n_loss_tokens)
 
@@ -135,7 +142,7 @@ def test_lora_config_is_checked():
     with pytest.raises(ValueError, match="backend=megatron"):
         RoleConfig(trainable=True, backend="megatron", lora=LoraConfig())
     with pytest.raises(ValueError, match="lora:"):
-        lora.apply_lora(torch.nn.Sequential(torch.nn.Linear(2, 2)), LoraConfig(target_modules=["q_proj"]))
+        lora.apply_lora(torch.nn.Sequential(torch.nn.Linear(2, 2)), LoraConfig(target_modules=["q_proj"]), seed=0)
 
 
 def test_builtin_server_applies_an_adapter_like_the_merged_export(model_dir, tmp_path):
@@ -305,8 +312,7 @@ def test_sync_run_with_lora_on_two_data_parallel_ranks(tmp_path):
     out = tmp_path / "run"
     cmd = launch_cmd(out, "trainer.total_steps=2", "actor.lora={rank:4,alpha:8}", "eval.freq_steps=null",
                      cache=str(tmp_path / "cache"))
-    r = subprocess.run(cmd, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), capture_output=True,
-                       text=True, timeout=600)
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert [json.loads(x)["step"] for x in open(out / "metrics.jsonl")] == [1, 2]
     assert (out / "checkpoints" / "step_2" / "adapter_model.safetensors").exists()
@@ -349,3 +355,41 @@ def test_in_memory_push_of_the_adapter_alone(model_dir, tmp_path):
     finally:
         proc.terminate()
         assert proc.wait(timeout=30) == 0
+
+
+def test_sync_recovery_with_lora_is_exact(tmp_path, lora_env):
+    """A LoRA run whose model worker is killed at step 3 restarts from its recover checkpoint
+    (adapters, adapter-only optimizer state) and ends with the adapter, metrics and ledger of a
+    run never interrupted."""
+    from safetensors.torch import load_file
+
+    from test_recovery import cmd, kill_when, metrics
+
+    env, cache = lora_env
+    lora_cfg = "actor.lora={rank:4,alpha:8}"
+    ref = str(tmp_path / "straight")
+    r = subprocess.run(cmd(ref, lora_cfg, cache=cache), cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = str(tmp_path / "run")
+    proc = subprocess.Popen(cmd(out, lora_cfg, "recover_mode=auto", "trainer.recover_freq_steps=2", "recover_delay_s=0",
+                                cache=cache), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        kill_when(proc, out, "model_worker/1", 3)
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert re.search(r"resuming from step [246] ", stdout), stdout[-2000:]
+    a, b = (load_file(os.path.join(d, "checkpoints", "step_6", "adapter_model.safetensors")) for d in (out, ref))
+    assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
+    keys = ("step", "loss", "reward/mean")
+    assert [[m[k] for k in keys] for m in metrics(out)] == [[m[k] for k in keys] for m in metrics(ref)]
+    assert open(os.path.join(out, "ledger.jsonl")).read() == open(os.path.join(ref, "ledger.jsonl")).read()
+
+
+@pytest.fixture
+def lora_env(tmp_path):
+    from test_recovery import PLUGIN
+
+    (tmp_path / "rc_test_plugin.py").write_text(PLUGIN)
+    return {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}", "OMP_NUM_THREADS": "1"}, str(tmp_path / "cache")

@@ -26,16 +26,20 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _PREFIX = "base_model.model."  # PEFT's prefix of the wrapped model's module names
 
 
-def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
-    """`model` wrapped by PEFT with one LoRA adapter; every base weight frozen (requires_grad False)."""
+def apply_lora(model: torch.nn.Module, cfg: LoraConfig, *, seed: int) -> torch.nn.Module:
+    """`model` wrapped by PEFT with one LoRA adapter; every base weight frozen (requires_grad False).
+    PEFT draws A at random: from `seed`, so that every data-parallel rank (and a run started again)
+    starts from the same adapter; the caller's random state is left as it was."""
     from peft import LoraConfig as PeftLoraConfig, get_peft_model
 
     peft_cfg = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, target_modules=list(cfg.target_modules),
                               lora_dropout=cfg.dropout, bias="none", task_type="CAUSAL_LM")
-    try:
-        return get_peft_model(model, peft_cfg)
-    except ValueError as e:  # e.g. no module matches target_modules
-        raise ValueError(f"lora: {e}") from None
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            return get_peft_model(model, peft_cfg)
+        except ValueError as e:  # e.g. no module matches target_modules
+            raise ValueError(f"lora: {e}") from None
 
 
 def is_lora(model: torch.nn.Module) -> bool:
@@ -67,6 +71,20 @@ def merged_state(model) -> dict[str, torch.Tensor]:
                 w = module.get_base_layer().weight
                 out[f"{name}.weight"] = w + module.get_delta_weight(ADAPTER_NAME).to(w.dtype)
     return out
+
+
+def recover_state(model) -> dict[str, torch.Tensor]:
+    """The wrapped model's state-dict entries that training changes (the adapters), for recover
+    checkpoints: the frozen base is the model directory's, so it is not saved again."""
+    return {n: t for n, t in model.state_dict().items() if "lora_" in n}
+
+
+def load_recover_state(model, state: dict[str, torch.Tensor]) -> None:
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    lost = [n for n in missing if "lora_" in n]
+    if unexpected or lost:
+        raise ValueError(f"lora: the recover state does not fit this model's adapters (unexpected {unexpected[:3]}, "
+                         f"missing {lost[:3]})")
 
 
 def save_adapter(model, path: str) -> None:

@@ -52,7 +52,7 @@ class TorchEngine(Engine):
         self.model = AutoModelForCausalLM.from_pretrained(model_path, attn_implementation="sdpa", dtype=torch.float32)
         self.model.to(self.device)
         if role.lora is not None:  # PEFT wrapper: base weights frozen, only the adapters train
-            self.model = lora.apply_lora(self.model, role.lora)
+            self.model = lora.apply_lora(self.model, role.lora, seed=seed)
         self.tokenizer = _load_tokenizer(model_path)
         self._gen_engine = None
         self.optimizer = self.scheduler = None
@@ -213,9 +213,10 @@ class TorchEngine(Engine):
 
     def save_state(self, path: str) -> None:
         """One file per rank (DP replicas hold identical weights and optimizer state, but each
-        keeps its own random state and generation counter)."""
+        keeps its own random state and generation counter). With LoRA only the adapters: the
+        frozen base is the model directory's."""
         state = {
-            "model": self.model.state_dict(),
+            "model": lora.recover_state(self.model) if self.role.lora is not None else self.model.state_dict(),
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "version": self.version,
@@ -227,7 +228,10 @@ class TorchEngine(Engine):
 
     def load_state(self, path: str) -> None:
         state = torch.load(os.path.join(path, "engine.pt"), map_location=self.device, weights_only=True)
-        self.model.load_state_dict(state["model"])
+        if self.role.lora is not None:
+            lora.load_recover_state(self.model, state["model"])
+        else:
+            self.model.load_state_dict(state["model"])
         if self.optimizer is not None:
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
