@@ -297,11 +297,16 @@ def test_async_run_with_lora_other_paths(tmp_path, monkeypatch, how):
     assert metrics[-1]["version"] == 3
     log = open(out / "logs" / "gserver_manager.log").read()
     held = {int(v): json.loads(ids) for v, ids in re.findall(r"weights v(\d+): held by servers (\[[\d, ]*\])", log)}
-    assert held == {1: [0, 1], 2: [0, 1], 3: [0, 1]}, log[-2000:]
+    # Every server ends at the trainer's version: updated with the others, or (one still starting
+    # at an update, as SGLang servers the launcher starts may be) caught up by the manager.
+    for i in (0, 1):
+        assert i in held[3] or f"server {i} caught up to version 3" in log, log[-2000:]
+    loaded = {}
     for i in (0, 1):  # every update reached the servers as an adapter (not as full weights)
         server_log = open(out / "logs" / f"gen_server-{i}.log").read()
-        loaded = re.findall(r"LoRA adapter 'actor' merged into \d+ weights \(version (\d+)\)", server_log)
-        assert {"1", "2", "3"} <= set(loaded), server_log[-2000:]
+        loaded[i] = re.findall(r"LoRA adapter 'actor' merged into \d+ weights \(version (\d+)\)", server_log)
+        assert loaded[i][-1] == "3", server_log[-2000:]
+    assert {"1", "2", "3"} <= set(loaded[0]) | set(loaded[1])
 
 
 def test_sync_run_with_lora_on_two_data_parallel_ranks(tmp_path):

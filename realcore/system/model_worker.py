@@ -260,10 +260,11 @@ class ModelWorker:
                     log.warning("weights not pushed to %s: %s", address, e)
                     failed.append(address)
             return Published(failed)
-        if self.cfg.actor.lora is not None and self.index == 0:  # servers load the adapter alone: no merged export
-            engine.save_hf(msg.path, merged=False)
-        elif self.index == 0 or sharded:
-            engine.save_hf(msg.path)
+        if self.index == 0 or sharded:
+            if self.cfg.actor.lora is not None:  # servers load the adapter alone: no merged export
+                engine.save_hf(msg.path, merged=False)
+            else:
+                engine.save_hf(msg.path)
         if self.index == 0 and msg.http:
             asyncio.run(self._servers_load(msg.http, msg.path, msg.version))
 
