@@ -22,6 +22,7 @@ install_requires = [
     "aiohttp>=3.9",
     "psutil>=5.9",
     "openai==3.54.0",  # the client of OpenAI-compatible servers; its types shape the workflow chat client
+    "peft==0.21.2",  # LoRA adapters (actor.lora); pure Python, uses the torch above (no CUDA build pulled)
 ]
 
 setup(

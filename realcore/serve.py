@@ -13,6 +13,10 @@ Flags:
   engine has none of these): `--skip-server-warmup`, `--attention-backend`, `--max-total-tokens`,
   `--mem-fraction-static`, `--disable-cuda-graph`, `--trust-remote-code`, `--dtype` (it serves
   in float32).
+- LoRA (SGLang's): `--enable-lora`, `--max-lora-rank N` and `--lora-target-modules M ...` (bounds
+  of the adapters /load_lora_adapter accepts), `--lora-paths NAME=PATH` (loaded at start; at most
+  one: the built-in server holds one adapter, merged into its weights), `--max-loras-per-batch`
+  (accepted; one adapter is one per batch).
 - accepted only with the value that holds here: `--tp-size`/`--tensor-parallel-size` 1,
   `--dp-size` 1, `--device cpu`. Any other flag is an error (exit 2), never ignored silently.
 
@@ -67,6 +71,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1, help="must be 1")
     p.add_argument("--dp-size", type=int, default=1, help="must be 1 (start one server per replica)")
     p.add_argument("--device", default="cpu", help="must be cpu")
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (/load_lora_adapter)")
+    p.add_argument("--max-lora-rank", type=int, default=None, help="the largest adapter rank accepted")
+    p.add_argument("--lora-target-modules", nargs="+", default=None, help="the modules an adapter may target")
+    p.add_argument("--lora-paths", nargs="+", default=None, help="NAME=PATH (or PATH) of the adapter loaded at start")
+    p.add_argument("--max-loras-per-batch", type=int, default=None, help="accepted (the built-in server holds one)")
     for name, takes_value in IGNORED.items():
         if takes_value:
             p.add_argument(f"--{name}", default=None, help="ignored (SGLang only)")
@@ -128,7 +137,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"--max-running-requests must be >= 1, got {args.max_running_requests}")
     if not 0 <= args.port < 65536:
         p.error(f"--port must be in [0, 65535], got {args.port}")
+    if args.lora_paths and len(args.lora_paths) > 1:
+        p.error(f"--lora-paths: the built-in engine holds one adapter, got {len(args.lora_paths)}")
     return args
+
+
+def lora_serving(args: argparse.Namespace):
+    """SGLang's LoRA flags -> gen_server.LoraServing, or None when LoRA is off (as SGLang,
+    --lora-paths turns it on)."""
+    from realcore.backends.gen_server import LoraServing
+
+    if not (args.enable_lora or args.lora_paths):
+        return None
+    initial = None
+    if args.lora_paths:
+        name, sep, path = args.lora_paths[0].partition("=")
+        initial = (name, path) if sep else (name, name)
+    return LoraServing(args.max_lora_rank, args.lora_target_modules, initial)
 
 
 def api_key(args: argparse.Namespace) -> str | None:
@@ -164,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         run_server(args.model_path, host=args.host, port=args.port, seed=args.random_seed,
-                   max_batch_size=args.max_running_requests, token=key, on_ready=ready, no_token_on_loopback=True)
+                   max_batch_size=args.max_running_requests, token=key, on_ready=ready, no_token_on_loopback=True,
+                   lora_serving=lora_serving(args))
     except KeyboardInterrupt:
         return 130
     except (ValueError, OSError) as e:  # a bad model path, a port in use: one line, no traceback

@@ -72,6 +72,21 @@ class MegatronConfig(_Strict):
         "moe_token_dispatcher_type); no effect on dense models")
 
 
+class LoraConfig(_Strict):
+    """LoRA adapters (PEFT) on a trainable torch-backend role: only the adapters train, and weight
+    updates and checkpoints carry only them (docs/lora.md)."""
+
+    rank: int = Field(8, gt=0, description="r: the inner dimension of each adapter's A (r x in) and B (out x r)")
+    alpha: float = Field(16.0, gt=0, description="lora_alpha: the adapter's output is scaled by alpha / rank")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1,
+        description="names (last component) of the Linear modules that get an adapter, e.g. q_proj, gate_proj")
+    dropout: float = Field(0.0, ge=0, lt=1, description="lora_dropout on the adapter's input during training")
+    export_merged: bool = Field(
+        False, description="save_hf (checkpoints, trainer.save_freq_steps) also writes `merged/`: the base weights with "
+        "the adapter merged in, a plain HF model that loads in transformers alone")
+
+
 class RoleConfig(_Strict):
     """A model role (actor, ref): its backend and, if trainable, its optimizer."""
 
@@ -96,9 +111,16 @@ class RoleConfig(_Strict):
         False, description="trainable roles: keep only each transformer layer's input and recompute the layer in "
         "backward (less activation memory, about one more forward of compute). torch: HF gradient checkpointing; "
         "megatron: megatron-core full recompute, one layer per unit")
+    lora: LoraConfig | None = Field(
+        None, description="trainable torch roles: train LoRA adapters on the frozen base model instead of every "
+        "weight (None: full fine-tuning)")
 
     @model_validator(mode="after")
     def _check(self) -> "RoleConfig":
+        if self.lora is not None and not self.trainable:
+            raise ValueError("lora: only a trainable role trains adapters (set trainable: true or drop lora)")
+        if self.lora is not None and self.backend == "megatron":
+            raise ValueError("lora: backend=megatron has no LoRA in realcore; use backend=torch")
         if self.gradient_checkpointing and not self.trainable:
             raise ValueError("gradient_checkpointing: only a trainable role runs backward (set trainable: true "
                              "or drop it)")

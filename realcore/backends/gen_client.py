@@ -87,8 +87,10 @@ class GenClient:
     `token`: the server's bearer token (a run's: realcore.backends.server_launch.server_token),
     sent on every call, health and readiness probes included (docs/security.md)."""
 
-    def __init__(self, base_url: str, *, token: str | None = None, timeout_s: float = 600.0):
+    def __init__(self, base_url: str, *, token: str | None = None, timeout_s: float = 600.0,
+                 lora_name: str | None = None):
         self.base_url = base_url.rstrip("/")
+        self.lora_name = lora_name  # LoRA runs: every /generate names the adapter (SGLang's lora_path)
         self.token = token
         self.timeout_s = float(timeout_s)
         self._session: aiohttp.ClientSession | None = None
@@ -98,15 +100,43 @@ class GenClient:
     ) -> GenReply:
         body = {"input_ids": list(input_ids), "sampling_params": sampling_params, "return_logprob": return_logprob}
         body["rid"] = rid
+        if self.lora_name is not None:
+            body["lora_path"] = self.lora_name
         data = await self._request("POST", "/generate", body, self.timeout_s)
         return parse_generate_reply(data, return_logprob=return_logprob)
 
     async def update_weights_from_disk(self, path: str, version) -> None:
-        """Load the HF weights in `path` (a directory the server can read); tag them `version`."""
+        """Load the HF weights in `path` (a directory the server can read); tag them `version`.
+        A LoRA adapter folder (adapter_config.json) is loaded as adapter `lora_name` instead."""
+        from realcore.backends.lora import LORA_NAME, is_adapter_dir
+
+        if is_adapter_dir(path):
+            await self.load_lora_adapter(self.lora_name or LORA_NAME, path, version)
+            return
         body = {"model_path": path, "weight_version": str(version)}
         data = await self._request("POST", "/update_weights_from_disk", body, self.timeout_s)
         if not data.get("success"):
             raise RuntimeError(f"update_weights_from_disk({path!r}) failed: {data.get('message')}")
+
+    async def load_lora_adapter(self, name: str, path: str, version=None) -> None:
+        """SGLang's /load_lora_adapter, after /unload_lora_adapter of the same name (SGLang refuses
+        to load a name twice; an unload of a name not loaded fails and is ignored). `version` is
+        realcore's addition, read by the built-in server (SGLang ignores unknown fields)."""
+        try:
+            await self._request("POST", "/unload_lora_adapter", {"lora_name": name}, self.timeout_s)
+        except RuntimeError:  # not loaded (the first update, or a restarted server)
+            pass
+        body = {"lora_name": name, "lora_path": path}
+        if version is not None:
+            body["weight_version"] = str(version)
+        data = await self._request("POST", "/load_lora_adapter", body, self.timeout_s)
+        if not data.get("success"):
+            raise RuntimeError(f"load_lora_adapter({name!r}, {path!r}) failed: {data.get('error_message')}")
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        data = await self._request("POST", "/unload_lora_adapter", {"lora_name": name}, self.timeout_s)
+        if not data.get("success"):
+            raise RuntimeError(f"unload_lora_adapter({name!r}) failed: {data.get('error_message')}")
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, group_name: str, backend: str) -> None:
@@ -229,10 +259,12 @@ async def generate_resumable(
 
 def push_weights(
     address: str, secret: bytes, version: str, state_dict: dict[str, torch.Tensor], timeout_s: float,
-    connect_timeout_s: float = CONTROL_TIMEOUT_S, limits: wire.Limits | None = None,
+    connect_timeout_s: float = CONTROL_TIMEOUT_S, limits: wire.Limits | None = None, lora: dict | None = None,
 ) -> None:
     """Send weights to a built-in server's in-memory update socket (`on_ready(...)["weights"]`)
     and wait until they are applied. The tensors must stay unchanged until this returns (zero-copy).
+    `lora` ({"name", "config": adapter_config.json's fields}): the tensors are a LoRA adapter (PEFT's
+    names), which the server loads as /load_lora_adapter would.
 
     A server that is gone fails fast instead of at `timeout_s`: ConnectionError when no connection
     is made within `connect_timeout_s`, or when the connection drops before the reply (a socket
@@ -251,7 +283,8 @@ def push_weights(
     try:
         sock.connect(address)
         try:
-            wire.send(sock, {"version": str(version), "names": names}, tensors, endpoint=endpoint, to=address)
+            header = {"version": str(version), "names": names, **({"lora": lora} if lora is not None else {})}
+            wire.send(sock, header, tensors, endpoint=endpoint, to=address)
         except zmq.Again:
             raise ConnectionError(f"push_weights: no connection to {address} within {connect_timeout_s:g} s") from None
         poller = zmq.Poller()

@@ -55,7 +55,7 @@ from aiohttp import web
 
 from realcore.api.config import GenerationConfig, SystemConfig
 from realcore.api.engine import GenerationResult
-from realcore.backends import http_schemas, openai_api, weight_group
+from realcore.backends import http_schemas, lora, openai_api, weight_group
 from realcore.backends.generation import GenerationEngine, read_hf_weights
 from realcore.backends.http_schemas import one_line
 from realcore.backends.models import load_model, load_tokenizer
@@ -115,6 +115,37 @@ class _Weights:
     partial: bool = False  # one bucket of a broadcast update: not every parameter
 
 
+@dataclass
+class _Adapter:
+    """Load (tensors given) or unload (tensors None) the LoRA adapter `name`."""
+
+    name: str
+    config: dict | None
+    tensors: dict[str, torch.Tensor] | None
+    version: str | None
+    done: Callable[[Any], None]
+
+
+@dataclass
+class LoraServing:
+    """SGLang's LoRA launch flags (--enable-lora, --max-lora-rank, --lora-target-modules,
+    --lora-paths): the bounds an adapter loaded later must keep (None: any), and the adapter loaded
+    at start (name, path), if any."""
+
+    max_rank: int | None = None
+    target_modules: list[str] | None = None
+    initial: tuple[str, str] | None = None
+
+    def check(self, config: dict) -> None:
+        if self.max_rank is not None and int(config["r"]) > self.max_rank:
+            raise ValueError(f"lora: the adapter's rank {config['r']} is above --max-lora-rank {self.max_rank}")
+        targets = config.get("target_modules") or []
+        targets = [targets] if isinstance(targets, str) else targets
+        if self.target_modules is not None and not set(targets) <= set(self.target_modules):
+            raise ValueError(f"lora: the adapter targets {sorted(targets)}, outside --lora-target-modules "
+                             f"{sorted(self.target_modules)}")
+
+
 # --- replies ------------------------------------------------------------------------------------
 
 
@@ -148,6 +179,10 @@ class EngineLoop:
         self.engine = GenerationEngine(model, tokenizer, seed=seed)
         self.inbox: queue.Queue = queue.Queue()
         self.weight_version = weight_version
+        # LoRA (SGLang's /load_lora_adapter): one adapter at a time, merged into the weights, so it
+        # applies to every request. lora_base keeps the unmerged weights it changed (for unload/replace).
+        self.adapter: str | None = None
+        self.lora_base: dict[str, torch.Tensor] = {}
         self.paused: str | None = None
         self.held: list[_Generate] = []  # arrived while paused: join on continue
         self.by_erid: dict[int, _Generate] = {}  # engine request id -> its command
@@ -156,7 +191,7 @@ class EngineLoop:
         self.stopping = threading.Event()
         self.error: BaseException | None = None
         self._handlers = {_Generate: self._generate, _Abort: self._abort, _Pause: self._pause,
-                          _Continue: self._continue, _Weights: self._weights}  # fmt: skip
+                          _Continue: self._continue, _Weights: self._weights, _Adapter: self._adapter}  # fmt: skip
 
     def run(self) -> None:
         try:
@@ -312,13 +347,44 @@ class EngineLoop:
         except ValueError as e:
             c.done(e)
             return
+        self.adapter, self.lora_base = None, {}  # new weights are the new base (an adapter merged in stays)
         if c.version is not None:
             self.weight_version = str(c.version)
+        c.done({})
+
+    def _adapter(self, c: _Adapter) -> None:
+        """Merge adapter `c` into the weights (W = base + scale * B @ A, realcore.backends.lora),
+        first restoring any weight a previous adapter changed; or (unload) restore them all."""
+        if self.paused == "in_place" and self.engine.has_unfinished():
+            c.done(ValueError("adapter update refused: an in_place pause holds requests (continue or abort them first)"))
+            return
+        if c.tensors is None:
+            if self.adapter != c.name:
+                c.done(ValueError(f"unload_lora_adapter: {c.name!r} is not loaded (loaded: {self.adapter})"))
+                return
+            self.engine.load_weights(self.lora_base, partial=True)
+            self.adapter, self.lora_base = None, {}
+            c.done({})
+            return
+        state = self.model.state_dict()
+        try:
+            merged = lora.merge_adapter({**state, **self.lora_base}, c.config, c.tensors)
+        except ValueError as e:
+            c.done(e)
+            return
+        base = {n: self.lora_base[n] if n in self.lora_base else state[n].detach().clone() for n in merged}
+        restore = {n: t for n, t in self.lora_base.items() if n not in merged}
+        self.engine.load_weights({**restore, **merged}, partial=True)
+        self.adapter, self.lora_base = c.name, base
+        if c.version is not None:
+            self.weight_version = str(c.version)
+        log.info("gen_server: LoRA adapter %r merged into %d weights (version %s)", c.name, len(merged), self.weight_version)
         c.done({})
 
     def info(self) -> dict:
         return {
             "weight_version": self.weight_version,
+            "lora_adapter": self.adapter,
             "paused": self.paused,
             "num_running_reqs": self.engine.n_running(),
             "num_requests": len(self.by_erid) + len(self.held),  # running, queued or held
@@ -367,10 +433,17 @@ class WeightsReceiver:
             if not result.done():
                 result.set_result(value)
 
+        adapter = header.get("lora")
         try:
-            self.core.submit(_Weights(dict(zip(names, tensors)), version, done))
+            if adapter is not None:  # a LoRA adapter's tensors, loaded as /load_lora_adapter would
+                if not isinstance(adapter, dict) or not isinstance(adapter.get("name"), str):
+                    return {"ok": False, "error": "weights: lora needs a name (str) and a config"}
+                config = lora.check_config(adapter.get("config"))
+                self.core.submit(_Adapter(adapter["name"], config, dict(zip(names, tensors)), version, done))
+            else:
+                self.core.submit(_Weights(dict(zip(names, tensors)), version, done))
             outcome = result.result(timeout=CONTROL_TIMEOUT_S)
-        except (RuntimeError, TimeoutError) as e:
+        except (RuntimeError, TimeoutError, ValueError) as e:
             outcome = e
         if isinstance(outcome, BaseException):
             return {"ok": False, "error": one_line(outcome)}
@@ -411,8 +484,9 @@ class Server:
     """The aiohttp handlers; each forwards one command to the engine thread and awaits its result."""
 
     def __init__(self, core: EngineLoop, *, model_path: str, token: str | None, max_batch_size: int,
-                 max_body_bytes: int):
+                 max_body_bytes: int, lora_serving: LoraServing | None = None):
         self.core, self.model_path, self.max_batch_size = core, model_path, max_batch_size
+        self.lora_serving = lora_serving or LoraServing()
         self.max_body_bytes = max_body_bytes
         self._authorization = f"Bearer {token}".encode() if token else None  # None: run_server checked loopback
         context = getattr(core.model.config, "max_position_embeddings", None) or NO_CONTEXT_LIMIT
@@ -426,6 +500,8 @@ class Server:
         self.app.add_routes([
             web.post("/generate", self.generate),
             web.post("/update_weights_from_disk", self.update_weights_from_disk),
+            web.post("/load_lora_adapter", self.load_lora_adapter),
+            web.post("/unload_lora_adapter", self.unload_lora_adapter),
             web.post("/pause_generation", self.pause_generation),
             web.post("/continue_generation", self.continue_generation),
             web.post("/abort_request", self.abort_request),
@@ -515,6 +591,10 @@ class Server:
         prompts = req.input_ids if batch else [req.input_ids]
         given = (req.rid or [None] * len(prompts)) if batch else [req.rid]
         rids = [rid if rid is not None else os.urandom(8).hex() for rid in given]
+        names = req.lora_path if isinstance(req.lora_path, list) else [req.lora_path]
+        wrong = {n for n in names if n is not None and n != self.core.adapter}
+        if wrong:  # SGLang's lora_path names a loaded adapter; None = the weights as they are
+            raise ValueError(f"generate: lora_path {sorted(wrong)} is not the loaded adapter ({self.core.adapter})")
         gconfig = req.sampling_params.gconfig(self.limits)
         replies = await self._gather([self._generate_one(rid, ids, gconfig, req.return_logprob)
                                       for rid, ids in zip(rids, prompts)])
@@ -579,6 +659,29 @@ class Server:
             return web.json_response({"success": False, "message": one_line(e)}, status=400)
         self.model_path = body.model_path
         return web.json_response({"success": True, "message": f"loaded {body.model_path}"})
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        """SGLang's /load_lora_adapter. Unlike SGLang (many adapters, chosen per request by
+        lora_path) the built-in server holds one adapter, merged into its weights: every request
+        uses it, and loading another replaces it."""
+        try:
+            body = http_schemas.parse(http_schemas.LoadLoRAAdapterRequest, await self._read(request), request.path)
+            config, tensors = await asyncio.to_thread(lora.read_adapter, body.lora_path)  # off the engine thread
+            self.lora_serving.check(config)
+            await self._call(lambda done: _Adapter(body.lora_name, config, tensors, body.weight_version, done))
+        except ValueError as e:  # SGLang's shape for a refused update
+            wire.count_dropped("http", "body", f"{request.path}: {one_line(e)[:200]}")
+            return web.json_response({"success": False, "error_message": one_line(e)}, status=400)
+        return web.json_response({"success": True, "loaded_adapters": {body.lora_name: body.lora_path}})
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        try:
+            body = http_schemas.parse(http_schemas.UnloadLoRAAdapterRequest, await self._read(request), request.path)
+            await self._call(lambda done: _Adapter(body.lora_name, None, None, None, done))
+        except ValueError as e:
+            wire.count_dropped("http", "body", f"{request.path}: {one_line(e)[:200]}")
+            return web.json_response({"success": False, "error_message": one_line(e)}, status=400)
+        return web.json_response({"success": True, "loaded_adapters": {}})
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         """Join the trainer's weight-update group (realcore.backends.weight_group) as rank
@@ -703,6 +806,7 @@ def run_server(
     on_ready: Callable[[dict], None] | None = None,
     stop_on_sigterm: bool = True,
     no_token_on_loopback: bool = False,
+    lora_serving: LoraServing | None = None,
 ) -> None:
     """Serve `model_path` until SIGTERM (returns), SystemExit or KeyboardInterrupt (propagate).
 
@@ -712,7 +816,7 @@ def run_server(
     `no_token_on_loopback`, a loopback `host` may serve without a token. Bodies over
     `max_body_bytes` answer 413. `on_ready({"http": "http://host:port", "weights": "tcp://host:port"
     or None})` is called once listening; "weights" is the in-memory update socket, present when
-    `secret` is given."""
+    `secret` is given. `lora_serving`: SGLang's LoRA flags (an adapter loaded before serving)."""
     if not token and not (no_token_on_loopback and is_loopback(host)):
         raise ValueError("gen_server: needs a token (every endpoint answers 401 without it; realcore derives one "
                          "from the run's secret, or takes rollout.server_token)")
@@ -721,7 +825,16 @@ def run_server(
     if max_body_bytes <= 0:
         raise ValueError(f"gen_server: max_body_bytes must be > 0, got {max_body_bytes}")
     core = EngineLoop(load_model(model_path), load_tokenizer(model_path), seed=seed)
-    server = Server(core, model_path=model_path, token=token, max_batch_size=max_batch_size, max_body_bytes=max_body_bytes)
+    if lora_serving is not None and lora_serving.initial is not None:
+        name, path = lora_serving.initial
+        config, tensors = lora.read_adapter(path)
+        lora_serving.check(config)
+        failed: list = []
+        core._adapter(_Adapter(name, config, tensors, None, lambda r: failed.append(r) if isinstance(r, Exception) else None))
+        if failed:
+            raise failed[0]
+    server = Server(core, model_path=model_path, token=token, max_batch_size=max_batch_size, max_body_bytes=max_body_bytes,
+                    lora_serving=lora_serving)
     server.host = host
     engine_thread = threading.Thread(target=core.run, name="gen_server-engine", daemon=True)
     engine_thread.start()

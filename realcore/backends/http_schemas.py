@@ -109,6 +109,9 @@ def _check_fits(prompts: list[list[int]], params: SamplingParams, limits: Limits
                          f"model's context of {limits.max_context} tokens")
 
 
+LoraName = Annotated[str, Field(min_length=1, max_length=256)]
+
+
 class GenerateRequest(_Body):
     """POST /generate with one prompt: answered with one result object."""
 
@@ -116,6 +119,7 @@ class GenerateRequest(_Body):
     sampling_params: SamplingParams = SamplingParams()
     return_logprob: bool = False
     rid: Rid | None = None
+    lora_path: LoraName | None = None  # SGLang's adapter name for this request (the loaded one, if any)
 
     @model_validator(mode="after")
     def _fits(self, info: ValidationInfo) -> GenerateRequest:
@@ -131,6 +135,7 @@ class BatchGenerateRequest(_Body):
     sampling_params: SamplingParams = SamplingParams()
     return_logprob: bool = False
     rid: list[Rid] | None = None
+    lora_path: LoraName | list[LoraName | None] | None = None  # one name for all, or one per prompt
 
     @model_validator(mode="after")
     def _fits(self, info: ValidationInfo) -> BatchGenerateRequest:
@@ -143,6 +148,23 @@ class BatchGenerateRequest(_Body):
 class UpdateWeightsFromDiskRequest(_Body):
     model_path: str = Field(min_length=1, max_length=4096, description="an HF directory of *.safetensors")
     weight_version: str | None = Field(None, min_length=1, max_length=MAX_RID_CHARS, description="the version the reply carries")
+
+
+class LoadLoRAAdapterRequest(_Body):
+    """SGLang's /load_lora_adapter: a PEFT LoRA folder (adapter_config.json +
+    adapter_model.safetensors). `pinned`: SGLang's (keep it in GPU memory); accepted and ignored.
+    `weight_version` is realcore's addition: the version replies carry once it is applied."""
+
+    lora_name: LoraName
+    lora_path: str = Field(min_length=1, max_length=4096)
+    pinned: bool = False
+    weight_version: str | None = Field(None, min_length=1, max_length=MAX_RID_CHARS, description="the version replies carry from now on")
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    """SGLang's /unload_lora_adapter."""
+
+    lora_name: LoraName
 
 
 GroupName = Annotated[str, Field(min_length=1, max_length=MAX_RID_CHARS)]

@@ -108,6 +108,7 @@ def server_command(
     private_dir: str | None = None,
     python: str | None = None,
     pp: int = 1,
+    lora=None,
 ) -> tuple[list[str], dict[str, str]]:
     """Return `(argv, env)` that start one `engine` server; `env` holds only the variables to set
     on top of the caller's environment (PYTHONPATH, if set, already includes the caller's).
@@ -123,6 +124,9 @@ def server_command(
     `python`: the interpreter that runs the server (rollout.server_python; None: sys.executable).
     Another interpreter's bin directory goes first on PATH, as if its environment were activated
     (the engines start helper tools by name).
+
+    `lora` (actor.lora, a LoraConfig): SGLang serves LoRA adapter "actor" (realcore.backends.lora),
+    starting from an all-zero adapter written to `private_dir`/lora-init; vLLM is refused.
     """
     if engine == "local":
         raise ValueError("local servers are started by realcore's own worker")
@@ -143,6 +147,15 @@ def server_command(
         argv, env = _vllm(python, model_path, host, port, tp, seed, max_batch_size, cuda)
         if pp > 1:
             argv += ["--pipeline-parallel-size", str(pp)]
+    if lora is not None:
+        if engine != "sglang":
+            raise ValueError("actor.lora: LoRA servers are the built-in server and SGLang (vLLM's adapters are not wired)")
+        if private_dir is None:
+            raise ValueError("server_command: an SGLang LoRA server starts from an adapter file; pass private_dir")
+        from realcore.backends import lora as lora_fns
+
+        initial = lora_fns.write_zero_adapter(model_path, lora, os.path.join(private_dir, "lora-init"))
+        argv += lora_fns.sglang_flags(lora, initial, lora_fns.LORA_NAME)
     if not _is_own(python):
         env["PATH"] = os.pathsep.join(p for p in (os.path.dirname(python), os.environ.get("PATH", "")) if p)
     if api_key and engine == "vllm":
@@ -329,13 +342,16 @@ async def wait_http_ready(
             await asyncio.sleep(max(0.0, min(_POLL_S, deadline - time.monotonic())))
 
 
-def client_for(engine: str, url: str, *, token: str | None, timeout_s: float):
+def client_for(engine: str, url: str, *, token: str | None, timeout_s: float, lora: bool = False):
     """The HTTP client for a server of `engine`: SGLang's API for the built-in server and SGLang,
-    the adapter for vLLM. All have the same async interface (see gen_client.GenClient)."""
+    the adapter for vLLM. All have the same async interface (see gen_client.GenClient). `lora`
+    (a LoRA run): SGLang's requests name the adapter (the built-in server merges it into its weights)."""
     if engine == "vllm":
         from realcore.backends.vllm_client import VLLMClient
 
         return VLLMClient(url, token=token, timeout_s=timeout_s)
     from realcore.backends.gen_client import GenClient
 
-    return GenClient(url, token=token, timeout_s=timeout_s)
+    from realcore.backends.lora import LORA_NAME
+
+    return GenClient(url, token=token, timeout_s=timeout_s, lora_name=LORA_NAME if lora and engine == "sglang" else None)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from realcore.api.config import RoleConfig
 from realcore.api.engine import Engine, GenerationResult, LossFn, LossWeightFn
+from realcore.backends import lora
 from realcore.backends.batching import (cu_seqlens, lr_factor, reduce_weighted, split_by_budget, token_logprobs,
                                         train_batch)
 from realcore.backends.precision import compute_dtype
@@ -57,6 +58,8 @@ class TorchEngine(Engine):
         # Parameters stay float32 (the optimizer's master copy); `dtype` is the compute dtype.
         self.model = AutoModelForCausalLM.from_pretrained(model_path, attn_implementation="sdpa", dtype=torch.float32)
         use_packed_attention(self.model)  # packed rows by cu_seqlens; generation switches back to sdpa
+        if role.lora is not None:  # PEFT wrapper: base weights frozen, only the adapters train
+            self.model = lora.apply_lora(self.model, role.lora, seed=seed)
         self.tokenizer = _load_tokenizer(model_path)
         self._gen_engine = None
         self.optimizer = self.scheduler = None
@@ -209,19 +212,30 @@ class TorchEngine(Engine):
         with torch.no_grad(), self._eval_mode(), standard_attention(self.model):
             return self._gen_engine.generate(prompts, gconfig)
 
-    def save_hf(self, path: str) -> None:
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full weights under HF names, what servers load (with LoRA: base + adapter merged)."""
+        return lora.merged_state(self.model) if self.role.lora is not None else self.model.state_dict()
+
+    def save_hf(self, path: str, *, merged: bool = True) -> None:
         """Write a HF checkpoint atomically (tmp dir + rename). Only rank 0 of the group writes:
-        weights are identical on every data-parallel rank."""
+        weights are identical on every data-parallel rank. With LoRA: the adapter folder (PEFT's
+        adapter_model.safetensors + adapter_config.json), plus `merged/` when lora.export_merged
+        and `merged` (weights for servers skip it)."""
         if self.rank != 0:
             return
-        self._write_hf(os.path.abspath(path))
+        self._write_hf(os.path.abspath(path), merged=merged)
 
-    def _write_hf(self, path: str, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    def _write_hf(self, path: str, state_dict: dict[str, torch.Tensor] | None = None, *, merged: bool = False) -> None:
         """Write the model (or `state_dict`, in its names) as an HF directory, atomically."""
         tmp, old = f"{path}.tmp-{os.getpid()}", f"{path}.old-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         with standard_attention(self.model):  # the exported config names transformers' own attention
-            self.model.save_pretrained(tmp, state_dict=state_dict)  # transformers 5 always writes safetensors
+            # transformers 5 always writes safetensors; PEFT: the adapter only
+            self.model.save_pretrained(tmp, state_dict=state_dict)
+        if merged and self.role.lora is not None and self.role.lora.export_merged:
+            lora.save_merged(self.model, os.path.join(tmp, "merged"))
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(os.path.join(tmp, "merged"))
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(tmp)
         # rename(2) cannot replace a non-empty directory: move the old one aside first.
@@ -233,9 +247,10 @@ class TorchEngine(Engine):
 
     def save_state(self, path: str) -> None:
         """One file per rank (DP replicas hold identical weights and optimizer state, but each
-        keeps its own random state and generation counter)."""
+        keeps its own random state and generation counter). With LoRA only the adapters: the
+        frozen base is the model directory's."""
         state = {
-            "model": self.model.state_dict(),
+            "model": lora.recover_state(self.model) if self.role.lora is not None else self.model.state_dict(),
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "version": self.version,
@@ -247,7 +262,10 @@ class TorchEngine(Engine):
 
     def load_state(self, path: str) -> None:
         state = torch.load(os.path.join(path, "engine.pt"), map_location=self.device, weights_only=True)
-        self.model.load_state_dict(state["model"])
+        if self.role.lora is not None:
+            lora.load_recover_state(self.model, state["model"])
+        else:
+            self.model.load_state_dict(state["model"])
         if self.optimizer is not None:
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])

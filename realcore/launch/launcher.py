@@ -122,7 +122,7 @@ def start_engine_servers(cfg: ExperimentConfig, alloc: AllocationMode, env: dict
         argv, extra_env = server_command(alloc.backend, model_path=cfg.model.path, host=cfg.system.host, port=port,
                                          tp=alloc.gen.tp, pp=alloc.gen.pp, seed=cfg.seed + 1000 * i,
                                          max_batch_size=cfg.generation.max_batch_size, api_key=token, private_dir=out,
-                                         python=cfg.rollout.server_python)
+                                         python=cfg.rollout.server_python, lora=cfg.actor.lora)
         proc = spawn_command(f"gen_server/{i}", argv, env={**env, **extra_env}, log_path=os.path.join(logs, f"gen_server-{i}.log"))
         resolver.put(keys.gen_server(cfg, i), json.dumps({"http": f"http://{cfg.system.host}:{port}", "weights": None}), replace=True)
         return proc

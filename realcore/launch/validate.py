@@ -38,6 +38,8 @@ def validate(cfg: ExperimentConfig) -> tuple[DataFlowGraph, AllocationMode]:
     for role, r in cfg.roles().items():
         if r.backend in ("torch", "fsdp") and (mesh.pp, mesh.tp, mesh.cp, mesh.ep) != (1, 1, 1, 1):
             raise ConfigError(f"allocation_mode: {role}.backend={r.backend} supports data parallel only (got {cfg.allocation_mode}); use pN/tN with the megatron backend")
+        if r.backend != "torch" and r.lora is not None:
+            raise ConfigError(f"{role}.lora: LoRA needs backend=torch (got {r.backend})")
         if r.backend == "megatron" and importlib.util.find_spec("megatron") is None:
             raise ConfigError(f"{role}.backend=megatron needs megatron-core: pip install -e '.[megatron]'")
         check_dtype(cfg, role, r.backend, r.dtype)
@@ -202,6 +204,9 @@ def check_generation_servers(cfg: ExperimentConfig, alloc: AllocationMode) -> No
         raise ConfigError(f"allocation_mode: {missing}")
     if alloc.backend != "local" and cfg.rollout.weight_update == "memory":
         raise ConfigError("rollout.weight_update: memory works with built-in servers only (allocation_mode local.*)")
+    if alloc.backend == "vllm" and cfg.actor.lora is not None:
+        raise ConfigError("actor.lora: LoRA runs serve the adapter on built-in or SGLang servers (vLLM's adapter "
+                          "loading is not wired); use local.* or sglang.*")
     if alloc.backend == "vllm" and cfg.rollout.weight_update == "nccl":
         raise ConfigError("rollout.weight_update: nccl works with built-in and SGLang servers (vLLM's weight transfer "
                           "engine has its own rendezvous, docs/weight-update.md); use disk with vllm.*")

@@ -80,7 +80,8 @@ def serve_engine(cfg: ExperimentConfig, index: int) -> int:
     argv, extra_env = server_command(
         engine, model_path=cfg.model.path, host=host, port=port, tp=alloc.gen.tp, pp=alloc.gen.pp,
         seed=cfg.seed + 1000 * index, max_batch_size=cfg.generation.max_batch_size,
-        api_key=cfg.rollout.server_token, private_dir=private_dir(cfg, index), python=cfg.rollout.server_python)
+        api_key=cfg.rollout.server_token, private_dir=private_dir(cfg, index), python=cfg.rollout.server_python,
+        lora=cfg.actor.lora)
     url = f"http://{host}:{port}"
     log.info("starting %s server %d at %s (tp %d, pp %d, CUDA_VISIBLE_DEVICES=%s)", engine, index, url, alloc.gen.tp,
              alloc.gen.pp, os.environ.get("CUDA_VISIBLE_DEVICES", "unset"))

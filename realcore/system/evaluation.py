@@ -62,7 +62,8 @@ class Evaluator:
             from realcore.backends.server_launch import client_for
 
             r, backend = self.cfg.rollout, parse_allocation_mode(self.cfg.allocation_mode).backend
-            client = RoundRobin([client_for(backend, s, token=r.server_token, timeout_s=r.request_timeout_s) for s in servers])
+            client = RoundRobin([client_for(backend, s, token=r.server_token, timeout_s=r.request_timeout_s,
+                                            lora=self.cfg.actor.lora is not None) for s in servers])
             counter = itertools.count()
 
             def make_engine(gconfig):

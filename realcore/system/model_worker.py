@@ -246,21 +246,29 @@ class ModelWorker:
         if msg.servers:
             from realcore.backends.gen_client import push_weights
 
-            if sharded:
-                state = engine.hf_state_dict()
+            # Megatron: every rank joins the gather. Torch: rank 0's; with LoRA the adapter alone.
+            lora_cfg, adapter = self.cfg.actor.lora, None
+            if lora_cfg is not None:
+                from realcore.backends import lora
+
+                state = lora.adapter_state(engine.model) if self.index == 0 else None
+                adapter = {"name": lora.LORA_NAME, "config": lora.adapter_config(lora_cfg)}
             else:
-                state = engine.model.state_dict() if self.index == 0 else None
+                state = engine.hf_state_dict() if sharded or self.index == 0 else None
             failed = []
             for address in msg.servers if self.index == 0 else []:
                 try:  # a server that died is caught up after its restart; the others get the weights now
                     push_weights(address, self.control.secret, str(msg.version), state, self.cfg.system.request_timeout_s,
-                                 limits=wire.Limits.of(self.cfg.system))
+                                 limits=wire.Limits.of(self.cfg.system), lora=adapter)
                 except (ConnectionError, TimeoutError) as e:
                     log.warning("weights not pushed to %s: %s", address, e)
                     failed.append(address)
             return Published(failed)
         if self.index == 0 or sharded:
-            engine.save_hf(msg.path)
+            if self.cfg.actor.lora is not None:  # servers load the adapter alone: no merged export
+                engine.save_hf(msg.path, merged=False)
+            else:
+                engine.save_hf(msg.path)
         if self.index == 0 and msg.http:
             asyncio.run(self._servers_load(msg.http, msg.path, msg.version))
 
@@ -269,10 +277,7 @@ class ModelWorker:
         weight-update group (realcore.system.weight_broadcast); a Megatron role's ranks first gather
         them to rank 0. Published.failed: the servers it did not update."""
         engine = self.engines["actor"]
-        if self._sharded("actor"):
-            state = engine.hf_state_dict()
-        else:
-            state = engine.model.state_dict() if self.index == 0 else None
+        state = engine.hf_state_dict() if self._sharded("actor") or self.index == 0 else None
         if self.index != 0:
             return Published()
         if self.sender is None:

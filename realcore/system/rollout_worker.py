@@ -198,7 +198,8 @@ class RolloutWorker:
 
         if server not in self.clients:
             r = self.cfg.rollout
-            self.clients[server] = client_for(self.engine, server, token=r.server_token, timeout_s=r.request_timeout_s)
+            self.clients[server] = client_for(self.engine, server, token=r.server_token, timeout_s=r.request_timeout_s,
+                                              lora=self.cfg.actor.lora is not None)
         return self.clients[server]
 
     def learn_version(self, server: str, version: int) -> None:
