@@ -116,3 +116,13 @@ def test_untrainable_role_refuses_train_batch(model_dir):
     engine = TorchEngine(model_dir, RoleConfig(backend="torch"), total_steps=1)
     with pytest.raises(ValueError, match="not trainable"):
         engine.train_batch(make_data([5], seed=0), nll_loss, n_loss_tokens)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash-attn's varlen kernel needs CUDA; the CPU path is tested above")
+def test_flash_varlen_on_gpu_equals_one_forward_per_sequence(model_dir):
+    pytest.importorskip("flash_attn", reason="flash-attn is not installed")
+    engine = TorchEngine(model_dir, _role(dtype="bfloat16"), total_steps=1)
+    assert varlen_attention._flash_varlen() is not None
+    data = make_data([7, 12, 5, 16, 9], seed=1)
+    for ids, lp in zip(data["input_ids"], engine.logprobs(data["input_ids"])):
+        assert torch.allclose(lp, engine.logprobs([ids])[0], atol=2e-2)
