@@ -206,13 +206,15 @@ def test_async_run_with_lora(tmp_path):
     assert metrics[-1]["version"] == 3
     assert sorted(f for f in os.listdir(out / "weights" / "v3") if f.endswith(".safetensors")) == [
         "adapter_model.safetensors"] and not (out / "weights" / "v3" / "merged").exists()
-    log = open(out / "logs" / "gserver_manager.log").read()
-    held = {int(v): json.loads(ids) for v, ids in re.findall(r"weights v(\d+): held by servers (\[[\d, ]*\])", log)}
-    assert held == {1: [0, 1], 2: [0, 1], 3: [0, 1]}, log[-2000:]
-    for i in (0, 1):  # every update reached the servers as an adapter (not as full weights)
+    # Every update reached the servers as an adapter (not as full weights), and each server ends at
+    # the trainer's version, as its own log says (one still starting at an update is caught up by the
+    # manager, from the adapter folder too; in a run this short the manager may list it late).
+    loaded = {}
+    for i in (0, 1):
         server_log = open(out / "logs" / f"gen_server-{i}.log").read()
-        loaded = re.findall(r"LoRA adapter 'actor' merged into \d+ weights \(version (\d+)\)", server_log)
-        assert {"1", "2", "3"} <= set(loaded), server_log[-2000:]
+        loaded[i] = re.findall(r"LoRA adapter 'actor' merged into \d+ weights \(version (\d+)\)", server_log)
+        assert loaded[i] and loaded[i][-1] == "3", server_log[-2000:]
+    assert {"1", "2", "3"} <= set(loaded[0]) | set(loaded[1])
     ckpt = out / "checkpoints" / "step_3"
     assert (ckpt / "adapter_model.safetensors").exists() and not (ckpt / "model.safetensors").exists()
     assert (ckpt / "merged" / "model.safetensors").exists()
@@ -305,22 +307,6 @@ def test_async_run_with_lora_other_paths(tmp_path, monkeypatch, how):
     assert {"1", "2", "3"} <= set(loaded[0]) | set(loaded[1])
 
 
-def test_sync_run_with_lora_on_two_data_parallel_ranks(tmp_path):
-    """ppo-math (sync, generation colocated with training through the PEFT-wrapped model, DP=2):
-    the adapters' gradients are all-reduced like full weights; the run ends with an adapter checkpoint."""
-    from test_e2e_sync import assert_all_gone, assert_clean_logs, launch_cmd
-
-    out = tmp_path / "run"
-    cmd = launch_cmd(out, "trainer.total_steps=2", "actor.lora={rank:4,alpha:8}", "eval.freq_steps=null",
-                     cache=str(tmp_path / "cache"))
-    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert [json.loads(x)["step"] for x in open(out / "metrics.jsonl")] == [1, 2]
-    assert (out / "checkpoints" / "step_2" / "adapter_model.safetensors").exists()
-    assert_all_gone(str(out))
-    assert_clean_logs(str(out), r.stdout, r.stderr)
-
-
 def test_in_memory_push_of_the_adapter_alone(model_dir, tmp_path):
     """rollout.weight_update=memory with LoRA: the trainer pushes the adapter's tensors alone with
     its config over the authenticated wire; the server applies them as /load_lora_adapter would."""
@@ -359,7 +345,8 @@ def test_in_memory_push_of_the_adapter_alone(model_dir, tmp_path):
 
 
 def test_sync_recovery_with_lora_is_exact(tmp_path, lora_env):
-    """A LoRA run whose model worker is killed at step 3 restarts from its recover checkpoint
+    """A sync LoRA run on two data-parallel ranks (the adapters' gradients all-reduced like full
+    weights) whose model worker 1 is killed at step 3 restarts from its recover checkpoint
     (adapters, adapter-only optimizer state) and ends with the adapter, metrics and ledger of a
     run never interrupted."""
     from safetensors.torch import load_file
