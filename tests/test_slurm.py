@@ -395,6 +395,22 @@ def engine_pids(out) -> dict[int, int]:
     return found
 
 
+def wait_engines(out, indices, proc, timeout=60) -> dict[int, int]:
+    """engine_pids(out) once every server in `indices` has its engine running."""
+    deadline = time.time() + timeout
+    while indices - set(found := engine_pids(out)):
+        assert proc.poll() is None and time.time() < deadline, f"engines {indices - set(found)} not running"
+        time.sleep(0.3)
+    return found
+
+
+def assert_engines_gone(out, timeout=20):
+    deadline = time.time() + timeout
+    while engine_pids(out) and time.time() < deadline:
+        time.sleep(0.3)
+    assert engine_pids(out) == {}, "an engine outlived its task"
+
+
 @pytest.mark.timeout(300)
 def test_sglang_servers_serve_an_async_run_and_restart_in_their_task(slurm, tmp_path, cache):
     """Two SGLang server tasks (the real launch path, the built-in server standing in) serve an
@@ -404,8 +420,7 @@ def test_sglang_servers_serve_an_async_run_and_restart_in_their_task(slurm, tmp_
                                env=engine_env())
     try:
         wait_rows(out, 3, proc)
-        first = engine_pids(out)
-        assert set(first) == {0, 1}, first
+        first = wait_engines(out, {0, 1}, proc)  # a server may still be starting after 3 steps
         os.kill(first[0], signal.SIGKILL)
         wait_restarted(out, "gen_server/0", proc)
         deadline = time.time() + 60
@@ -427,7 +442,4 @@ def test_sglang_servers_serve_an_async_run_and_restart_in_their_task(slurm, tmp_
     assert metric_rows(out) == 150
     print(f"audit: {assert_ledger_exact(out)}")
     assert squeue() == ""
-    deadline = time.time() + 20
-    while engine_pids(out) and time.time() < deadline:
-        time.sleep(0.3)
-    assert engine_pids(out) == {}, "an engine outlived its job"
+    assert_engines_gone(out)

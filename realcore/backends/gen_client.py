@@ -129,14 +129,17 @@ class GenClient:
         body = {"lora_name": name, "lora_path": path}
         if version is not None:
             body["weight_version"] = str(version)
-        data = await self._request("POST", "/load_lora_adapter", body, self.timeout_s)
+        await self._post_ok("/load_lora_adapter", body, f"load_lora_adapter({name!r}, {path!r})", "error_message")
+
+    async def _post_ok(self, path: str, body: dict, what: str, message_key: str = "message") -> None:
+        """POST `body`; RuntimeError naming `what` unless the server answers success (SGLang's reply form)."""
+        data = await self._request("POST", path, body, self.timeout_s)
         if not data.get("success"):
-            raise RuntimeError(f"load_lora_adapter({name!r}, {path!r}) failed: {data.get('error_message')}")
+            raise RuntimeError(f"{what} failed: {data.get(message_key)}")
 
     async def unload_lora_adapter(self, name: str) -> None:
-        data = await self._request("POST", "/unload_lora_adapter", {"lora_name": name}, self.timeout_s)
-        if not data.get("success"):
-            raise RuntimeError(f"unload_lora_adapter({name!r}) failed: {data.get('error_message')}")
+        await self._post_ok("/unload_lora_adapter", {"lora_name": name}, f"unload_lora_adapter({name!r})",
+                            "error_message")
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, group_name: str, backend: str) -> None:
@@ -144,9 +147,7 @@ class GenClient:
         returns when every rank joined, so call it concurrently with the trainer's own join."""
         body = {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
                 "world_size": world_size, "group_name": group_name, "backend": backend}
-        data = await self._request("POST", "/init_weights_update_group", body, self.timeout_s)
-        if not data.get("success"):
-            raise RuntimeError(f"init_weights_update_group({group_name!r}) failed: {data.get('message')}")
+        await self._post_ok("/init_weights_update_group", body, f"init_weights_update_group({group_name!r})")
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                               group_name: str, version=None, flush_cache: bool = True) -> None:
@@ -155,9 +156,7 @@ class GenClient:
         body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name, "flush_cache": flush_cache}
         if version is not None:
             body["weight_version"] = str(version)
-        data = await self._request("POST", "/update_weights_from_distributed", body, self.timeout_s)
-        if not data.get("success"):
-            raise RuntimeError(f"update_weights_from_distributed({group_name!r}) failed: {data.get('message')}")
+        await self._post_ok("/update_weights_from_distributed", body, f"update_weights_from_distributed({group_name!r})")
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
         await self._request("POST", "/destroy_weights_update_group", {"group_name": group_name}, CONTROL_TIMEOUT_S)
