@@ -54,8 +54,12 @@ def test_slurm_gives_each_engine_server_tp_times_pp_gpus():
     cfg = cfg_of("scheduler=slurm", "allocation_mode=sglang.d1p1t8+d2", "slurm.gpus_per_node=4")
     with pytest.raises(ValueError, match="does not fit on a node of slurm.gpus_per_node=4"):
         steps(cfg, parse_allocation_mode(cfg.allocation_mode))
-    cfg = cfg_of("scheduler=slurm", "allocation_mode=sglang.d2p1t2+d2")  # no GPUs asked for (CPU cluster)
-    assert {s.gpus_per_task for s in steps(cfg, parse_allocation_mode(cfg.allocation_mode))} == {0}
+    cfg = cfg_of("scheduler=slurm", "allocation_mode=sglang.d2p1t2+d2")  # by default SGLang asks for GPUs
+    assert {s.kind: s.gpus_per_task for s in steps(cfg, parse_allocation_mode(cfg.allocation_mode))
+            if s.gpus_per_task} == {"model_worker": 1, "gen_server": 2}
+    for argv in (["slurm.gpus_per_node=0", "allocation_mode=sglang.d2p1t2+d2"], ["allocation_mode=local.d2+d2"]):
+        cfg = cfg_of("scheduler=slurm", *argv)  # no GPUs asked for (CPU nodes, or the built-in engine's default)
+        assert {s.gpus_per_task for s in steps(cfg, parse_allocation_mode(cfg.allocation_mode))} == {0}
 
 
 def test_dry_run_shows_the_server_steps(tmp_path):
@@ -71,6 +75,20 @@ def test_dry_run_shows_the_server_steps(tmp_path):
     workers = next(x for x in lines if x.startswith("start model_worker srun"))
     assert "--ntasks=8" in workers and "--gpus-per-task=1" in workers, workers
     assert "# 8 model worker(s): the training mesh d2p2t2, 1 GPU(s) each" in lines[lines.index(workers) - 1]
+
+
+def test_dry_run_shows_its_plan_then_why_the_model_does_not_fit(tmp_path):
+    """The default model (9 attention heads) cannot be split by server TP 2: the dry run still
+    prints the steps (GPUs requested by default for SGLang), then the one-line error, exit 2."""
+    r = subprocess.run([sys.executable, "-m", "realcore.launch", "experiment=async-ppo-math", f"model.cache_dir={tmp_path}/cache",
+                        f"output_dir={tmp_path}/run", "scheduler=slurm", "allocation_mode=sglang.d4p1t2+d2p2t2",
+                        "--dry-run"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    assert "# 4 sglang server(s) (tp 2, pp 1), 2 GPU(s) each, each started by its task" in lines
+    assert "# 8 model worker(s): the training mesh d2p2t2, 1 GPU(s) each" in lines
+    assert r.stderr.strip().splitlines()[-1].startswith("realcore: config error: allocation_mode: sglang servers of tp 2 "
+                                                        "split attention heads"), r.stderr[-2000:]
 
 
 def test_the_default_model_refuses_server_tp_that_splits_its_heads(tmp_path):

@@ -417,7 +417,7 @@ def test_sglang_servers_serve_an_async_run_and_restart_in_their_task(slurm, tmp_
     async run; SIGKILL the engine of server 0: its task starts a new one (new port, published), the
     manager catches it up, the run finishes with every step trained once, and no engine is left."""
     out, proc = launch_recover(tmp_path, cache, "allocation_mode=sglang.d2+d2", "trainer.total_steps=150",
-                               env=engine_env())
+                               "slurm.gpus_per_node=0", env=engine_env())
     try:
         wait_rows(out, 3, proc)
         first = wait_engines(out, {0, 1}, proc)  # a server may still be starting after 3 steps

@@ -316,8 +316,10 @@ class SlurmConfig(_Strict):
     qos: str | None = Field(None, description="sbatch --qos; None: the default QOS")
     time_limit: str | None = Field(None, description="sbatch --time, e.g. 2-00:00:00")
     nodes: int | None = Field(None, gt=0, description="sbatch --nodes; None lets Slurm choose")
-    gpus_per_node: int = Field(0, ge=0, description="GPUs per node; 0: none requested. Each model worker and built-in "
-                               "server gets one, each SGLang/vLLM server tp*pp (allocation_mode), on one node")
+    gpus_per_node: int | None = Field(
+        None, ge=0, description="GPUs per node. N: each model worker and built-in server gets one GPU, each SGLang/vLLM "
+        "server tp*pp (allocation_mode) on one node of N. None: the same requests when the servers are SGLang/vLLM "
+        "(GPU engines; Slurm checks the fit), none otherwise. 0: no GPUs requested (CPU nodes)")
     cpus_per_task: int = Field(1, gt=0, description="CPUs of every worker process")
     mem_per_cpu_mb: int | None = Field(None, gt=0, description="sbatch/srun --mem-per-cpu (needed where memory is a consumable)")
     container_prefix: str = Field("", description="prefix of every worker command, e.g. 'apptainer exec --nv image.sif'")

@@ -180,20 +180,26 @@ def main(argv: list[str]) -> int:
     dry_run = "--dry-run" in argv
     argv = [a for a in argv if a != "--dry-run"]
     with contextlib.ExitStack() as held:  # the run's locks, released when the launcher ends (or dies)
+        # A dry run shows its plan even when the model does not fit the layout; the error follows it.
+        layout_errors: list[ConfigError] = []
         try:
-            cfg, dfg, alloc = check_all(argv, dry_run, held)
+            cfg, dfg, alloc = check_all(argv, dry_run, held, layout_errors.append if dry_run else None)
         except (ConfigError, GraphError) as e:
             print(f"realcore: config error: {e}", file=sys.stderr)
             return 2
         if cfg.scheduler in ("slurm", "ray"):
-            return run_on_cluster(cfg, dfg, alloc, dry_run)
+            rc = run_on_cluster(cfg, dfg, alloc, dry_run)
+            for e in layout_errors:
+                print(f"realcore: config error: {e} (this run would stop here)", file=sys.stderr)
+            return 2 if layout_errors else rc
         return run_local(cfg, dfg, alloc)
 
 
-def check_all(argv: list[str], dry_run: bool,
-              held: contextlib.ExitStack) -> tuple[ExperimentConfig, DataFlowGraph, AllocationMode]:
+def check_all(argv: list[str], dry_run: bool, held: contextlib.ExitStack,
+              on_layout_error=None) -> tuple[ExperimentConfig, DataFlowGraph, AllocationMode]:
     """Every check that needs no worker, config first, then the model and the dataset. The run's
-    locks are taken (into `held`) before the model is built, so a second launch stops at once."""
+    locks are taken (into `held`) before the model is built, so a second launch stops at once.
+    `on_layout_error`: takes the model-layout check's error instead of raising it (a dry run)."""
     cfg = load_config(argv)
     if dry_run and cfg.scheduler != "slurm":
         raise ConfigError("--dry-run is for scheduler=slurm")
@@ -218,7 +224,12 @@ def check_all(argv: list[str], dry_run: bool,
     except ValueError as e:
         raise ConfigError(str(e)) from None
     loaded = check_inputs(cfg, alloc)
-    check_model_layout(cfg, alloc)
+    try:
+        check_model_layout(cfg, alloc)
+    except ConfigError as e:
+        if on_layout_error is None:
+            raise
+        on_layout_error(e)
     if cfg.mode == "async":  # in sync mode the master reports its model workers' counts
         print(f"realcore: dataset: {loaded.n_rows} rows, {len(loaded.samples)} usable, "
               f"skipped {describe_skips(loaded.skipped)}", flush=True)

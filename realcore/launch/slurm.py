@@ -75,7 +75,11 @@ def steps(cfg: ExperimentConfig, alloc: AllocationMode) -> list[Step]:
     """The job steps of a run, in start order (the master last, like the local scheduler)."""
     check_config(cfg)
     gpus = cfg.slurm.gpus_per_node
-    out = [Step("model_worker", alloc.train.world_size, 1 if gpus else 0)]  # one rank per GPU
+    if gpus is None:  # SGLang and vLLM serve on GPUs only; the built-in engine is the CPU default
+        use_gpus = alloc.gen is not None and alloc.backend != "local"
+    else:
+        use_gpus = gpus > 0
+    out = [Step("model_worker", alloc.train.world_size, 1 if use_gpus else 0)]  # one rank per GPU
     if alloc.gen is not None:
         # One task per server: a built-in server is one process on one GPU; an SGLang/vLLM server
         # spans tp*pp GPUs of its node (its own TP/PP workers; multi-node servers are not supported).
@@ -83,7 +87,7 @@ def steps(cfg: ExperimentConfig, alloc: AllocationMode) -> list[Step]:
         if gpus and per_server > gpus:
             raise ValueError(f"allocation_mode: a {alloc.backend} server of tp*pp={per_server} GPUs does not fit on a "
                              f"node of slurm.gpus_per_node={gpus} (servers across nodes are not supported)")
-        out.append(Step("gen_server", alloc.gen.dp, per_server if gpus else 0))
+        out.append(Step("gen_server", alloc.gen.dp, per_server if use_gpus else 0))
     if cfg.mode == "async":
         out += [Step("gserver_manager", 1), Step("rollout_worker", cfg.rollout.n_workers)]
     out.append(Step("master", 1))
