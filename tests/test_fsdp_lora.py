@@ -86,6 +86,11 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
         res["resumed"] = [_train(resumed, make_data(lens[rank], seed=100 * step + rank))[0]
                           for step, lens in enumerate(STEPS) if step >= 2]
         res["resumed/params"] = _named(resumed)
+        other = FSDPEngine(model_dir, _role(lora=LORA.model_copy(update={"target_modules": ["q_proj"]})), total_steps=5)
+        try:  # adapters on other modules: refused, with the names
+            other.load_state(state_dir)
+        except ValueError as e:
+            res["refused"] = str(e)
 
         # Weights out of the same trajectory: the torch engine's (rank 0 writes) and the fsdp_ac
         # engine's (collective), with the merged export and without (a disk weight update's).
@@ -206,6 +211,7 @@ def test_resume_from_save_state_is_exact_and_holds_adapter_shards_only(results):
         assert sorted(saved["model"]) == sorted(saved["optimizer"]["state"]) == adapters  # no base weight
         for n in adapters:  # this rank's dim-0 shard of each
             assert torch.equal(saved["model"][n], r["params/fsdp@2"][n].chunk(2)[rank]), n
+        assert "does not fit this model's adapters (unexpected ['base_model.model.model.layers.0.mlp.down_proj" in r["refused"]
 
 
 def test_validator_accepts_fsdp_with_lora():

@@ -137,10 +137,10 @@ class FSDPEngine(TorchEngine):
             model, optim = get_model_state_dict(self.model), None
         options = None
         if self.role.lora is not None:  # the adapters alone; the base stays the model directory's
-            want = {n for n in model if "lora_" in n}
-            if set(state["model"]) != want:
-                raise ValueError(f"lora: the recover state does not fit this model's adapters (saved "
-                                 f"{sorted(set(state['model']) - want)[:3]}, missing {sorted(want - set(state['model']))[:3]})")
+            want, saved = {n for n in model if "lora_" in n}, set(state["model"])
+            if saved != want:
+                raise ValueError(f"lora: the recover state does not fit this model's adapters (unexpected "
+                                 f"{sorted(saved - want)[:3]}, missing {sorted(want - saved)[:3]})")
             options = StateDictOptions(strict=False)
         if self.optimizer is not None:
             set_state_dict(self.model, self.optimizer, model_state_dict=_like(state["model"], model),

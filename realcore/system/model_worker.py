@@ -274,8 +274,9 @@ class ModelWorker:
 
     def broadcast_weights(self, msg: BroadcastWeights) -> Published:
         """rollout.weight_update=nccl: rank 0 broadcasts the actor's weights to the servers over its
-        weight-update group (realcore.system.weight_broadcast); a Megatron role's ranks first gather
-        them to rank 0, an FSDP role's too (with LoRA: base + adapter merged). Published.failed: the servers it did not update."""
+        weight-update group (realcore.system.weight_broadcast); a Megatron or FSDP role's ranks first
+        gather them to rank 0 (with LoRA: base + adapter merged). Published.failed: the servers it did
+        not update."""
         engine = self.engines["actor"]
         state = engine.hf_state_dict() if self._sharded("actor") or self.index == 0 else None
         if self.index != 0:
