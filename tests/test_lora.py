@@ -286,14 +286,15 @@ def _free_port() -> int:
 def test_async_run_with_lora_other_paths(tmp_path, monkeypatch, how):
     """sglang: SGLang's launch line and API (the built-in server standing in, REALCORE_TEST_ENGINE_BUILTIN=1):
     servers start with the zero adapter, every request names it, each update loads the new one.
-    memory: the trainer pushes base + adapter merged over the wire."""
+    memory, on an FSDP actor (DP=2, backend=fsdp): both ranks gather the sharded adapter for each
+    update, rank 0 pushes it alone over the wire; the final checkpoint is an adapter folder."""
     from test_e2e_async import run_async
 
     if how == "sglang":
         monkeypatch.setenv("REALCORE_TEST_ENGINE_BUILTIN", "1")
         extra = ["allocation_mode=sglang.d2p1t1+d2p1t1"]
     else:
-        extra = ["rollout.weight_update=memory"]
+        extra = ["rollout.weight_update=memory", "actor.backend=fsdp"]
     out, metrics = run_async(tmp_path, "actor.lora={rank:4,alpha:8}", "rollout.max_head_offpolicyness=1", *extra,
                              steps=3)
     assert metrics[-1]["version"] == 3
@@ -305,6 +306,9 @@ def test_async_run_with_lora_other_paths(tmp_path, monkeypatch, how):
         loaded[i] = re.findall(r"LoRA adapter 'actor' merged into \d+ weights \(version (\d+)\)", server_log)
         assert loaded[i][-1] == "3", server_log[-2000:]
     assert {"1", "2", "3"} <= set(loaded[0]) | set(loaded[1])
+    if how == "memory":
+        ckpt = out / "checkpoints" / "step_3"
+        assert (ckpt / "adapter_model.safetensors").exists() and not (ckpt / "model.safetensors").exists()
 
 
 def test_in_memory_push_of_the_adapter_alone(model_dir, tmp_path):

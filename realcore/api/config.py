@@ -73,7 +73,7 @@ class MegatronConfig(_Strict):
 
 
 class LoraConfig(_Strict):
-    """LoRA adapters (PEFT) on a trainable torch-backend role: only the adapters train, and weight
+    """LoRA adapters (PEFT) on a trainable torch or fsdp role: only the adapters train, and weight
     updates and checkpoints carry only them (docs/lora.md)."""
 
     rank: int = Field(8, gt=0, description="r: the inner dimension of each adapter's A (r x in) and B (out x r)")
@@ -112,7 +112,7 @@ class RoleConfig(_Strict):
         "backward (less activation memory, about one more forward of compute). torch: HF gradient checkpointing; "
         "megatron: megatron-core full recompute, one layer per unit")
     lora: LoraConfig | None = Field(
-        None, description="trainable torch roles: train LoRA adapters on the frozen base model instead of every "
+        None, description="trainable torch and fsdp roles: train LoRA adapters on the frozen base model instead of every "
         "weight (None: full fine-tuning)")
 
     @model_validator(mode="after")
@@ -120,7 +120,7 @@ class RoleConfig(_Strict):
         if self.lora is not None and not self.trainable:
             raise ValueError("lora: only a trainable role trains adapters (set trainable: true or drop lora)")
         if self.lora is not None and self.backend == "megatron":
-            raise ValueError("lora: backend=megatron has no LoRA in realcore; use backend=torch")
+            raise ValueError("lora: backend=megatron has no LoRA in realcore; use backend=torch or fsdp")
         if self.gradient_checkpointing and not self.trainable:
             raise ValueError("gradient_checkpointing: only a trainable role runs backward (set trainable: true "
                              "or drop it)")

@@ -11,6 +11,10 @@ TorchEngine; what differs:
   the sharded fp32 parameters are the optimizer's master copy.
 - save_hf / hf_state_dict gather the full weights to rank 0 (collective); save_state writes each
   rank's own shards, so a run resumes on the same data-parallel size.
+- LoRA (role.lora): TorchEngine wraps the model with PEFT before `_parallelize`, so each block's
+  FSDP unit holds its frozen base weights and its adapters; adapter_state / save_hf(merged=False)
+  gather the adapters alone, a merged export gathers the base too; save_state keeps the adapters'
+  shards only.
 - No generation here (one rank decoding alone would hang the others' gathers): fsdp roles sample
   on generation servers.
 """
@@ -22,6 +26,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX as _AC_PREFIX
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 from torch.distributed.device_mesh import DeviceMesh
@@ -29,6 +34,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from realcore.api.engine import GenerationResult
+from realcore.backends import lora
 from realcore.backends.fsdp import apply_ac, apply_fsdp
 from realcore.backends.torch_engine import TorchEngine
 
@@ -66,23 +72,53 @@ class FSDPEngine(TorchEngine):
 
     # ---- weights and state ----
 
-    def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Collective: the full state dict in HF names on rank 0 (CPU, float32), None elsewhere."""
+    def _full_state(self) -> dict[str, torch.Tensor] | None:
+        """Collective: the full state dict (the wrapped model's names) on rank 0 (CPU, float32)."""
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return state if self.rank == 0 else None
 
-    def save_hf(self, path: str) -> None:
-        """Collective: every rank sends its shards, rank 0 writes the HF directory atomically."""
-        state = self.hf_state_dict()
-        if state is not None:
+    def _full_adapter(self) -> dict[str, torch.Tensor] | None:
+        """Collective: the LoRA parameters alone, whole, on rank 0 (the wrapped model's names, AC's
+        prefix removed as get_model_state_dict does): an adapter update gathers no base weight."""
+        out = {n.replace(_AC_PREFIX, ""): p.detach().full_tensor().cpu()
+               for n, p in self.model.named_parameters() if "lora_" in n}
+        return out if self.rank == 0 else None
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Collective: the full weights under HF names on rank 0 (CPU, float32), None elsewhere;
+        with LoRA base + adapter merged (what the nccl update broadcasts)."""
+        state = self._full_state()
+        if state is not None and self.role.lora is not None:
+            return lora.merge_state(state, self.role.lora)
+        return state
+
+    def adapter_state(self) -> dict[str, torch.Tensor] | None:
+        """Collective: the adapter under PEFT's saved names on rank 0, None elsewhere."""
+        state = self._full_adapter()
+        return lora.gathered_adapter(state) if state is not None else None
+
+    def save_hf(self, path: str, *, merged: bool = True) -> None:
+        """Collective: every rank sends its shards, rank 0 writes the HF directory atomically. With
+        LoRA the adapter folder, plus `merged/` as TorchEngine.save_hf (only then is the base gathered)."""
+        export = self._exports_merged(merged)
+        state = self._full_state() if self.role.lora is None or export else self._full_adapter()
+        if state is None:  # not rank 0
+            return
+        if self.role.lora is None:
             self._write_hf(os.path.abspath(path), state)
+        else:
+            self._write_hf(os.path.abspath(path), adapter=lora.gathered_adapter(state),
+                           merged=lora.merge_state(state, self.role.lora) if export else None)
 
     def save_state(self, path: str) -> None:
-        """This rank's shards of the weights and optimizer state, with the schedule, version and RNG."""
+        """This rank's shards of the weights and optimizer state, with the schedule, version and RNG.
+        With LoRA only the adapters' shards: the frozen base is the model directory's."""
         if self.optimizer is not None:
             model, optim = get_state_dict(self.model, self.optimizer)
         else:
             model, optim = get_model_state_dict(self.model), None
+        if self.role.lora is not None:
+            model = {n: t for n, t in model.items() if "lora_" in n}
         torch.save({
             "model": _local(model), "optimizer": _local(optim),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
@@ -97,11 +133,21 @@ class FSDPEngine(TorchEngine):
         # The live state dicts give every shard's layout (mesh, placement, global shape).
         if self.optimizer is not None:
             model, optim = get_state_dict(self.model, self.optimizer)  # creates AdamW's state if none yet
+        else:
+            model, optim = get_model_state_dict(self.model), None
+        options = None
+        if self.role.lora is not None:  # the adapters alone; the base stays the model directory's
+            want, saved = {n for n in model if "lora_" in n}, set(state["model"])
+            if saved != want:
+                raise ValueError(f"lora: the recover state does not fit this model's adapters (unexpected "
+                                 f"{sorted(saved - want)[:3]}, missing {sorted(want - saved)[:3]})")
+            options = StateDictOptions(strict=False)
+        if self.optimizer is not None:
             set_state_dict(self.model, self.optimizer, model_state_dict=_like(state["model"], model),
-                           optim_state_dict=_like(state["optimizer"], optim))
+                           optim_state_dict=_like(state["optimizer"], optim), options=options)
             self.scheduler.load_state_dict(state["scheduler"])
         else:
-            set_model_state_dict(self.model, _like(state["model"], get_model_state_dict(self.model)))
+            set_model_state_dict(self.model, _like(state["model"], model), options=options)
         self.version = state["version"]
         torch.set_rng_state(state["rng"])
 

@@ -55,6 +55,13 @@ def adapter_state(model) -> dict[str, torch.Tensor]:
     return get_peft_model_state_dict(model)
 
 
+def gathered_adapter(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """adapter_state from `state`, the wrapped model's state dict gathered elsewhere (FSDP; no
+    activation checkpointing prefix). PEFT's own filter would miss them: it finds adapters by the
+    live modules' names, which carry checkpoint_wrapper's `_checkpoint_wrapped_module.`."""
+    return {n.replace(f".{ADAPTER_NAME}.", "."): t for n, t in state.items() if "lora_" in n}
+
+
 def merged_state(model) -> dict[str, torch.Tensor]:
     """The base model's state dict (HF names, tied weights under both names, like
     `model.state_dict()` of the unwrapped model) with each adapted weight replaced by W + delta.
@@ -73,6 +80,14 @@ def merged_state(model) -> dict[str, torch.Tensor]:
     return out
 
 
+def merge_state(state: dict[str, torch.Tensor], cfg: LoraConfig) -> dict[str, torch.Tensor]:
+    """merged_state from `state`, a full state dict of the wrapped model gathered elsewhere (FSDP's
+    parameters are shards, so the live model cannot merge): base weights under HF names, each
+    adapted one replaced by W + delta (merge_adapter: PEFT's arithmetic, equal bit for bit)."""
+    base = {n.removeprefix(_PREFIX).replace(".base_layer.", "."): t for n, t in state.items() if "lora_" not in n}
+    return {**base, **merge_adapter(base, adapter_config(cfg), gathered_adapter(state))}
+
+
 def recover_state(model) -> dict[str, torch.Tensor]:
     """The wrapped model's state-dict entries that training changes (the adapters), for recover
     checkpoints: the frozen base is the model directory's, so it is not saved again."""
@@ -87,19 +102,28 @@ def load_recover_state(model, state: dict[str, torch.Tensor]) -> None:
                          f"missing {lost[:3]})")
 
 
-def save_adapter(model, path: str) -> None:
-    """adapter_model.safetensors + adapter_config.json in `path` (PEFT's format)."""
-    model.save_pretrained(path)
+def save_adapter(model, path: str, tensors: dict[str, torch.Tensor] | None = None) -> None:
+    """adapter_model.safetensors + adapter_config.json in `path` (PEFT's format); `tensors`: the
+    adapter under PEFT's saved names when the caller gathered it (FSDP, see gathered_adapter), which
+    replace the empty set PEFT then finds in the live model."""
+    if tensors is None:
+        model.save_pretrained(path)
+        return
+    model.save_pretrained(path, state_dict={})  # the config and model card, as PEFT writes them
+    safetensors.torch.save_file({n: t.contiguous() for n, t in tensors.items()}, os.path.join(path, ADAPTER_WEIGHTS),
+                                metadata={"format": "pt"})
 
 
-def save_merged(model, path: str) -> None:
-    """A plain HF checkpoint of base + adapter in `path`, loadable by transformers without PEFT."""
+def save_merged(model, path: str, state: dict[str, torch.Tensor] | None = None) -> None:
+    """A plain HF checkpoint of base + adapter in `path`, loadable by transformers without PEFT;
+    `state`: the merged weights when the caller has them (FSDP gathers them), else merged_state."""
     from transformers import AutoModelForCausalLM
 
     base = model.get_base_model()
     with torch.device("meta"):
         plain = AutoModelForCausalLM.from_config(base.config, dtype=next(base.parameters()).dtype)
-    plain.load_state_dict({k: v.detach().clone() for k, v in merged_state(model).items()}, assign=True)
+    state = merged_state(model) if state is None else state
+    plain.load_state_dict({k: v.detach().clone() for k, v in state.items()}, assign=True)
     plain.tie_weights()
     plain.save_pretrained(path)
     if getattr(base, "generation_config", None) is not None:

@@ -216,6 +216,14 @@ class TorchEngine(Engine):
         """The full weights under HF names, what servers load (with LoRA: base + adapter merged)."""
         return lora.merged_state(self.model) if self.role.lora is not None else self.model.state_dict()
 
+    def adapter_state(self) -> dict[str, torch.Tensor] | None:
+        """LoRA: the adapter's tensors under PEFT's saved names, what an in-memory update pushes
+        (FSDPEngine: collective, on rank 0 only)."""
+        return lora.adapter_state(self.model)
+
+    def _exports_merged(self, merged: bool) -> bool:
+        return merged and self.role.lora is not None and self.role.lora.export_merged
+
     def save_hf(self, path: str, *, merged: bool = True) -> None:
         """Write a HF checkpoint atomically (tmp dir + rename). Only rank 0 of the group writes:
         weights are identical on every data-parallel rank. With LoRA: the adapter folder (PEFT's
@@ -223,17 +231,22 @@ class TorchEngine(Engine):
         and `merged` (weights for servers skip it)."""
         if self.rank != 0:
             return
-        self._write_hf(os.path.abspath(path), merged=merged)
+        merged_state = lora.merged_state(self.model) if self._exports_merged(merged) else None
+        self._write_hf(os.path.abspath(path), merged=merged_state)
 
-    def _write_hf(self, path: str, state_dict: dict[str, torch.Tensor] | None = None, *, merged: bool = False) -> None:
-        """Write the model (or `state_dict`, in its names) as an HF directory, atomically."""
+    def _write_hf(self, path: str, state_dict: dict[str, torch.Tensor] | None = None, *,
+                  adapter: dict[str, torch.Tensor] | None = None, merged: dict[str, torch.Tensor] | None = None) -> None:
+        """Write the model (or `state_dict`, in its names) as an HF directory, atomically. With LoRA
+        the adapter folder (of `adapter`, PEFT's names, when given), plus `merged/` from `merged`."""
         tmp, old = f"{path}.tmp-{os.getpid()}", f"{path}.old-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         with standard_attention(self.model):  # the exported config names transformers' own attention
-            # transformers 5 always writes safetensors; PEFT: the adapter only
-            self.model.save_pretrained(tmp, state_dict=state_dict)
-        if merged and self.role.lora is not None and self.role.lora.export_merged:
-            lora.save_merged(self.model, os.path.join(tmp, "merged"))
+            if self.role.lora is not None:
+                lora.save_adapter(self.model, tmp, adapter)
+            else:  # transformers 5 always writes safetensors
+                self.model.save_pretrained(tmp, state_dict=state_dict)
+        if merged is not None:
+            lora.save_merged(self.model, os.path.join(tmp, "merged"), merged)
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(os.path.join(tmp, "merged"))
         if self.tokenizer is not None:

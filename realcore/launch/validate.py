@@ -38,8 +38,6 @@ def validate(cfg: ExperimentConfig) -> tuple[DataFlowGraph, AllocationMode]:
     for role, r in cfg.roles().items():
         if r.backend in ("torch", "fsdp") and (mesh.pp, mesh.tp, mesh.cp, mesh.ep) != (1, 1, 1, 1):
             raise ConfigError(f"allocation_mode: {role}.backend={r.backend} supports data parallel only (got {cfg.allocation_mode}); use pN/tN with the megatron backend")
-        if r.backend != "torch" and r.lora is not None:
-            raise ConfigError(f"{role}.lora: LoRA needs backend=torch (got {r.backend})")
         if r.backend == "megatron" and importlib.util.find_spec("megatron") is None:
             raise ConfigError(f"{role}.backend=megatron needs megatron-core: pip install -e '.[megatron]'")
         check_dtype(cfg, role, r.backend, r.dtype)

@@ -246,12 +246,12 @@ class ModelWorker:
         if msg.servers:
             from realcore.backends.gen_client import push_weights
 
-            # Megatron: every rank joins the gather. Torch: rank 0's; with LoRA the adapter alone.
+            # Megatron, FSDP: every rank joins the gather. Torch: rank 0's. With LoRA the adapter alone.
             lora_cfg, adapter = self.cfg.actor.lora, None
             if lora_cfg is not None:
                 from realcore.backends import lora
 
-                state = lora.adapter_state(engine.model) if self.index == 0 else None
+                state = engine.adapter_state() if sharded or self.index == 0 else None
                 adapter = {"name": lora.LORA_NAME, "config": lora.adapter_config(lora_cfg)}
             else:
                 state = engine.hf_state_dict() if sharded or self.index == 0 else None
@@ -274,8 +274,9 @@ class ModelWorker:
 
     def broadcast_weights(self, msg: BroadcastWeights) -> Published:
         """rollout.weight_update=nccl: rank 0 broadcasts the actor's weights to the servers over its
-        weight-update group (realcore.system.weight_broadcast); a Megatron role's ranks first gather
-        them to rank 0. Published.failed: the servers it did not update."""
+        weight-update group (realcore.system.weight_broadcast); a Megatron or FSDP role's ranks first
+        gather them to rank 0 (with LoRA: base + adapter merged). Published.failed: the servers it did
+        not update."""
         engine = self.engines["actor"]
         state = engine.hf_state_dict() if self._sharded("actor") or self.index == 0 else None
         if self.index != 0:
