@@ -387,7 +387,7 @@ def test_mesh_rendezvous_binds_the_chosen_address_and_keeps_its_port(tmp_path):
 
 
 def test_gloo_is_pointed_at_the_interface_of_the_host(monkeypatch):
-    from realcore.system.rendezvous import bind_gloo_to
+    from realcore.backends.weight_group import bind_gloo_to
 
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     bind_gloo_to("127.0.0.1")

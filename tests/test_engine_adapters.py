@@ -887,3 +887,65 @@ def test_real_sglang_server(tmp_path):
     from realcore.backends.gen_client import GenClient
 
     _real_engine_test("sglang", GenClient, tmp_path)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(os.environ.get("REALCORE_TEST_SGLANG") != "1", reason="set REALCORE_TEST_SGLANG=1 (needs sglang installed)")
+def test_real_sglang_receives_a_weight_broadcast(tmp_path):
+    """rollout.weight_update=nccl's protocol against a real SGLang server (gloo on CPU): the group
+    forms (keys laid out as SGLang's init_custom_process_group expects), buckets go inside SGLang's
+    begin/end_weight_update session, and the server then scores exactly as with the weights loaded
+    from disk; a second update reuses the group and brings the first weights back."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from realcore.api.config import ModelConfig, TinyModelConfig
+    from realcore.backends.gen_client import GenClient
+    from realcore.backends.generation import read_hf_weights
+    from realcore.backends.models import prepare_model
+    from realcore.system.weight_broadcast import WeightSender
+
+    tiny = TinyModelConfig(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1)
+    model_a = prepare_model(ModelConfig(name="tiny", tiny=tiny, cache_dir=str(tmp_path)), seed=1)
+    model_b = prepare_model(ModelConfig(name="tiny", tiny=tiny, cache_dir=str(tmp_path)), seed=2)
+    proc, url = _launch("sglang", model_a, str(tmp_path / "sglang.log"))
+    greedy = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    cfg = SimpleNamespace(system=SimpleNamespace(host="127.0.0.1", startup_timeout_s=120.0, request_timeout_s=120.0),
+                          rollout=SimpleNamespace(server_token=REAL_TOKEN, request_timeout_s=120.0, weight_bucket_mb=0.05))
+    sender = WeightSender(cfg, engine="sglang", tp=1)
+
+    async def score(client, rid):
+        return torch.tensor((await client.generate([5, 17, 42, 9, 100], greedy, rid=rid)).output_logprobs)
+
+    async def main():
+        await wait_http_ready(url, timeout_s=300, proc=proc, token=REAL_TOKEN)
+        client = GenClient(url, timeout_s=120, token=REAL_TOKEN)
+        try:
+            a = await score(client, "a")
+            assert await asyncio.to_thread(sender.send, read_hf_weights(model_b), 1, [url]) == []
+            reply = await client.generate([5, 17, 42, 9, 100], greedy, rid="b-sent")
+            sent = torch.tensor(reply.output_logprobs)
+            assert reply.weight_version == "1"
+            await client.update_weights_from_disk(model_b, "2")
+            from_disk = await score(client, "b-disk")
+            assert (from_disk - a).abs().max() > 0.05  # B scores differently: the test can fail
+            torch.testing.assert_close(sent, from_disk, atol=1e-5, rtol=0)
+            assert await asyncio.to_thread(sender.send, read_hf_weights(model_a), 3, [url]) == []
+            torch.testing.assert_close(await score(client, "a-again"), a, atol=1e-5, rtol=0)
+            assert sender.n_groups == 1
+        finally:
+            await client.close()
+
+    try:
+        asyncio.run(main())
+    except BaseException:
+        print((tmp_path / "sglang.log").read_text()[-5000:])
+        raise
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

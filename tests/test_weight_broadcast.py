@@ -155,8 +155,17 @@ def test_update_without_a_group_is_refused(servers):
     url = servers.start()
 
     async def fn(client):
+        # SGLang's session rule: buckets only between begin_weight_update and end_weight_update.
+        with pytest.raises(RuntimeError, match="must run between begin_weight_update"):
+            await client.update_weights_from_distributed(["lm_head.weight"], ["float32"], [[1]], "nope", version=1)
+        await client.begin_weight_update()
+        with pytest.raises(RuntimeError, match="already open"):
+            await client.begin_weight_update()
         with pytest.raises(RuntimeError, match="no weight-update group"):
             await client.update_weights_from_distributed(["lm_head.weight"], ["float32"], [[1]], "nope", version=1)
+        await client.end_weight_update()
+        with pytest.raises(RuntimeError, match="no weight-update session is open"):
+            await client.end_weight_update()
         with pytest.raises(RuntimeError, match="world_size"):
             await client.init_weights_update_group("127.0.0.1", 1, 3, 2, "g", "gloo")
         with pytest.raises(RuntimeError, match="needs CUDA|not on a GPU"):

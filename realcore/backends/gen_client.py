@@ -158,6 +158,14 @@ class GenClient:
             body["weight_version"] = str(version)
         await self._post_ok("/update_weights_from_distributed", body, f"update_weights_from_distributed({group_name!r})")
 
+    async def begin_weight_update(self) -> None:
+        """SGLang's weight-update session (0.5.2x): buckets of update_weights_from_distributed are
+        accepted only between begin_weight_update and end_weight_update."""
+        await self._post_ok("/begin_weight_update", {}, "begin_weight_update")
+
+    async def end_weight_update(self) -> None:
+        await self._post_ok("/end_weight_update", {}, "end_weight_update")
+
     async def destroy_weights_update_group(self, group_name: str) -> None:
         await self._request("POST", "/destroy_weights_update_group", {"group_name": group_name}, CONTROL_TIMEOUT_S)
 

@@ -463,10 +463,7 @@ class WeightGroup:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def close(self) -> None:
-        try:
-            self.pg.shutdown()
-        except Exception:  # already broken: nothing to release
-            pass
+        weight_group.close_group(self.pg)
 
 
 # --- HTTP -----------------------------------------------------------------------------------------
@@ -495,6 +492,7 @@ class Server:
         self.receiver: WeightsReceiver | None = None
         self.host = "127.0.0.1"  # the address run_server serves on: gloo's socket for weight-update groups
         self.groups: dict[str, WeightGroup] = {}  # weight-update groups joined, by name
+        self.update_session = False  # SGLang's weight-update session: buckets are received only inside one
         self.shapes = {n: tuple(t.shape) for n, t in core.model.state_dict().items()}  # what a bucket may hold
         self.app = web.Application(middlewares=[self._middleware], client_max_size=max_body_bytes)
         self.app.add_routes([
@@ -508,6 +506,8 @@ class Server:
             web.post("/init_weights_update_group", self.init_weights_update_group),
             web.post("/update_weights_from_distributed", self.update_weights_from_distributed),
             web.post("/destroy_weights_update_group", self.destroy_weights_update_group),
+            web.post("/begin_weight_update", self.begin_weight_update),
+            web.post("/end_weight_update", self.end_weight_update),
             web.post("/v1/chat/completions", self.chat_completions),
             web.post("/v1/completions", self.completions),
             web.get("/v1/models", self.models),
@@ -716,6 +716,9 @@ class Server:
         try:
             body = http_schemas.parse(http_schemas.UpdateWeightsFromDistributedRequest, await self._read(request),
                                       request.path)
+            if not self.update_session:  # SGLang's rule and words
+                raise ValueError("update_weights_from_distributed must run between begin_weight_update() and "
+                                 "end_weight_update()")
             group = self.groups.get(body.group_name)
             if group is None:
                 raise ValueError(f"no weight-update group {body.group_name!r} (call /init_weights_update_group first)")
@@ -740,6 +743,22 @@ class Server:
         with group.lock:
             return weight_group.receive(group.pg, body.dtypes, body.shapes, group.device,
                                         timedelta(seconds=WEIGHT_GROUP_TIMEOUT_S))
+
+    async def begin_weight_update(self, request: web.Request) -> web.Response:
+        http_schemas.parse(http_schemas.BeginWeightUpdateRequest, await self._read(request), request.path)
+        if self.update_session:
+            return web.json_response({"success": False, "message": "a weight-update session is already open; call "
+                                                                   "end_weight_update() first"}, status=400)
+        self.update_session = True
+        return web.json_response({"success": True, "message": "Success"})
+
+    async def end_weight_update(self, request: web.Request) -> web.Response:
+        http_schemas.parse(http_schemas.EndWeightUpdateRequest, await self._read(request), request.path)
+        if not self.update_session:
+            return web.json_response({"success": False, "message": "no weight-update session is open; call "
+                                                                   "begin_weight_update() first"}, status=400)
+        self.update_session = False
+        return web.json_response({"success": True, "message": "Success"})
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         body = http_schemas.parse(http_schemas.DestroyWeightsUpdateGroupRequest, await self._read(request), request.path)

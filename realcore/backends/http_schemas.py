@@ -220,6 +220,16 @@ class DestroyWeightsUpdateGroupRequest(_Body):
     group_name: GroupName = "weight_update_group"
 
 
+class BeginWeightUpdateRequest(_Body):
+    """SGLang's /begin_weight_update: open the session that /update_weights_from_distributed needs."""
+
+    selector: Literal["target", "draft", "all"] = "all"
+
+
+class EndWeightUpdateRequest(_Body):
+    """SGLang's /end_weight_update: close the session."""
+
+
 class PauseGenerationRequest(_Body):
     mode: Literal["abort", "retract", "in_place"] = "abort"
 

@@ -156,6 +156,11 @@ def server_command(
 
         initial = lora_fns.write_zero_adapter(model_path, lora, os.path.join(private_dir, "lora-init"))
         argv += lora_fns.sglang_flags(lora, initial, lora_fns.LORA_NAME)
+    from realcore.backends.weight_group import gloo_ifname
+
+    ifname = None if "GLOO_SOCKET_IFNAME" in os.environ else gloo_ifname(host)
+    if ifname is not None:  # the engine's gloo groups (its CPU groups, a gloo weight-update group) on `host`
+        env["GLOO_SOCKET_IFNAME"] = ifname
     if not _is_own(python):
         env["PATH"] = os.pathsep.join(p for p in (os.path.dirname(python), os.environ.get("PATH", "")) if p)
     if api_key and engine == "vllm":

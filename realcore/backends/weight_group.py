@@ -3,9 +3,9 @@
 
 Rank 0 is the trainer, which serves the group's TCPStore; server k joins as ranks
 `rank_offset .. rank_offset + tp - 1` (the built-in server has tp 1). The group is NOT the default
-process group: each side builds a ProcessGroupGloo / ProcessGroupNCCL over its own store (SGLang's
-`init_custom_process_group` does the same through torch internals), so a server keeps its own
-default group (TP) and the trainer its training mesh.
+process group: each side builds it over its own client of the store the way SGLang's
+`init_custom_process_group` does (new_group), so a server keeps its own default group (TP) and the
+trainer its training mesh.
 
 An update is a sequence of buckets; each bucket is one HTTP request carrying the names, dtypes and
 shapes, and one broadcast from rank 0 per tensor, in that order (what SGLang's receiver does).
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import threading
 from datetime import timedelta
 
@@ -39,30 +40,52 @@ def default_backend() -> str:
 
 def new_group(backend: str, store: dist.Store, rank: int, world_size: int, group_name: str, *, host: str,
               timeout: timedelta):
-    """A process group over `store` (its keys prefixed with `group_name`), outside torch.distributed's
-    default group; returns once all `world_size` ranks joined (or raises at `timeout`).
-    Gloo listens on `host` (the address this process publishes), not the machine's hostname."""
-    store = dist.PrefixStore(group_name, store)
+    """A process group over `store`, outside torch.distributed's default group; returns once all
+    `world_size` ranks joined (or raises at `timeout`). Built exactly as SGLang's server builds its
+    side (its `init_custom_process_group`): the store prefixed with `group_name`, then torch's own
+    group constructor, which prefixes again per device and, for gloo, makes one gloo group per device
+    type and agrees a sequence number through the store. Any other layout of keys never meets
+    SGLang's (seen against SGLang 0.5.23: the join waited until its deadline).
+    Gloo listens on `host`'s interface (GLOO_SOCKET_IFNAME), not the machine's hostname."""
+    from torch.distributed.distributed_c10d import _new_process_group_helper, _world
+
+    if backend == "nccl" and not (dist.is_nccl_available() and torch.cuda.is_available()):
+        raise ValueError("weight update group: backend nccl needs CUDA and a torch built with NCCL (use gloo on CPU)")
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"weight update group: backend must be nccl or gloo, got {backend!r}")
     if backend == "gloo":
-        opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = timeout
-        opts._devices = [gloo_device(host)]
-        return dist.ProcessGroupGloo(store, rank, world_size, opts)
-    if backend == "nccl":
-        if not (dist.is_nccl_available() and torch.cuda.is_available()):
-            raise ValueError("weight update group: backend nccl needs CUDA and a torch built with NCCL (use gloo on CPU)")
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
-    raise ValueError(f"weight update group: backend must be nccl or gloo, got {backend!r}")
+        bind_gloo_to(host)
+    pg, _ = _new_process_group_helper(world_size, rank, [], dist.Backend(backend), dist.PrefixStore(group_name, store),
+                                      group_name=group_name, timeout=timeout)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
 
 
-def gloo_device(host: str):
-    """Gloo's socket on `host`; a wildcard address cannot be advertised to peers: the default device
-    then (GLOO_SOCKET_IFNAME, else the hostname's address)."""
-    if host in ("", "0.0.0.0", "::"):
-        return dist.ProcessGroupGloo.create_default_device()
-    return dist.ProcessGroupGloo.create_device(hostname=host)
+def close_group(pg) -> None:
+    """Shut a new_group's group down and forget its name (torch refuses a name twice while it is known)."""
+    try:
+        dist.destroy_process_group(pg)
+    except Exception:  # broken already, or never fully built: nothing more to release
+        pass
+
+
+def bind_gloo_to(host: str) -> None:
+    """Gloo listens on the address of the machine's hostname unless GLOO_SOCKET_IFNAME names an
+    interface: name the one that holds `host` (process-wide), so gloo's sockets stay on the chosen
+    address. A wildcard or unknown address leaves gloo's default."""
+    name = gloo_ifname(host)
+    if name is not None and "GLOO_SOCKET_IFNAME" not in os.environ:
+        os.environ["GLOO_SOCKET_IFNAME"] = name
+
+
+def gloo_ifname(host: str) -> str | None:
+    """The network interface that holds address `host`, if any."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == host for a in addrs):
+            return name
+    return None
 
 
 def device_of(backend: str) -> torch.device:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from realcore.api.config import ExperimentConfig
+from realcore.backends.weight_group import bind_gloo_to
 from realcore.system import keys
 
 
@@ -49,19 +50,6 @@ def parse_address(address: str) -> tuple[str, int]:
     rest = address.removeprefix("tcp://")
     host, _, port = rest.rpartition(":")
     return host.strip("[]"), int(port)
-
-
-def bind_gloo_to(host: str) -> None:
-    """Gloo listens on the address of the machine's hostname unless GLOO_SOCKET_IFNAME names an
-    interface: name the one that holds `host`, so the mesh's own sockets stay on the chosen address."""
-    if "GLOO_SOCKET_IFNAME" in os.environ:
-        return
-    import psutil
-
-    for name, addrs in psutil.net_if_addrs().items():
-        if any(a.address.split("%")[0] == host for a in addrs):
-            os.environ["GLOO_SOCKET_IFNAME"] = name
-            return
 
 
 def init_mesh(cfg: ExperimentConfig, resolver, rank: int, world: int) -> None:

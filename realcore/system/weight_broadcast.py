@@ -18,13 +18,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 from datetime import timedelta
 
 import torch
 
 from realcore.backends import weight_group
 from realcore.backends.server_launch import client_for
-from realcore.system.rendezvous import bind_gloo_to, serve_store
+from realcore.system.rendezvous import serve_store
 
 log = logging.getLogger("realcore.weight_broadcast")
 HEALTH_TIMEOUT_S = 5.0
@@ -54,15 +55,14 @@ class WeightSender:
         self.join_timeout = timedelta(seconds=cfg.system.startup_timeout_s)
         self.timeout = timedelta(seconds=cfg.system.request_timeout_s)
         self.bucket_bytes = max(1, int(cfg.rollout.weight_bucket_mb * 2**20))
-        self.backend = weight_group.default_backend()
-        if self.backend == "gloo":
-            bind_gloo_to(self.host)
+        self.backend = weight_group.default_backend()  # new_group binds gloo to self.host
         self.device = weight_group.device_of(self.backend)
         self.members: tuple[str, ...] = ()
         self.group = None
         self._store = None  # the group's TCPStore: it lives as long as the group
         self.group_name = ""
         self.n_groups = 0
+        self.tag = f"{os.getpid()}-{secrets.token_hex(3)}"  # group names are unique per process and sender
         self.stats: dict[str, float] = {}  # of the last send: seconds to (re)build the group, to broadcast
 
     def send(self, state: dict[str, torch.Tensor], version: int, servers: list[str]) -> list[str]:
@@ -112,10 +112,7 @@ class WeightSender:
             return
         old, name, members = self.group, self.group_name, [clients[u] for u in self.members]
         self.group, self._store, self.members = None, None, ()
-        try:
-            old.shutdown()
-        except Exception:  # broken already
-            pass
+        weight_group.close_group(old)
         if members:
             await asyncio.gather(*(asyncio.wait_for(c.destroy_weights_update_group(name), HEALTH_TIMEOUT_S)
                                    for c in members), return_exceptions=True)
@@ -124,7 +121,7 @@ class WeightSender:
         """Build a group of rank 0 + `clients`: all of them when it formed, else those that did not
         refuse (for a second attempt without the others)."""
         self.n_groups += 1
-        name = f"realcore-weights-{os.getpid()}-{self.n_groups}"
+        name = f"realcore-weights-{self.tag}-{self.n_groups}"
         world = 1 + self.tp * len(clients)
         store = serve_store(self.host, world, self.join_timeout)
         refused: dict[str, BaseException] = {}
@@ -158,6 +155,12 @@ class WeightSender:
         old version, and are caught up (the manager lists them as behind)."""
         members = {u: clients[u] for u in self.members}
         order = weight_group.buckets(state, self.bucket_bytes)
+        try:  # SGLang takes buckets only inside a weight-update session
+            await _all_or_first_failure([_begin_session(c) for c in members.values()], self.timeout.total_seconds())
+        except Exception as e:
+            log.warning("weight-update group %s: begin_weight_update failed (%s); dropping the group", self.group_name, e)
+            await self._fail(clients, members)
+            return []
         for i, names in enumerate(order):
             tensors = [state[n].detach().to(self.device).contiguous() for n in names]
             dtypes = [weight_group.dtype_name(t.dtype) for t in tensors]
@@ -171,6 +174,28 @@ class WeightSender:
             except Exception as e:
                 log.warning("weight-update group %s: bucket %d of version %d failed (%s); dropping the group",
                             self.group_name, i, version, e)
-                await self._drop(clients)
+                await self._fail(clients, members)
                 return []
+        ended = await asyncio.gather(*(asyncio.wait_for(c.end_weight_update(), self.timeout.total_seconds())
+                                       for c in members.values()), return_exceptions=True)
+        for u, r in zip(members, ended):
+            if isinstance(r, BaseException):  # the weights are in; the next begin closes the session first
+                log.warning("weight-update group %s: end_weight_update on %s failed: %s", self.group_name, u, r)
         return list(members)
+
+    async def _fail(self, clients: dict, members: dict) -> None:
+        """After a failed update: close the members' sessions (best effort, briefly) and drop the group."""
+        await asyncio.gather(*(asyncio.wait_for(c.end_weight_update(), HEALTH_TIMEOUT_S) for c in members.values()),
+                             return_exceptions=True)
+        await self._drop(clients)
+
+
+async def _begin_session(client) -> None:
+    """begin_weight_update; a session left open (an update that failed before its end) is ended first."""
+    try:
+        await client.begin_weight_update()
+    except RuntimeError as e:
+        if "already open" not in str(e):
+            raise
+        await client.end_weight_update()
+        await client.begin_weight_update()
