@@ -49,6 +49,7 @@ IGNORED = {
     "max-total-tokens": True,
     "mem-fraction-static": True,
     "dtype": True,
+    "lora-backend": True,  # SGLang's LoRA kernels; the built-in server merges the adapter into its weights
 }
 
 

@@ -949,3 +949,94 @@ def test_real_sglang_receives_a_weight_broadcast(tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+# Test-only stand-in for a GPU: SGLang 0.5.23's LoRA layers pin host memory (torch needs CUDA for
+# that), so on a CPU the server runs with pin_memory dropped. Nothing else of SGLang is changed.
+_NO_PIN_MEMORY = """
+import torch
+if not torch.cuda.is_available():
+    def _no_pin(f):
+        def call(*args, **kwargs):
+            kwargs.pop("pin_memory", None)
+            return f(*args, **kwargs)
+        return call
+    for _name in ("tensor", "empty", "zeros", "ones", "full", "arange"):
+        setattr(torch, _name, _no_pin(getattr(torch, _name)))
+    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+"""
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(os.environ.get("REALCORE_TEST_SGLANG") != "1", reason="set REALCORE_TEST_SGLANG=1 (needs sglang installed)")
+def test_real_sglang_serves_a_lora_adapter(tmp_path, monkeypatch):
+    """actor.lora against a real SGLang server: launched with realcore's LoRA flags (the all-zero
+    adapter loaded at start), a request naming the adapter scores as the base model; after a disk
+    update with an adapter folder (PEFT's format) it scores as the merged model, carries the update's
+    version (set by /update_weight_version), and the base model is untouched."""
+    import torch
+
+    from realcore.api.config import LoraConfig, ModelConfig, TinyModelConfig
+    from realcore.backends import lora
+    from realcore.backends.gen_client import GenClient
+    from realcore.backends.models import load_model, prepare_model
+
+    tiny = TinyModelConfig(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1)
+    model_a = prepare_model(ModelConfig(name="tiny", tiny=tiny, cache_dir=str(tmp_path)), seed=1)
+    cfg = LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"])
+    peft_model = lora.apply_lora(load_model(model_a), cfg, seed=0)
+    with torch.no_grad():  # a trained-looking adapter: PEFT starts B at zero
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    peft_model.save_pretrained(str(tmp_path / "adapter"))
+    lora.save_merged(peft_model, str(tmp_path / "merged"))
+    (tmp_path / "shim").mkdir()
+    (tmp_path / "shim" / "sitecustomize.py").write_text(_NO_PIN_MEMORY)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "shim"), os.environ.get("PYTHONPATH", "")]))
+    port = free_port()
+    python = os.environ.get("REALCORE_SGLANG_PYTHON") or None
+    argv, env = server_command("sglang", model_path=model_a, host="127.0.0.1", port=port, tp=1, seed=1, max_batch_size=8,
+                               api_key=REAL_TOKEN, private_dir=str(tmp_path), python=python, lora=cfg)
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "sglang.log", "w")
+    proc = subprocess.Popen(argv, env={**os.environ, **env, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=subprocess.STDOUT)
+    prompt, greedy = [5, 17, 42, 9, 100], {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+
+    async def score(client, rid):
+        reply = await client.generate(prompt, greedy, rid=rid)
+        return torch.tensor(reply.output_logprobs), reply.weight_version
+
+    async def main():
+        await wait_http_ready(url, timeout_s=300, proc=proc, token=REAL_TOKEN)
+        base = GenClient(url, timeout_s=120, token=REAL_TOKEN)
+        actor = GenClient(url, timeout_s=120, token=REAL_TOKEN, lora_name=lora.LORA_NAME)  # what a LoRA run uses
+        try:
+            b0, _ = await score(base, "base")
+            z0, _ = await score(actor, "zero")
+            torch.testing.assert_close(z0, b0, atol=1e-5, rtol=0)  # the zero adapter changes nothing
+            await actor.update_weights_from_disk(str(tmp_path / "adapter"), 5)  # an adapter folder: load_lora_adapter
+            adapted, version = await score(actor, "adapted")
+            assert version == "5"
+            assert (adapted - b0).abs().max() > 0.05  # the adapter changes the scores: the test can fail
+            b1, _ = await score(base, "base-again")
+            torch.testing.assert_close(b1, b0, atol=1e-5, rtol=0)
+            await base.update_weights_from_disk(str(tmp_path / "merged"), 6)
+            merged, _ = await score(base, "merged")
+            torch.testing.assert_close(adapted, merged, atol=2e-2, rtol=0)  # bf16 serving
+        finally:
+            await base.close()
+            await actor.close()
+
+    try:
+        asyncio.run(main())
+    except BaseException:
+        print((tmp_path / "sglang.log").read_text()[-5000:])
+        raise
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -120,16 +120,17 @@ class GenClient:
 
     async def load_lora_adapter(self, name: str, path: str, version=None) -> None:
         """SGLang's /load_lora_adapter, after /unload_lora_adapter of the same name (SGLang refuses
-        to load a name twice; an unload of a name not loaded fails and is ignored). `version` is
-        realcore's addition, read by the built-in server (SGLang ignores unknown fields)."""
+        to load a name twice; an unload of a name not loaded fails and is ignored); then, as a
+        LoRA load carries no version, /update_weight_version to `version` (if given)."""
         try:
             await self._request("POST", "/unload_lora_adapter", {"lora_name": name}, self.timeout_s)
         except RuntimeError:  # not loaded (the first update, or a restarted server)
             pass
         body = {"lora_name": name, "lora_path": path}
-        if version is not None:
-            body["weight_version"] = str(version)
         await self._post_ok("/load_lora_adapter", body, f"load_lora_adapter({name!r}, {path!r})", "error_message")
+        if version is not None:  # the manager paused the server already: nothing in flight to abort
+            await self._post_ok("/update_weight_version", {"new_version": str(version), "abort_all_requests": False},
+                                f"update_weight_version({version!r})")
 
     async def _post_ok(self, path: str, body: dict, what: str, message_key: str = "message") -> None:
         """POST `body`; RuntimeError naming `what` unless the server answers success (SGLang's reply form)."""

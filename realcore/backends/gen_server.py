@@ -127,6 +127,14 @@ class _Adapter:
 
 
 @dataclass
+class _Version:
+    """SGLang's /update_weight_version: replies carry `version` from now on (weights unchanged)."""
+
+    version: str
+    done: Callable[[Any], None]
+
+
+@dataclass
 class LoraServing:
     """SGLang's LoRA launch flags (--enable-lora, --max-lora-rank, --lora-target-modules,
     --lora-paths): the bounds an adapter loaded later must keep (None: any), and the adapter loaded
@@ -191,7 +199,8 @@ class EngineLoop:
         self.stopping = threading.Event()
         self.error: BaseException | None = None
         self._handlers = {_Generate: self._generate, _Abort: self._abort, _Pause: self._pause,
-                          _Continue: self._continue, _Weights: self._weights, _Adapter: self._adapter}  # fmt: skip
+                          _Continue: self._continue, _Weights: self._weights, _Adapter: self._adapter,
+                          _Version: self._version}  # fmt: skip
 
     def run(self) -> None:
         try:
@@ -352,6 +361,10 @@ class EngineLoop:
             self.weight_version = str(c.version)
         c.done({})
 
+    def _version(self, c: _Version) -> None:
+        self.weight_version = c.version
+        c.done({})
+
     def _adapter(self, c: _Adapter) -> None:
         """Merge adapter `c` into the weights (W = base + scale * B @ A, realcore.backends.lora),
         first restoring any weight a previous adapter changed; or (unload) restore them all."""
@@ -500,6 +513,7 @@ class Server:
             web.post("/update_weights_from_disk", self.update_weights_from_disk),
             web.post("/load_lora_adapter", self.load_lora_adapter),
             web.post("/unload_lora_adapter", self.unload_lora_adapter),
+            web.post("/update_weight_version", self.update_weight_version),
             web.post("/pause_generation", self.pause_generation),
             web.post("/continue_generation", self.continue_generation),
             web.post("/abort_request", self.abort_request),
@@ -668,11 +682,20 @@ class Server:
             body = http_schemas.parse(http_schemas.LoadLoRAAdapterRequest, await self._read(request), request.path)
             config, tensors = await asyncio.to_thread(lora.read_adapter, body.lora_path)  # off the engine thread
             self.lora_serving.check(config)
-            await self._call(lambda done: _Adapter(body.lora_name, config, tensors, body.weight_version, done))
+            await self._call(lambda done: _Adapter(body.lora_name, config, tensors, None, done))
         except ValueError as e:  # SGLang's shape for a refused update
             wire.count_dropped("http", "body", f"{request.path}: {one_line(e)[:200]}")
             return web.json_response({"success": False, "error_message": one_line(e)}, status=400)
         return web.json_response({"success": True, "loaded_adapters": {body.lora_name: body.lora_path}})
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        """SGLang's /update_weight_version (how a LoRA update, which carries no version, sets one)."""
+        body = http_schemas.parse(http_schemas.UpdateWeightVersionRequest, await self._read(request), request.path)
+        if body.abort_all_requests:
+            await self._call(lambda done: _Abort(None, done))
+        await self._call(lambda done: _Version(body.new_version, done))
+        return web.json_response({"success": True, "message": f"Weight version updated to {body.new_version}",
+                                  "new_version": body.new_version})
 
     async def unload_lora_adapter(self, request: web.Request) -> web.Response:
         try:

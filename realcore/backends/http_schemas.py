@@ -153,12 +153,18 @@ class UpdateWeightsFromDiskRequest(_Body):
 class LoadLoRAAdapterRequest(_Body):
     """SGLang's /load_lora_adapter: a PEFT LoRA folder (adapter_config.json +
     adapter_model.safetensors). `pinned`: SGLang's (keep it in GPU memory); accepted and ignored.
-    `weight_version` is realcore's addition: the version replies carry once it is applied."""
+    Like SGLang's, it carries no version: /update_weight_version sets that."""
 
     lora_name: LoraName
     lora_path: str = Field(min_length=1, max_length=4096)
     pinned: bool = False
-    weight_version: str | None = Field(None, min_length=1, max_length=MAX_RID_CHARS, description="the version replies carry from now on")
+
+
+class UpdateWeightVersionRequest(_Body):
+    """SGLang's /update_weight_version: the version replies carry from now on."""
+
+    new_version: str = Field(min_length=1, max_length=MAX_RID_CHARS)
+    abort_all_requests: bool = True  # SGLang's default
 
 
 class UnloadLoRAAdapterRequest(_Body):

@@ -156,6 +156,8 @@ def server_command(
 
         initial = lora_fns.write_zero_adapter(model_path, lora, os.path.join(private_dir, "lora-init"))
         argv += lora_fns.sglang_flags(lora, initial, lora_fns.LORA_NAME)
+        if not cuda:  # SGLang's default LoRA kernels are Triton (GPU)
+            argv += ["--lora-backend", "torch_native"]
     from realcore.backends.weight_group import gloo_ifname
 
     ifname = None if "GLOO_SOCKET_IFNAME" in os.environ else gloo_ifname(host)
