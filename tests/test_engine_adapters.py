@@ -926,7 +926,7 @@ def test_real_sglang_receives_a_weight_broadcast(tmp_path):
             assert await asyncio.to_thread(sender.send, read_hf_weights(model_b), 1, [url]) == []
             reply = await client.generate([5, 17, 42, 9, 100], greedy, rid="b-sent")
             sent = torch.tensor(reply.output_logprobs)
-            assert reply.weight_version == "1"
+            assert reply.weight_version == "1" and await client.weight_version() == "1"  # what the manager reads
             await client.update_weights_from_disk(model_b, "2")
             from_disk = await score(client, "b-disk")
             assert (from_disk - a).abs().max() > 0.05  # B scores differently: the test can fail
@@ -1017,7 +1017,7 @@ def test_real_sglang_serves_a_lora_adapter(tmp_path, monkeypatch):
             torch.testing.assert_close(z0, b0, atol=1e-5, rtol=0)  # the zero adapter changes nothing
             await actor.update_weights_from_disk(str(tmp_path / "adapter"), 5)  # an adapter folder: load_lora_adapter
             adapted, version = await score(actor, "adapted")
-            assert version == "5"
+            assert version == "5" and await actor.weight_version() == "5"
             assert (adapted - b0).abs().max() > 0.05  # the adapter changes the scores: the test can fail
             b1, _ = await score(base, "base-again")
             torch.testing.assert_close(b1, b0, atol=1e-5, rtol=0)

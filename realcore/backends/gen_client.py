@@ -186,6 +186,11 @@ class GenClient:
     async def server_info(self) -> dict:
         return await self._request("GET", "/get_server_info", None, CONTROL_TIMEOUT_S)
 
+    async def weight_version(self):
+        """The version the server holds, as it reports it: SGLang 0.5.2x in /model_info (its
+        /get_server_info no longer has it)."""
+        return (await self._request("GET", "/model_info", None, CONTROL_TIMEOUT_S)).get("weight_version")
+
     async def health(self, timeout_s: float = CONTROL_TIMEOUT_S) -> bool:
         try:
             async with (await self._sess()).get(

@@ -527,6 +527,8 @@ class Server:
             web.get("/v1/models", self.models),
             web.get("/health", self.health),
             web.get("/get_server_info", self.server_info),
+            web.get("/model_info", self.model_info),
+            web.get("/get_model_info", self.model_info),
         ])  # fmt: skip
 
     @web.middleware
@@ -811,6 +813,11 @@ class Server:
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if not self.core.stopping.is_set() else 503)
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        """SGLang's /model_info: where SGLang 0.5.2x reports the weight version."""
+        return web.json_response({"model_path": self.model_path, "is_generation": True,
+                                  "weight_version": self.core.info()["weight_version"]})
 
     async def server_info(self, request: web.Request) -> web.Response:
         dropped = self.receiver.dropped if self.receiver is not None else 0

@@ -213,8 +213,7 @@ class GServerManager:
         else:  # pushed by the trainer: a server it could not reach still holds the old version
             from realcore.backends.gen_client import version_number
 
-            holds = {s.index: version_number(info.get("weight_version"))
-                     for s, info in self._on(targets, lambda c: c.server_info())}
+            holds = {s.index: version_number(v) for s, v in self._on(targets, lambda c: c.weight_version())}
         self._on(targets, lambda c: c.resume())
         with self.lock:
             for s in targets:
@@ -352,8 +351,8 @@ class GServerManager:
 
         holds = None
         try:
-            holds = version_number((await client.server_info()).get("weight_version"))
-        except Exception:  # vLLM has no server_info: unknown
+            holds = version_number(await client.weight_version())
+        except Exception:  # vLLM reports no version: unknown
             pass
         path = self.admission.weights_path
         if holds != version and version > 0 and path is not None and self.cfg.rollout.weight_update == "disk":
