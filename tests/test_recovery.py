@@ -344,12 +344,10 @@ def test_auto_gives_up_when_its_restarts_are_used_up(tmp_path, env, cache):
     proc = subprocess.Popen(cmd(out, "recover_mode=auto", "recover_retries=1", "recover_delay_s=0", "trainer.total_steps=1000",
                                 cache=cache), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        kill_when(proc, out, "model_worker/0", 2)
-        # The restarted run: kill it again once it trains.
+        first = kill_when(proc, out, "model_worker/0", 2)
+        # The restarted run: kill it again once it has a new model worker (the pid killed above is the
+        # one to compare with: pids.json may already name the new one when restarts.jsonl appears).
         deadline = time.time() + 120
-        while time.time() < deadline and not os.path.exists(os.path.join(out, "restarts.jsonl")):
-            time.sleep(0.2)
-        first = json.load(open(os.path.join(out, "pids.json")))["model_worker/0"]
         while time.time() < deadline and json.load(open(os.path.join(out, "pids.json")))["model_worker/0"] == first:
             time.sleep(0.2)
         time.sleep(3)
