@@ -11,6 +11,7 @@ install_requires = [
     "gguf>=0.10",
     "pyzmq==27.3.0",
     "msgpack>=1.0",
+    "blake3==1.0.11",  # the wire's MAC (keyed BLAKE3: faster than a memcpy here)
     "pydantic>=2.7,<3",
     "hydra-core==1.3.8",
     "networkx>=3.2",

@@ -100,3 +100,15 @@ def test_weight_update_bench_quick():
     for update_s, resume_s, _ in rows.values():
         assert float(update_s) >= 0 and float(resume_s) > 0
     assert re.match(r"group join [\d.]+ s", rows["broadcast"][2]), rows
+
+
+@pytest.mark.timeout(120)
+def test_wire_bench_quick():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "wire.py"), "--quick"], cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in proc.stdout.splitlines()
+            if line.startswith("| ") and not line.startswith("| measurement")}
+    assert re.fullmatch(r"\d+ us", rows["control round trip, median (50 trips, msgpack + MAC)"]), rows
+    for name in ("tensor 1 MB over tcp, sender -> ack (median)", "wire MAC (keyed BLAKE3) 1 MB, one side (paid by sender and receiver)"):
+        assert re.fullmatch(r"[\d.]+ GB/s", rows[name]) and float(rows[name].split()[0]) > 0, rows

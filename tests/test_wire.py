@@ -91,6 +91,19 @@ def test_bad_messages(case):
         wire.decode(frames, secret)
 
 
+def test_a_changed_byte_anywhere_is_rejected():
+    """Every single-byte change in every frame (header, each tensor, the MAC itself) is refused."""
+    frames = [bytes(f) for f in wire.encode({"op": "x", "n": 3}, [torch.arange(5), torch.ones(3, dtype=torch.bfloat16)],
+                                            SECRET)]
+    wire.decode(frames, SECRET)  # the untouched message passes
+    for i, frame in enumerate(frames):
+        for j in range(len(frame)):
+            changed = list(frames)
+            changed[i] = frame[:j] + bytes([frame[j] ^ 0x40]) + frame[j + 1 :]
+            with pytest.raises(wire.BadMessage, match="mac"):
+                wire.decode(changed, SECRET)
+
+
 def _signed(frames):
     return [*frames, wire.mac(frames, SECRET)]
 

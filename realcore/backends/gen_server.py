@@ -8,7 +8,7 @@ Threads: one engine thread owns the model. It takes commands (new requests, abor
 weight updates) from a thread-safe queue between decode steps, so new requests join the running
 batch (continuous batching) and weights change only at a token boundary. Results go back to the
 asyncio side through `loop.call_soon_threadsafe`. With a `secret`, a ZeroMQ ROUTER thread receives
-in-memory weight updates (realcore.system.wire: HMAC-checked, unauthenticated messages dropped
+in-memory weight updates (realcore.system.wire: MAC-checked, unauthenticated messages dropped
 and counted) and queues them to the engine thread like a disk update. SGLang's
 /init_weights_update_group and /update_weights_from_distributed join a trainer's weight-update
 group (gloo on CPU, NCCL on GPUs: realcore.backends.weight_group) and receive bucketed broadcasts

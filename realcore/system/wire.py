@@ -9,8 +9,10 @@ A message is a list of frames:
   ts]`` (below).
 - tensor_i: the raw bytes of a contiguous CPU tensor, sent zero-copy and received zero-copy
   (the received tensor is a view of the ZeroMQ frame's memory).
-- mac: HMAC-SHA256, keyed by the run's secret, over every preceding frame, each fed as its
-  8-byte length then its bytes, so frame boundaries are authenticated too.
+- mac: BLAKE3 in keyed mode (a MAC; the key is derived from the run's secret), over every
+  preceding frame, each fed as its 8-byte length then its bytes, so frame boundaries are
+  authenticated too. BLAKE3 rather than HMAC-SHA256: it hashes at ~3.8 GB/s on one core here
+  against 1.6 for HMAC-SHA256 and ~1.5-2 for a memcpy, and a payload is hashed on both sides.
 
 The MAC proves a message came from the run, not that it is new: every socket owner therefore sends
 and receives through an `Endpoint`, which seals each message with an envelope inside the MAC:
@@ -32,7 +34,7 @@ cluster.md saw messages lost when a sender exited right after a burst).
 from __future__ import annotations
 
 import collections
-import hashlib
+import functools
 import hmac
 import itertools
 import math
@@ -42,6 +44,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+import blake3
 import msgpack
 import torch
 import zmq
@@ -49,7 +52,8 @@ import zmq
 from realcore.api.config import SystemConfig
 from realcore.system import drops
 
-MAC_SIZE = 32  # bytes of HMAC-SHA256
+MAC_SIZE = 32  # bytes of a BLAKE3 digest
+_MAC_CONTEXT = "realcore 2026-11 wire frames MAC"  # BLAKE3 key derivation: a key for this use only
 _META_KEY = "_t"
 _ENVELOPE_KEY = "_e"
 # The replay window (as IPsec's, RFC 4303 section 3.4.3): a sequence number up to this far below
@@ -84,9 +88,14 @@ def _buffer(frame) -> memoryview:
     return frame.buffer if isinstance(frame, zmq.Frame) else memoryview(frame)
 
 
+@functools.lru_cache(maxsize=8)
+def _mac_key(secret: bytes) -> bytes:
+    return blake3.blake3(secret, derive_key_context=_MAC_CONTEXT).digest()
+
+
 def mac(frames, secret: bytes) -> bytes:
-    """HMAC-SHA256 over frames, each preceded by its 8-byte big-endian length."""
-    h = hmac.new(secret, digestmod=hashlib.sha256)
+    """Keyed BLAKE3 over frames, each preceded by its 8-byte big-endian length."""
+    h = blake3.blake3(key=_mac_key(secret))
     for f in frames:
         buf = _buffer(f)
         h.update(buf.nbytes.to_bytes(8, "big"))
