@@ -165,7 +165,7 @@ def bench(path: str, n_servers: int, repeats: int, bucket_mb: float) -> tuple[li
             version += 1
             intr.append(interrupted(urls, lambda: push(version)))
         assert versions(urls) == [str(version)] * n_servers
-        rows.append(("memory (HMAC'd wire)", statistics.median(upd), statistics.median(intr), ""))
+        rows.append(("memory (MAC'd wire)", statistics.median(upd), statistics.median(intr), ""))
 
         # broadcast: rollout.weight_update=nccl's protocol over gloo
         cfg = SimpleNamespace(
