@@ -68,14 +68,31 @@ def test_local_and_unknown_engines_are_refused():
         server_command("vllm", **{**COMMON, "max_batch_size": 0})
 
 
+def _own_env(env: dict) -> dict:
+    """The engine's env without GLOO_SOCKET_IFNAME (the serving address's interface, checked below)."""
+    return {k: v for k, v in env.items() if k != "GLOO_SOCKET_IFNAME"}
+
+
+def test_engine_gloo_binds_to_the_serving_address(monkeypatch):
+    from realcore.backends.weight_group import gloo_ifname
+
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    _, env = server_command("sglang", **COMMON, cuda=True)
+    assert env["GLOO_SOCKET_IFNAME"] == gloo_ifname("127.0.0.1") is not None  # loopback's interface
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth9")  # the user's choice wins (inherited, not overridden)
+    assert "GLOO_SOCKET_IFNAME" not in server_command("sglang", **COMMON, cuda=True)[1]
+
+
 def test_sglang_command_on_gpu_and_cpu():
     argv, env = server_command("sglang", **COMMON, cuda=True, extra_args=["--api-key", "k"])
+    env = _own_env(env)
     assert argv == [
         sys.executable, "-m", "sglang.launch_server", "--model-path", "/models/tiny", "--host", "127.0.0.1",
         "--port", "30000", "--tp-size", "2", "--random-seed", "7", "--max-running-requests", "16", "--api-key", "k",
     ]  # fmt: skip
     assert env == {}
     argv, env = server_command("sglang", **COMMON, cuda=False, extra_args=["--api-key", "k"])
+    env = _own_env(env)
     cpu = ["--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens", "65536", "--skip-server-warmup"]
     assert argv[-len(cpu) - 2 : -2] == cpu and argv[-2:] == ["--api-key", "k"]
     if engine_available("vllm") is None:  # a real vLLM provides the module; no stub then
@@ -86,6 +103,7 @@ def test_sglang_command_on_gpu_and_cpu():
 
 def test_vllm_command_on_gpu_and_cpu():
     argv, env = server_command("vllm", **COMMON, cuda=True)
+    env = _own_env(env)
     assert argv == [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", "/models/tiny", "--host", "127.0.0.1",
         "--port", "30000", "--tensor-parallel-size", "2", "--seed", "7", "--max-num-seqs", "16",
@@ -94,7 +112,7 @@ def test_vllm_command_on_gpu_and_cpu():
     assert env == {"VLLM_SERVER_DEV_MODE": "1"}
     argv, env = server_command("vllm", **COMMON)  # cuda=None: asks torch, which has no CUDA here
     assert argv[-5:] == ["--dtype", "bfloat16", "--max-model-len", "1024", "--enforce-eager"]
-    assert env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    assert _own_env(env) == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
 def test_server_token_is_derived_from_the_secret_unless_given():

@@ -211,7 +211,12 @@ def test_async_run_with_broadcast_updates(tmp_path):
     out, metrics = run_async(tmp_path, "rollout.weight_update=nccl", "rollout.weight_bucket_mb=0.5",
                              "rollout.max_head_offpolicyness=1", steps=3)
     assert metrics[-1]["version"] == 3 and not os.path.exists(out / "weights")
+    # Each server ends at the trainer's version, as its own log says (the manager lists only the
+    # servers it has seen healthy: one still starting when this tiny run's updates ran is caught up).
+    for i in (0, 1):
+        server_log = open(out / "logs" / f"gen_server-{i}.log").read()
+        assert re.findall(r"now at weight version (\d+)", server_log)[-1:] == ["3"], server_log[-2000:]
     log = open(out / "logs" / "gserver_manager.log").read()
     held = {int(v): json.loads(ids) for v, ids in re.findall(r"weights v(\d+): held by servers (\[[\d, ]*\])", log)}
-    assert held == {1: [0, 1], 2: [0, 1], 3: [0, 1]}, log[-2000:]
+    assert set(held) == {1, 2, 3} and all(held[v] for v in held), log[-2000:]  # every update reached a server
     assert "weight-update group realcore-weights-" in open(out / "logs" / "model_worker-0.log").read()

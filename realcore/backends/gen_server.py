@@ -358,11 +358,16 @@ class EngineLoop:
             return
         self.adapter, self.lora_base = None, {}  # new weights are the new base (an adapter merged in stays)
         if c.version is not None:
-            self.weight_version = str(c.version)
+            self._set_version(str(c.version))
         c.done({})
 
+    def _set_version(self, version: str) -> None:
+        if version != self.weight_version:
+            log.info("gen_server: now at weight version %s", version)
+        self.weight_version = version
+
     def _version(self, c: _Version) -> None:
-        self.weight_version = c.version
+        self._set_version(c.version)
         c.done({})
 
     def _adapter(self, c: _Adapter) -> None:
@@ -390,7 +395,7 @@ class EngineLoop:
         self.engine.load_weights({**restore, **merged}, partial=True)
         self.adapter, self.lora_base = c.name, base
         if c.version is not None:
-            self.weight_version = str(c.version)
+            self._set_version(str(c.version))
         log.info("gen_server: LoRA adapter %r merged into %d weights (version %s)", c.name, len(merged), self.weight_version)
         c.done({})
 
