@@ -879,10 +879,15 @@ def _real_engine_test(engine: str, client_cls, tmp_path) -> None:
         finally:
             await client.close()
 
+    _run_then_stop(main, proc, tmp_path / f"{engine}.log")
+
+
+def _run_then_stop(main, proc, log_path) -> None:
+    """asyncio.run(main()) against the server `proc`; its log's tail on failure; the server stopped."""
     try:
         asyncio.run(main())
     except BaseException:
-        print((tmp_path / f"{engine}.log").read_text()[-5000:])
+        print(log_path.read_text()[-5000:])
         raise
     finally:
         proc.terminate()
@@ -955,18 +960,7 @@ def test_real_sglang_receives_a_weight_broadcast(tmp_path):
         finally:
             await client.close()
 
-    try:
-        asyncio.run(main())
-    except BaseException:
-        print((tmp_path / "sglang.log").read_text()[-5000:])
-        raise
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    _run_then_stop(main, proc, tmp_path / "sglang.log")
 
 
 # Test-only stand-in for a GPU: SGLang 0.5.23's LoRA layers pin host memory (torch needs CUDA for
@@ -1046,15 +1040,4 @@ def test_real_sglang_serves_a_lora_adapter(tmp_path, monkeypatch):
             await base.close()
             await actor.close()
 
-    try:
-        asyncio.run(main())
-    except BaseException:
-        print((tmp_path / "sglang.log").read_text()[-5000:])
-        raise
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    _run_then_stop(main, proc, tmp_path / "sglang.log")

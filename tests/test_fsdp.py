@@ -134,19 +134,23 @@ def _worker(rank: int, port: int, model_dir: str, out: str, bf16: bool, backend:
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
+def save_tiny_qwen2(path: str) -> str:
+    """The FSDP tests' model in `path`: 3 layers and odd sizes, so shards are of uneven length (FSDP
+    pads dim 0) and a block is kept after forward."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from tests.test_torch_engine import VOCAB
 
     torch.manual_seed(0)
-    # 3 layers and odd sizes: shards of uneven length (FSDP pads dim 0), a block kept after forward.
     cfg = Qwen2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=VOCAB + 1, initializer_range=0.1)
-    path = str(tmp_path_factory.mktemp("tiny-qwen2-fsdp"))
     Qwen2ForCausalLM(cfg).save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return save_tiny_qwen2(str(tmp_path_factory.mktemp("tiny-qwen2-fsdp")))
 
 
 @pytest.fixture(scope="module")

@@ -16,13 +16,13 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from realcore.api.config import LoraConfig
-from tests.test_fsdp import REL, STEPS, _close, _full, _role, _validate
+from tests.test_fsdp import REL, STEPS, _close, _full, _role, _validate, save_tiny_qwen2
 from tests.test_torch_engine import _free_port, make_data, n_loss_tokens, nll_loss
 
 torch.set_num_threads(1)
 
 LORA = LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "down_proj"], export_merged=True)
-N_LAYERS = 3
+N_LAYERS = 3  # of test_fsdp's model (save_tiny_qwen2)
 
 
 def _lora_role(**kw):
@@ -106,17 +106,7 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from tests.test_torch_engine import VOCAB
-
-    torch.manual_seed(0)
-    # 3 layers and odd sizes (test_fsdp's): shards of uneven length, a block kept after forward.
-    cfg = Qwen2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=N_LAYERS, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=VOCAB + 1, initializer_range=0.1)
-    path = str(tmp_path_factory.mktemp("tiny-qwen2-fsdp-lora"))
-    Qwen2ForCausalLM(cfg).save_pretrained(path)
-    return path
+    return save_tiny_qwen2(str(tmp_path_factory.mktemp("tiny-qwen2-fsdp-lora")))
 
 
 @pytest.fixture(scope="module")
