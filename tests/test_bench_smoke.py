@@ -45,24 +45,25 @@ def test_train_step_bench_quick():
     proc = subprocess.run(
         # A cross-section of the layouts (each row starts its own processes): replicated, sharded, TP, bf16.
         [sys.executable, os.path.join(ROOT, "bench", "train_step.py"), "--quick", "--layouts",
-         "torch:d1:float32,fsdp:d2:float32,megatron:d1t2:float32,megatron:d1p2:float32,megatron:d1:bfloat16"],
+         "torch:d1:float32,fsdp:d2:float32,megatron:d1t2:float32,megatron:d1:bfloat16"],
         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=360,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line.strip().strip("|").split("|") for line in proc.stdout.splitlines() if line.startswith("| ")]
     layouts = {(c[0].strip(), c[1].strip()) for c in rows[1:]}  # after the header row
-    assert {("torch", "d1"), ("fsdp", "d2"), ("megatron", "d1t2"), ("megatron", "d1p2")} <= layouts, proc.stdout
+    assert {("torch", "d1"), ("fsdp", "d2"), ("megatron", "d1t2")} <= layouts, proc.stdout
     for c in rows[1:]:
         assert float(c[3]) > 0 and float(c[4]) > 0, c
 
 
 @pytest.mark.timeout(600)
 def test_learning_bench_quick(tmp_path):
-    # All four settings (sync, async decoupled, async naive, async staleness 0) on the tiny model:
-    # about 1-2 min on an idle 2-core machine (mostly process start-up). Nothing about learning.
+    # Two of the four settings (a: sync, b: async decoupled; c and d differ from b only in config
+    # values) on the tiny model: ~40 s on an idle 2-core machine (mostly process start-up).
+    # Nothing about learning.
     out = tmp_path / "learning"
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "bench", "learning.py"), "--quick", "--out", str(out)],
+        [sys.executable, os.path.join(ROOT, "bench", "learning.py"), "--quick", "--settings", "a,b", "--out", str(out)],
         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=560,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -71,14 +72,14 @@ def test_learning_bench_quick(tmp_path):
         if line.startswith("| ") and not line.startswith("| setting"):
             cells = [c.strip() for c in line.strip().strip("|").split("|")]
             rows[cells[0].split(":")[0]] = cells[1:]
-    assert set(rows) == {"a", "b", "c", "d"}, proc.stdout
+    assert set(rows) == {"a", "b"}, proc.stdout
     for key, cells in rows.items():
         seeds_ok, wall, _train, samples, _first, _last, acc = cells
         assert seeds_ok == "1/1", (key, cells)
         assert float(wall) > 0 and float(samples) == 3 * 4 * 4, (key, cells)  # steps x prompts x samples
         assert " -> " in acc and "n/a" not in acc, (key, cells)  # evaluated before and after
     results = json.loads((out / "results.json").read_text())
-    assert [r["rc"] for r in results["runs"]] == [0, 0, 0, 0], results["runs"]
+    assert [r["rc"] for r in results["runs"]] == [0, 0], results["runs"]
     assert all(len(r["reward"]) == 3 and r["after"]["held-out"] is not None for r in results["runs"])
     png = (out / "learning.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000

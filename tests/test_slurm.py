@@ -400,13 +400,26 @@ def engine_pids(out) -> dict[int, int]:
     return found
 
 
-def wait_engines(out, indices, proc, timeout=60) -> dict[int, int]:
-    """engine_pids(out) once every server in `indices` has its engine running."""
+def _ready(out, i) -> bool:
+    """Server i's latest start reached "ready" (a kill before that is a failed start, not a death)."""
+    try:
+        lines = [line for line in open(f"{out}/logs/gen_server-{i}.log") if f"server {i} " in line]
+    except FileNotFoundError:
+        return False
+    starts = [n for n, line in enumerate(lines) if "starting " in line]
+    return bool(starts) and any("ready at" in line for line in lines[starts[-1]:])
+
+
+def wait_engines(out, indices, proc, timeout=90) -> dict[int, int]:
+    """engine_pids(out) once every server in `indices` has its engine running and ready."""
     deadline = time.time() + timeout
-    while indices - set(found := engine_pids(out)):
-        assert proc.poll() is None and time.time() < deadline, f"engines {indices - set(found)} not running"
+    while True:
+        found = engine_pids(out)
+        missing = indices - {i for i in found if _ready(out, i)}
+        if not missing:
+            return found
+        assert proc.poll() is None and time.time() < deadline, f"engines {missing} not ready"
         time.sleep(0.3)
-    return found
 
 
 def assert_engines_gone(out, timeout=20):
