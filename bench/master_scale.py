@@ -253,11 +253,12 @@ def run_one(n: int, steps: int, n_procs: int) -> dict:
             setup_ms = (time.perf_counter() - t0) * 1e3
             writer = MetricsWriter(cfg.output_dir, steps)
             split: dict[str, list[float]] = {k: [] for k in ("step", "fetch", "mfc", "release", "log")}
+            cpu: list[float] = []  # the master process's CPU time per step (all its threads)
             rss: list[int] = []
             try:
                 for step in range(1, steps + 1):
                     metrics: dict = {"step": step}
-                    t0 = time.perf_counter()
+                    c0, t0 = time.process_time(), time.perf_counter()
                     master.source.fetch(metrics)
                     t1 = time.perf_counter()
                     master.run_step(step, metrics, writer)
@@ -269,6 +270,7 @@ def run_one(n: int, steps: int, n_procs: int) -> dict:
                     with contextlib.redirect_stdout(io.StringIO()):  # its console line would break the table
                         writer.write(metrics)
                     t4 = time.perf_counter()
+                    cpu.append((time.process_time() - c0) * 1e3)
                     for k, dt in zip(split, (t4 - t0, t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
                         split[k].append(dt * 1e3)
                     rss.append(_status_kb("VmRSS"))
@@ -284,12 +286,13 @@ def run_one(n: int, steps: int, n_procs: int) -> dict:
             p.join(timeout=10)
         timed = slice(1, None) if steps >= 3 else slice(None)
         med = {k: statistics.median(v[timed]) for k, v in split.items()}
+        med["cpu"] = statistics.median(cpu[timed])
         counts: dict[str, int] = {}
         for d in done:
             for c, k in d[4].items():
                 counts[c] = counts.get(c, 0) + k
         return {
-            "n": n, **med, "setup": setup_ms, "peak_mb": peak_kb / 1024, "growth_mb": (rss[-1] - rss[0]) / 1024,
+            "n": n, **med, "setup": setup_ms, "peak_mb": peak_kb / 1024, "rss": rss,
             "left": left + sum(d[6] for d in done), "procs": n_procs, "sim_threads": [d[3] for d in done],
             "master_threads": master_threads, "msgs_per_step": sum(v for c, v in counts.items() if c not in ("PING", "CONFIGURE", "EXIT")) / steps,
             "pings": counts.get("PING", 0), "dropped": sum(d[5] for d in done),
@@ -308,7 +311,7 @@ def run_one(n: int, steps: int, n_procs: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, nargs="+", default=[10, 100, 1000])
-    ap.add_argument("--steps", type=int, default=6, help="steps per N (the first is a warm-up when >= 3)")
+    ap.add_argument("--steps", type=int, default=50, help="steps per N (the first is a warm-up when >= 3)")
     ap.add_argument("--procs", type=int, default=4, help="simulator processes")
     ap.add_argument("--quick", action="store_true", help="N in 4, 16; 2 steps (smoke test)")
     args = ap.parse_args()
@@ -329,12 +332,13 @@ def main() -> None:
     timed = args.steps - 1 if args.steps >= 3 else args.steps
     print(f"master scale benchmark: ppo-math (4 MFCs), d<N>p1t1, batch_size 2N, {args.steps} steps per N "
           f"(median of {timed}), simulated workers answer instantly over tcp://127.0.0.1, pid {os.getpid()}\n")
-    print("| workers | step ms (median) | fetch ms | MFC dispatch+collect ms | release ms | log ms "
-          "| Master()+configure ms | master peak RSS MB | RSS growth over steps MB | left after release |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| workers | step ms (wall, median) | master CPU ms/step | fetch ms | MFC dispatch+collect ms | release ms "
+          "| log ms | Master()+configure ms | master peak RSS MB | RSS MB at step 1 / 10 / 50 | left after release |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['n']} | {r['step']:.1f} | {r['fetch']:.1f} | {r['mfc']:.1f} | {r['release']:.1f} | {r['log']:.1f} "
-              f"| {r['setup']:.1f} | {r['peak_mb']:.1f} | {r['growth_mb']:+.2f} | {r['left']} |")
+        at = " / ".join(f"{r['rss'][i - 1] / 1024:.1f}" if len(r["rss"]) >= i else "-" for i in (1, 10, 50))
+        print(f"| {r['n']} | {r['step']:.1f} | {r['cpu']:.1f} | {r['fetch']:.1f} | {r['mfc']:.1f} | {r['release']:.1f} "
+              f"| {r['log']:.1f} | {r['setup']:.1f} | {r['peak_mb']:.1f} | {at} | {r['left']} |")
     print()
     for r in rows:
         print(f"N={r['n']}: simulated workers hosted by {r['procs']} processes, 1 Python thread each "

@@ -149,7 +149,7 @@ def test_a_replayed_reply_is_dropped():
         assert pool.request("w0", Fetch(1, 1)).result(5).ids == [1]
         reply = next(f for f in captured if b"first_id" not in f[1] and b"n=1" in f[1])
         before, counted = pool.dropped, drops.snapshot().get("pool/replay", 0)
-        pool._on_reply("w0", reply[1:])  # as if it arrived again on the master's socket
+        pool._on_reply([pool._route["w0"], *reply[1:]])  # as if it arrived again on the master's socket
         assert pool.dropped == before + 1 and drops.snapshot()["pool/replay"] == counted + 1
     finally:
         stop.set()

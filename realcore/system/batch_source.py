@@ -38,15 +38,15 @@ class DatasetSource:
 
     def fetch(self, metrics: dict) -> list[Group]:
         m, n = self.m, self.m.cfg.trainer.batch_size
-        futs, w = {}, len(m.heads)
+        msgs, w = {}, len(m.heads)
         for d, head in enumerate(m.heads):
             k = n // w + (1 if d < n % w else 0)
             if k:
-                futs[m.names[head]] = m.pool.request(m.names[head], Fetch(first_id=m.next_id, n=k))
+                msgs[m.names[head]] = Fetch(first_id=m.next_id, n=k)
                 m.next_id += k
         groups = []
-        for name, r in m.wait(futs, "dataset fetch").items():
-            m.buffer.add(m.names.index(name), r.ids, r.seqlens)
+        for name, r in m.wait(m.pool.request_many(msgs), "dataset fetch").items():
+            m.buffer.add(m.index_of[name], r.ids, r.seqlens)
             groups += [Group(sid, uid) for sid, uid in zip(r.ids, r.uids)]
         return groups
 

@@ -25,16 +25,22 @@ class SampleBuffer:
         return len(self.samples)
 
     def add(self, owner: int, ids: list[int], seqlens: dict[str, list[list[int]]]) -> None:
+        # seqlens comes from a parsed reply the caller gives away: its lists are kept, not copied.
+        samples = self.samples
         for i, sid in enumerate(ids):
-            meta = self.samples.setdefault(sid, SampleMeta(sid))
+            meta = samples.get(sid)
+            if meta is None:
+                meta = samples[sid] = SampleMeta(sid)
+            keys = meta.keys
             for key, lens in seqlens.items():
-                meta.keys[key] = (owner, list(lens[i]))
+                keys[key] = (owner, lens[i])
 
     def ready(self, node: MFCNode) -> list[int] | None:
         """`node.n_seqs` samples that hold all of its inputs and have not run it, or None."""
+        name, inputs = node.name, set(node.inputs)
         ids = [
             m.id for m in self.samples.values()
-            if node.name not in m.done and node.name not in m.running and all(k in m.keys for k in node.inputs)
+            if name not in m.done and name not in m.running and m.keys.keys() >= inputs
         ]
         return ids[: node.n_seqs] if len(ids) >= node.n_seqs else None
 
@@ -48,7 +54,8 @@ class SampleBuffer:
             self.samples[sid].done.add(node.name)
 
     def owners(self, ids: list[int], keys: tuple[str, ...]) -> dict[str, list[int]]:
-        return {k: [self.samples[sid].keys[k][0] for sid in ids] for k in keys}
+        metas = [self.samples[sid].keys for sid in ids]
+        return {k: [m[k][0] for m in metas] for k in keys}
 
     def tokens(self, sid: int, keys: tuple[str, ...]) -> int:
         """Cost estimate of a sample for an MFC: the longest of its inputs, summed over sequences."""
@@ -57,8 +64,16 @@ class SampleBuffer:
 
     def completed(self) -> list[int]:
         """Samples every MFC has run on: ready to be released."""
-        names = {n.name for n in self.nodes}
-        return [m.id for m in self.samples.values() if names <= m.done]
+        n = len(self.nodes)  # `done` holds only names of these nodes
+        return [m.id for m in self.samples.values() if len(m.done) == n]
+
+    def holders(self, ids: list[int]) -> dict[int, list[int]]:
+        """worker -> the ids among `ids` it stores something of (the owners of their keys)."""
+        out: dict[int, list[int]] = {}
+        for sid in ids:
+            for w in {owner for owner, _ in self.samples[sid].keys.values()}:
+                out.setdefault(w, []).append(sid)
+        return out
 
     def release(self, ids: list[int]) -> None:
         for sid in ids:

@@ -82,10 +82,12 @@ class Master:
         self.nodes = [self.dfg.nodes[n] for n in self.dfg.order()]
         self.buffer = SampleBuffer(self.nodes)
         self.names = [f"model_worker/{i}" for i in range(n_workers)]
+        self.index_of = {n: i for i, n in enumerate(self.names)}
         self.alloc = parse_allocation_mode(cfg.allocation_mode)
         self.mesh = self.alloc.train
         # One head per data-parallel replica holds the replica's samples and answers for it.
         self.heads = [self.mesh.dp_head(d) for d in range(self.mesh.dp)]
+        self.head_set = set(self.heads)
         self.resolver = make_name_resolver(cfg.system.name_resolve)
         timeout = cfg.system.startup_timeout_s
         addrs = {n: json.loads(self.resolver.wait(keys.model_worker(cfg, i), timeout_s=timeout))["control"]
@@ -97,6 +99,7 @@ class Master:
             addrs, secret,
             heartbeat_interval_s=cfg.system.heartbeat_interval_s, heartbeat_timeout_s=cfg.system.heartbeat_timeout_s,
             name="master", limits=wire.Limits.of(cfg.system),
+            always_ping=(MANAGER,) if self.async_mode else (),  # its Status says which servers are behind
         )
         self.drop_tally = drops.Tally()
         self.drop_totals: collections.Counter[str] = collections.Counter()  # "process/socket/reason" -> drops this attempt
@@ -115,7 +118,7 @@ class Master:
         return wait_all(futs, timeout_s or self.cfg.system.request_timeout_s, what)
 
     def call_all(self, msg, what: str, timeout_s: float | None = None) -> dict:
-        return self.wait({n: self.pool.request(n, msg) for n in self.names}, what, timeout_s)
+        return self.wait(self.pool.request_many({n: msg for n in self.names}), what, timeout_s)
 
     def clear_on(self, index: int, ids: list[int]) -> None:
         self.wait({self.names[index]: self.pool.request(self.names[index], Clear(ids))}, "clear")
@@ -174,11 +177,8 @@ class Master:
         parts = split_balanced(ids, costs, self.mesh.dp)
         self.buffer.start(node, ids)
         ranks = range(self.n_workers) if self.collective(node) else self.heads
-        return {
-            self.names[i]: self.pool.request(self.names[i], RunMFC(
-                node.name, parts[self.mesh.dp_rank(i)], self.buffer.owners(parts[self.mesh.dp_rank(i)], node.inputs)))
-            for i in ranks
-        }
+        per_replica = [RunMFC(node.name, part, self.buffer.owners(part, node.inputs)) for part in parts]
+        return self.pool.request_many({self.names[i]: per_replica[self.mesh.dp_rank(i)] for i in ranks})
 
     def run_step(self, step: int, metrics: dict, writer: MetricsWriter) -> None:
         running: dict[str, tuple[MFCNode, list[int], dict[str, Future], float]] = {}
@@ -205,9 +205,9 @@ class Master:
                 raise error
             node, ids, futs, t0 = running.pop(name)
             replies = {w: r for w, r in wait_all(futs, 0, f"MFC {name}").items()
-                       if self.names.index(w) in self.heads}  # the rest of a replica echoes its head
+                       if self.index_of[w] in self.head_set}  # the rest of a replica echoes its head
             for wname, r in replies.items():
-                self.buffer.add(self.names.index(wname), r.ids, r.outputs)
+                self.buffer.add(self.index_of[wname], r.ids, r.outputs)
             self.buffer.finish(node, ids)
             merge_stats(list(replies.values()), metrics)
             metrics[f"time/{name}_s"] = metrics.get(f"time/{name}_s", 0.0) + time.perf_counter() - t0
@@ -231,7 +231,10 @@ class Master:
 
     def release(self) -> None:
         ids = self.buffer.completed()
-        self.call_all(Clear(ids), "release")
+        # Each worker clears only what it holds: a Clear of every id to every worker was
+        # O(workers x batch) bytes per step.
+        held = self.buffer.holders(ids)
+        self.wait(self.pool.request_many({self.names[w]: Clear(mine) for w, mine in held.items()}), "release")
         self.buffer.release(ids)
 
     def ledger_rows(self, groups: list[Group], trained_version: int) -> list[tuple[str, int, list[int], list[int]]]:
