@@ -1,15 +1,21 @@
-"""Training-step benchmark: the torch engine (replicated or FSDP2-sharded) vs the Megatron-core
-engine, same model and batch.
+"""Training-step benchmark: a plain PyTorch loop vs the torch engine (replicated or FSDP2-sharded)
+vs the Megatron-core engine, same model and batch.
 
     python bench/train_step.py [--model smollm2-135m|tiny | --path DIR] [--seqs N] [--len L] [--steps K]
-                               [--backends torch,fsdp,megatron] [--quick]
+                               [--backends plain,torch,fsdp,megatron] [--quick]
 
-One training step = `train_batch` on N sequences of L tokens (an SFT loss on every token, one
-optimizer step, micro-batches of at most `--mb-tokens`), one thread per process, gloo on
-127.0.0.1. Each layout runs in fresh processes: one warm-up step, then the median of K timed
-steps. Prints a markdown table: seconds per step, trained tokens per second (the whole mesh),
-the peak resident memory of the largest process, and (torch, fsdp) the bytes of parameters plus
-optimizer state that one rank holds (its shards under FSDP).
+One training step = one PPO step on N sequences of L tokens (the first quarter of each a prompt,
+outside the loss; random behaviour log-probs and per-sequence advantages), micro-batches of at
+most `--mb-tokens`, one optimizer step; one thread per process, gloo on 127.0.0.1. The engines
+run `train_batch` with realcore's PPO loss (`ppo_update`'s loss function: clipped surrogate plus
+the entropy it reports). The plain loop is what a user would write by hand on the same packed
+micro-batches and the same attention kernel (sequences concatenated, varlen attention by their
+boundaries): forward, log-softmax and gather, the clipped surrogate, backward, AdamW; no entropy,
+no gradient clipping, no scheduler, no statistics. "vs plain" = the row's tokens/s over the plain
+loop's in the same dtype (single-process rows only). Each layout runs in fresh processes: one
+warm-up step, then the median of K timed steps. Prints a markdown table: seconds per step, trained
+tokens per second (the whole mesh), the peak resident memory of the largest process, and (torch,
+fsdp) the bytes of parameters plus optimizer state that one rank holds (its shards under FSDP).
 
 Layouts: torch d1 and d2 (data parallel), fsdp d2 (parameters, gradients and AdamW state sharded
 over the 2 ranks), megatron d1, d2, t2 (TP=2 + sequence parallel) and p2 (PP=2, 1F1B), in fp32;
@@ -35,16 +41,24 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-LAYOUTS = [("torch", "d1", "float32"), ("megatron", "d1", "float32"), ("torch", "d2", "float32"),
+LAYOUTS = [("plain", "d1", "float32"), ("torch", "d1", "float32"), ("megatron", "d1", "float32"), ("torch", "d2", "float32"),
            ("fsdp", "d2", "float32"), ("megatron", "d2", "float32"), ("megatron", "d1t2", "float32"),
-           ("megatron", "d1p2", "float32"), ("torch", "d1", "bfloat16"), ("fsdp", "d2", "bfloat16"),
+           ("megatron", "d1p2", "float32"), ("plain", "d1", "bfloat16"), ("torch", "d1", "bfloat16"), ("fsdp", "d2", "bfloat16"),
            ("megatron", "d1", "bfloat16")]
 
 
-def _loss_fn(logprobs, entropy, data):
-    m = data["loss_mask"].float()
-    loss = -(logprobs * m).sum() / m.sum()
-    return loss, {"loss": loss.detach()}
+EPS_CLIP = 0.2
+
+
+def _ppo_loss_fn():
+    """The loss function of realcore's `ppo_update` MFC (default PPO settings, no KL)."""
+    from types import SimpleNamespace
+
+    from realcore.api.config import GenerationConfig, PPOConfig
+    from realcore.mfc.train import PPOUpdate
+
+    cfg = SimpleNamespace(ppo=PPOConfig(eps_clip=EPS_CLIP, kl_coef=0.0), generation=GenerationConfig(temperature=1.0))
+    return PPOUpdate(cfg, SimpleNamespace(max_tokens_per_mb=None)).loss_fn
 
 
 def _n_tokens(data):
@@ -54,7 +68,48 @@ def _n_tokens(data):
 def _batch(n: int, length: int, vocab: int) -> dict:
     gen = torch.Generator().manual_seed(0)
     ids = [torch.randint(0, vocab, (length,), generator=gen) for _ in range(n)]
-    return {"input_ids": ids, "loss_mask": [torch.ones(length, dtype=torch.int64) for _ in ids]}
+    prompt = length // 4
+    mask = torch.cat([torch.zeros(prompt, dtype=torch.int64), torch.ones(length - prompt, dtype=torch.int64)])
+    return {"input_ids": ids, "loss_mask": [mask.clone() for _ in ids],
+            "behav_logprobs": [-(0.5 + 2 * torch.rand(length, generator=gen)) for _ in ids],
+            "advantages": [torch.full((length,), float(a)) for a in torch.randn(n, generator=gen)]}
+
+
+class _PlainLoop:
+    """The hand-written loop the engines are measured against (see the module docstring)."""
+
+    def __init__(self, path: str, dtype: str, lr: float):
+        from transformers import AutoModelForCausalLM
+
+        from realcore.backends.varlen_attention import use_packed_attention
+
+        self.model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32)
+        use_packed_attention(self.model)
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
+        self.bf16 = dtype == "bfloat16"
+
+    def train_batch(self, data: dict, mb_tokens: int) -> None:
+        from realcore.backends.batching import cu_seqlens, split_by_budget
+        from realcore.backends.varlen_attention import packed_kwargs
+
+        lens = [len(x) for x in data["input_ids"]]
+        total = sum(float(m.sum()) for m in data["loss_mask"])
+        for idx in split_by_budget(lens, mb_tokens):
+            cat = {k: torch.cat([v[i] for i in idx]) for k, v in data.items()}
+            ids, mlens = cat["input_ids"], [lens[i] for i in idx]
+            pos = torch.cat([torch.arange(n) for n in mlens])
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+                logits = self.model(input_ids=ids[None], position_ids=pos[None], use_cache=False,
+                                    **packed_kwargs(cu_seqlens(mlens), mlens)).logits[0]
+            # Token t+1 given tokens <= t; a sequence's first token is a prompt token, outside the loss.
+            logp = torch.log_softmax(logits[:-1].float(), -1).gather(-1, ids[1:, None]).squeeze(-1)
+            ratio = torch.exp(logp - cat["behav_logprobs"][1:])
+            adv, mask = cat["advantages"][1:], cat["loss_mask"][1:].float()
+            surrogate = torch.max(-adv * ratio, -adv * ratio.clamp(1 - EPS_CLIP, 1 + EPS_CLIP))
+            ((surrogate * mask).sum() / total).backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
 
 
 def _state_bytes(engine) -> int:
@@ -75,10 +130,12 @@ def _worker(rank, world, port, backend, mesh, dtype, args, out):
     from realcore.api.config import OptimizerConfig, RoleConfig
 
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    role = RoleConfig(backend=backend, trainable=True, max_tokens_per_mb=args.mb_tokens, dtype=dtype,
+    role = RoleConfig(backend="torch" if backend == "plain" else backend, trainable=True, max_tokens_per_mb=args.mb_tokens, dtype=dtype,
                       optimizer=OptimizerConfig(lr=1e-5, weight_decay=0.0))
     dims = parse_mesh(mesh)
-    if backend == "torch":
+    if backend == "plain":
+        engine = _PlainLoop(args.path, dtype, role.optimizer.lr)
+    elif backend == "torch":
         from realcore.backends.torch_engine import TorchEngine
 
         engine = TorchEngine(args.path, role, total_steps=args.steps + 1)
@@ -95,16 +152,21 @@ def _worker(rank, world, port, backend, mesh, dtype, args, out):
     d = dims.dp_rank(rank)
     shard = {k: v[d::dims.dp] for k, v in data.items()}  # data parallel: each replica its share
     times = []
+    loss_fn = _ppo_loss_fn()
     for step in range(args.steps + 1):
         torch.distributed.barrier()
         t0 = time.perf_counter()
-        engine.train_batch(shard, _loss_fn, _n_tokens)
+        if backend == "plain":
+            engine.train_batch(shard, args.mb_tokens)
+        else:
+            engine.train_batch(shard, loss_fn, _n_tokens)
         torch.distributed.barrier()
         if step:  # the first step warms up (allocations, lazy inits)
             times.append(time.perf_counter() - t0)
     rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024], dtype=torch.float64)
     torch.distributed.all_reduce(rss, op=torch.distributed.ReduceOp.MAX)
-    state = torch.tensor([_state_bytes(engine) / 2**20 if backend != "megatron" else 0.0], dtype=torch.float64)
+    state = torch.tensor([_state_bytes(engine) / 2**20 if backend not in ("megatron", "plain") else 0.0],
+                         dtype=torch.float64)
     torch.distributed.all_reduce(state, op=torch.distributed.ReduceOp.MAX)
     if rank == 0:
         with open(out, "w") as f:
@@ -137,7 +199,7 @@ def main() -> None:
     p.add_argument("--len", type=int, default=128)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--mb-tokens", type=int, default=1024)
-    p.add_argument("--backends", default="torch,fsdp,megatron", help="comma-separated: the layouts of these run")
+    p.add_argument("--backends", default="plain,torch,fsdp,megatron", help="comma-separated: the layouts of these run")
     p.add_argument("--layouts", default=None, help="comma-separated backend:mesh:dtype rows to run (default: all)")
     p.add_argument("--quick", action="store_true", help="tiny model, 8 x 32 tokens, 2 steps")
     args = p.parse_args()
@@ -151,9 +213,10 @@ def main() -> None:
     tokens = args.seqs * args.len
     print(f"model {args.path}, batch {args.seqs} x {args.len} = {tokens} tokens, micro-batches <= {args.mb_tokens} "
           f"tokens, 1 thread/process, median of {args.steps} steps\n", flush=True)
-    print("| backend | layout | processes | s/step | tokens/s | peak RSS/process (MB) | params+optimizer/rank (MB) "
-          "| dtype |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| backend | layout | processes | s/step | tokens/s | vs plain | peak RSS/process (MB) "
+          "| params+optimizer/rank (MB) | dtype |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    plain: dict[str, float] = {}  # dtype -> the plain loop's tokens/s
     from realcore.api.alloc import parse_mesh
 
     from transformers import AutoConfig
@@ -174,11 +237,15 @@ def main() -> None:
             try:
                 check_megatron_config("actor", MegatronConfig(), parse_mesh(mesh), hf_config)
             except ValueError as e:  # e.g. SmolLM2's 9 heads do not split over TP=2
-                print(f"| {backend} | {mesh} | {parse_mesh(mesh).world_size} | n/a: {e} | | |", flush=True)
+                print(f"| {backend} | {mesh} | {parse_mesh(mesh).world_size} | n/a: {e} | | | | | {dtype} |", flush=True)
                 continue
         r = run(backend, mesh, dtype, args)
-        state = f"{r['state_mb']:.1f}" if backend != "megatron" else "-"
-        print(f"| {backend} | {mesh} | {parse_mesh(mesh).world_size} | {r['s']:.3f} | {tokens / r['s']:.0f} | "
+        state = f"{r['state_mb']:.1f}" if backend not in ("megatron", "plain") else "-"
+        rate, world = tokens / r["s"], parse_mesh(mesh).world_size
+        if backend == "plain":
+            plain[dtype] = rate
+        ratio = f"{rate / plain[dtype]:.2f}" if dtype in plain and world == 1 else "-"
+        print(f"| {backend} | {mesh} | {world} | {r['s']:.3f} | {rate:.0f} | {ratio} | "
               f"{r['rss_mb']:.0f} | {state} | {dtype} |", flush=True)
     if no_bf16:
         print(f"\nbf16 rows left out: {no_bf16}")

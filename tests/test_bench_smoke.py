@@ -45,15 +45,17 @@ def test_train_step_bench_quick():
     proc = subprocess.run(
         # A cross-section of the layouts (each row starts its own processes): replicated, sharded, TP, bf16.
         [sys.executable, os.path.join(ROOT, "bench", "train_step.py"), "--quick", "--layouts",
-         "torch:d1:float32,fsdp:d2:float32,megatron:d1t2:float32,megatron:d1:bfloat16"],
+         "plain:d1:float32,torch:d1:float32,fsdp:d2:float32,megatron:d1t2:float32,megatron:d1:bfloat16"],
         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=360,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line.strip().strip("|").split("|") for line in proc.stdout.splitlines() if line.startswith("| ")]
     layouts = {(c[0].strip(), c[1].strip()) for c in rows[1:]}  # after the header row
-    assert {("torch", "d1"), ("fsdp", "d2"), ("megatron", "d1t2")} <= layouts, proc.stdout
+    assert {("plain", "d1"), ("torch", "d1"), ("fsdp", "d2"), ("megatron", "d1t2")} <= layouts, proc.stdout
     for c in rows[1:]:
         assert float(c[3]) > 0 and float(c[4]) > 0, c
+    ratio = {(c[0].strip(), c[1].strip()): c[5].strip() for c in rows[1:]}
+    assert ratio[("plain", "d1")] == "1.00" and float(ratio[("torch", "d1")]) > 0, proc.stdout  # vs the plain loop
 
 
 @pytest.mark.timeout(600)

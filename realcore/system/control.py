@@ -127,8 +127,12 @@ class ControlServer:
                 peer, header = self._out.get()
                 wire.send(self.sock, header, endpoint=self.endpoint, to=peer)
             if self.sock in events:
-                while self.sock.poll(0):
-                    self._handle(self.sock.recv_multipart(copy=False))
+                while True:
+                    try:
+                        frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._handle(frames)
         while not self._out.empty():  # replies queued just before close (e.g. to EXIT) still go out
             peer, header = self._out.get()
             wire.send(self.sock, header, endpoint=self.endpoint, to=peer)
