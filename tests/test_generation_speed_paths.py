@@ -173,3 +173,15 @@ def test_bf16_is_refused_where_the_cpu_lacks_it(model_tok, monkeypatch):
     monkeypatch.setattr(precision, "cpu_has_bf16", lambda cpuinfo="/proc/cpuinfo": False)
     with pytest.raises(ValueError, match="no bf16 instructions"):
         GenerationEngine(copy.deepcopy(model), tok, dtype="bfloat16")
+
+
+@pytest.mark.skipif(NO_BF16 is not None, reason=f"no bf16 on this CPU: {NO_BF16}")
+def test_the_generation_server_runs_its_engine_in_the_dtype_it_is_given(model_tok):
+    from realcore.backends.gen_server import EngineLoop
+
+    model, tok = model_tok
+    loop = EngineLoop(copy.deepcopy(model), tok, seed=0, dtype="bfloat16")
+    assert loop.engine.model is loop.model  # weight updates and LoRA merges see the converted model
+    assert loop.model.get_decoder().layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+    assert EngineLoop(copy.deepcopy(model), tok, seed=0).model.get_decoder().layers[0].self_attn.q_proj.weight.dtype \
+        == torch.float32
