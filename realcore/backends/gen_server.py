@@ -182,9 +182,9 @@ def generate_reply(c: _Generate, res: GenerationResult, prompt_tokens: int, vers
 class EngineLoop:
     """Owns the model and the GenerationEngine; runs commands and decode steps on one thread."""
 
-    def __init__(self, model, tokenizer, *, seed: int, weight_version: str = "0"):
+    def __init__(self, model, tokenizer, *, seed: int, weight_version: str = "0", dtype: str = "float32"):
+        self.engine = GenerationEngine(model, tokenizer, seed=seed, dtype=dtype)  # converts model to `dtype`
         self.model, self.tokenizer = model, tokenizer
-        self.engine = GenerationEngine(model, tokenizer, seed=seed)
         self.inbox: queue.Queue = queue.Queue()
         self.weight_version = weight_version
         # LoRA (SGLang's /load_lora_adapter): one adapter at a time, merged into the weights, so it
@@ -861,6 +861,7 @@ def run_server(
     stop_on_sigterm: bool = True,
     no_token_on_loopback: bool = False,
     lora_serving: LoraServing | None = None,
+    dtype: str = "float32",
 ) -> None:
     """Serve `model_path` until SIGTERM (returns), SystemExit or KeyboardInterrupt (propagate).
 
@@ -870,7 +871,8 @@ def run_server(
     `no_token_on_loopback`, a loopback `host` may serve without a token. Bodies over
     `max_body_bytes` answer 413. `on_ready({"http": "http://host:port", "weights": "tcp://host:port"
     or None})` is called once listening; "weights" is the in-memory update socket, present when
-    `secret` is given. `lora_serving`: SGLang's LoRA flags (an adapter loaded before serving)."""
+    `secret` is given. `lora_serving`: SGLang's LoRA flags (an adapter loaded before serving).
+    `dtype`: the engine's weights (GenerationConfig.dtype)."""
     if not token and not (no_token_on_loopback and is_loopback(host)):
         raise ValueError("gen_server: needs a token (every endpoint answers 401 without it; realcore derives one "
                          "from the run's secret, or takes rollout.server_token)")
@@ -878,7 +880,7 @@ def run_server(
         raise ValueError(f"gen_server: max_batch_size must be > 0, got {max_batch_size}")
     if max_body_bytes <= 0:
         raise ValueError(f"gen_server: max_body_bytes must be > 0, got {max_body_bytes}")
-    core = EngineLoop(load_model(model_path), load_tokenizer(model_path), seed=seed)
+    core = EngineLoop(load_model(model_path), load_tokenizer(model_path), seed=seed, dtype=dtype)
     if lora_serving is not None and lora_serving.initial is not None:
         name, path = lora_serving.initial
         config, tensors = lora.read_adapter(path)

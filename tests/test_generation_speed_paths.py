@@ -1,0 +1,187 @@
+"""The built-in engine's speed paths on the tiny models: the preallocated (slot) KV cache under
+continuous batching, interruption and growth gives HF's greedy tokens; bf16 mode's log-probs stay
+close to a float32 recomputation; a freed slot is reused."""
+
+import copy
+
+import pytest
+import torch
+
+from realcore.api.config import GenerationConfig, ModelConfig, TinyModelConfig
+from realcore.backends import precision
+from realcore.backends.generation import GenerationEngine
+from realcore.backends.models import load_model, load_tokenizer, prepare_model
+from tiny_models import spread_weights
+
+torch.set_num_threads(1)
+TEXTS = [
+    "Question: What is 3 + 5?\nAnswer:",
+    "hi",
+    "the cat has many apples and the dogs have more books so",
+    "Question: What is 12 * 4?\nAnswer: let us think step by step",
+    "7",
+    "she buys eggs",
+]
+NO_BF16 = precision.bf16_unsupported("cpu")
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def model_tok(request, tmp_path_factory):
+    cfg = ModelConfig(cache_dir=str(tmp_path_factory.mktemp("models")), tiny=TinyModelConfig(family=request.param))
+    path = prepare_model(cfg, seed=0)
+    model, tok = load_model(path), load_tokenizer(path)
+    spread_weights(model, seed=1)
+    return model, tok
+
+
+def _prompts(tok) -> list[list[int]]:
+    return [tok(t)["input_ids"] for t in TEXTS]
+
+
+def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy tokens for one prompt alone (no padding), EOS ignored."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                             eos_token_id=[], pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def _greedy(n: int, batch: int = 8) -> GenerationConfig:
+    return GenerationConfig(greedy=True, ignore_eos=True, max_new_tokens=n, max_batch_size=batch)
+
+
+def test_continuous_batching_with_joins_interrupts_and_growth_matches_hf(model_tok):
+    """Rows of different lengths leave at different steps, a request joins mid-decode, one is
+    aborted, the batch is retracted and readmitted, and one row outgrows the first capacity (64
+    columns): every row's tokens are HF's greedy tokens for its prompt alone."""
+    model, tok = model_tok
+    prompts = _prompts(tok)
+    lengths = [20, 9, 90, 14, 30, 25]
+    engine = GenerationEngine(model, tok)
+    rids = {engine.add_request(p, _greedy(n, batch=4)): i for i, (p, n) in enumerate(zip(prompts[:4], lengths))}
+    done: dict[int, list[int]] = {}
+    aborted = None
+    for step in range(200):
+        if not engine.has_unfinished():
+            break
+        done.update({rid: res.output_ids for rid, res in engine.step()})
+        if step == 3:  # joins mid-decode (waits for a free row when the batch is full)
+            rids[engine.add_request(prompts[4], _greedy(lengths[4], batch=4))] = 4
+        if step == 5:  # interrupted: partial output, and its row is free for the next request
+            aborted_rid = next(r for r, i in rids.items() if i == 3)
+            [(rid, res)] = engine.abort([aborted_rid])
+            assert res.finish_reason == "abort" and 0 < len(res.output_ids) < lengths[3]
+            aborted = res.output_ids
+            rids[engine.add_request(prompts[5], _greedy(lengths[5], batch=4))] = 5
+        if step == 12:  # a weight-update pause: the running rows resume from their prefixes
+            assert engine.retract() > 0
+    assert not engine.has_unfinished()
+    assert engine._kv.capacity == 0  # idle: the cache's memory was given back
+    for rid, i in rids.items():
+        if i == 3:
+            continue
+        assert done[rid] == _hf_greedy(model, prompts[i], lengths[i]), f"prompt {i}"
+    assert aborted == _hf_greedy(model, prompts[3], len(aborted))
+
+
+def test_a_slot_freed_by_an_interruption_is_reused(model_tok):
+    """The aborted row's slot takes the next request without the cache growing, and its stale
+    columns (a longer prompt's) do not leak into the newcomer's attention."""
+    model, tok = model_tok
+    prompts = _prompts(tok)
+    engine = GenerationEngine(model, tok)
+    long_rid = engine.add_request(prompts[3], _greedy(40, batch=2))  # the longest prompt
+    other = engine.add_request(prompts[0], _greedy(12, batch=2))
+    for _ in range(4):
+        engine.step()
+    slots, capacity = engine._kv.slots, engine._kv.capacity
+    assert slots == 2
+    engine.abort([long_rid])
+    short_rid = engine.add_request(prompts[4], _greedy(12, batch=2))  # a 1-token prompt
+    results = {}
+    while engine.has_unfinished():
+        results.update({rid: res.output_ids for rid, res in engine.step()})
+        assert engine._kv.slots in (0, slots)  # never grew (0 once idle)
+    assert engine._kv.capacity in (0, capacity)
+    assert results[short_rid] == _hf_greedy(model, prompts[4], 12)
+    assert results[other] == _hf_greedy(model, prompts[0], 12)
+
+
+def test_logprobs_equal_a_full_forward_in_float32(model_tok):
+    model, tok = model_tok
+    prompts = _prompts(tok)
+    gconfig = GenerationConfig(temperature=0.8, max_new_tokens=24, max_batch_size=3)
+    for prompt, res in zip(prompts, GenerationEngine(model, tok, seed=3).generate(prompts, gconfig)):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + res.output_ids])).logits[0, len(prompt) - 1 : -1]
+        expected = torch.log_softmax(logits / 0.8, dim=-1).gather(1, torch.tensor(res.output_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(res.output_logprobs), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.skipif(NO_BF16 is not None, reason=f"no bf16 on this CPU: {NO_BF16}")
+def test_bf16_logprobs_are_close_to_the_float32_recomputation(model_tok):
+    """bf16 linears, fp32 elsewhere: sampled tokens' log-probs against the trainer's fp32 ones.
+
+    The bound that holds per token is not 2e-2: rounding this model's weights to bf16 alone (fp32
+    compute) moves some log-probs by up to ~3e-2 (its weights are drawn at std 0.15, so logits are
+    sharp), and the engine adds bf16 rounding of each matmul's input and output (max ~6e-2 here).
+    What holds: a median under 2e-2 and every token under 0.1 (SmolLM2-135M: the bench prints
+    the distribution)."""
+    model, tok = model_tok
+    prompts = _prompts(tok)
+    engine = GenerationEngine(copy.deepcopy(model), tok, seed=2, dtype="bfloat16")
+    # The copy's decoder linears were converted, not the caller's model.
+    assert engine.model.get_decoder().layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+    assert model.get_decoder().layers[0].mlp.up_proj.weight.dtype == torch.float32
+    errors = []
+    gconfig = GenerationConfig(max_new_tokens=32, max_batch_size=4)
+    for prompt, res in zip(prompts, engine.generate(prompts, gconfig)):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + res.output_ids])).logits[0, len(prompt) - 1 : -1]
+        expected = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(res.output_ids)[:, None])[:, 0]
+        errors.append((torch.tensor(res.output_logprobs) - expected).abs())
+    errors = torch.cat(errors)
+    assert errors.median() < 2e-2 and errors.max() < 0.1, f"max {errors.max():.3g}, median {errors.median():.3g}"
+    assert errors.max() > 1e-4  # it did run in bf16
+
+
+@pytest.mark.skipif(NO_BF16 is not None, reason=f"no bf16 on this CPU: {NO_BF16}")
+def test_bf16_weight_updates_reach_every_parameter(model_tok):
+    """load_weights (fp32 tensors) gives what an engine built on the new weights gives: the bf16
+    linears take the cast, the fp32 rest (norms, embeddings, output projection) the values."""
+    model, tok = model_tok
+    prompts = _prompts(tok)[:3]
+    new = copy.deepcopy(model)
+    spread_weights(new, seed=7)
+    with torch.no_grad():
+        for p in new.parameters():
+            if p.dim() == 1:
+                p.mul_(1.5)  # norms (and biases) change too
+    gconfig = GenerationConfig(max_new_tokens=8, max_batch_size=3)
+    engine = GenerationEngine(copy.deepcopy(model), tok, seed=4, dtype="bfloat16")
+    before = engine.generate(prompts, gconfig)
+    engine.load_weights({n: t.clone() for n, t in new.state_dict().items()})
+    engine.next_rid = 0  # the same samplers as the fresh engine's
+    after = engine.generate(prompts, gconfig)
+    fresh = GenerationEngine(copy.deepcopy(new), tok, seed=4, dtype="bfloat16").generate(prompts, gconfig)
+    assert [r.output_logprobs for r in after] == [r.output_logprobs for r in fresh]
+    assert [r.output_logprobs for r in after] != [r.output_logprobs for r in before]
+
+
+def test_bf16_is_refused_where_the_cpu_lacks_it(model_tok, monkeypatch):
+    model, tok = model_tok
+    monkeypatch.setattr(precision, "cpu_has_bf16", lambda cpuinfo="/proc/cpuinfo": False)
+    with pytest.raises(ValueError, match="no bf16 instructions"):
+        GenerationEngine(copy.deepcopy(model), tok, dtype="bfloat16")
+
+
+@pytest.mark.skipif(NO_BF16 is not None, reason=f"no bf16 on this CPU: {NO_BF16}")
+def test_the_generation_server_runs_its_engine_in_the_dtype_it_is_given(model_tok):
+    from realcore.backends.gen_server import EngineLoop
+
+    model, tok = model_tok
+    loop = EngineLoop(copy.deepcopy(model), tok, seed=0, dtype="bfloat16")
+    assert loop.engine.model is loop.model  # weight updates and LoRA merges see the converted model
+    assert loop.model.get_decoder().layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+    assert EngineLoop(copy.deepcopy(model), tok, seed=0).model.get_decoder().layers[0].self_attn.q_proj.weight.dtype \
+        == torch.float32
