@@ -113,3 +113,24 @@ def test_wire_bench_quick():
     assert re.fullmatch(r"\d+ us", rows["control round trip, median (50 trips, msgpack + MAC)"]), rows
     for name in ("tensor 1 MB over tcp, sender -> ack (median)", "wire MAC (keyed BLAKE3) 1 MB, one side (paid by sender and receiver)"):
         assert re.fullmatch(r"[\d.]+ GB/s", rows[name]) and float(rows[name].split()[0]) > 0, rows
+
+
+@pytest.mark.timeout(240)
+def test_async_sim_bench_quick(tmp_path):
+    # Two launches (sync, async at eta 2) with the cost models of bench/sim_costs.py; ~50 s on an
+    # idle 2-core machine, mostly process start-up.
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "async_sim.py"), "--quick", "--out", str(tmp_path)],
+                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=220)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("| ") and not line.startswith("| setting"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            rows[cells[0].split(",")[0]] = cells[1:]
+    assert set(rows) == {"sync", "async"}, proc.stdout
+    tp, bound, frac, speedup, _wait, _update, _dropped, usage = rows["async"]
+    assert float(tp) > 0 and float(bound) > 0 and re.fullmatch(r"\d+%", frac) and re.fullmatch(r"[\d.]+x", speedup)
+    # The servers ran the cost model (its utilization lines are in their logs), not the real engine.
+    busy, batch = usage.split(", ")
+    assert int(busy.rstrip("%")) > 0 and float(batch) >= 1, usage
+    assert float(rows["sync"][0]) > 0, rows["sync"]
