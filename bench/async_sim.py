@@ -114,8 +114,9 @@ def main() -> None:
                    help="default: balance 2 servers with the trainers (bound = generation = training at S=2)")
     p.add_argument("--len-median", type=float, default=40.0)
     p.add_argument("--len-sigma", type=float, default=1.0)
-    p.add_argument("--concurrency", type=float, default=2.0,
-                   help="rollout.max_concurrent_rollouts = this x the servers' slots (S x max batch / n_samples groups)")
+    p.add_argument("--concurrency", type=float, default=4.0,
+                   help="rollout.max_concurrent_rollouts = this x the servers' slots (S x max batch / n_samples groups): "
+                   "a group holds its place until its last response ends, so with a long tail 2x left batches part empty")
     p.add_argument("--out", default=None, help="keep every run's output folder here (default: a temporary folder)")
     p.add_argument("--quick", action="store_true", help="smoke run: eta 2, 1 server, 2 steps, tiny sizes")
     args = p.parse_args()

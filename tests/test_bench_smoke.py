@@ -128,9 +128,10 @@ def test_async_sim_bench_quick(tmp_path):
             cells = [c.strip() for c in line.strip().strip("|").split("|")]
             rows[cells[0].split(",")[0]] = cells[1:]
     assert set(rows) == {"sync", "async"}, proc.stdout
-    tp, bound, frac, speedup, _wait, _update, _dropped, usage = rows["async"]
+    tp, bound, frac, speedup, _wait, _update, _dropped, usage, trained_len = rows["async"]
     assert float(tp) > 0 and float(bound) > 0 and re.fullmatch(r"\d+%", frac) and re.fullmatch(r"[\d.]+x", speedup)
     # The servers ran the cost model (its utilization lines are in their logs), not the real engine.
-    busy, batch = usage.split(", ")
+    busy, batch, _refill = usage.split(", ")
     assert int(busy.rstrip("%")) > 0 and float(batch) >= 1, usage
+    assert float(trained_len) > 0  # counted by the cost-model trainer (its log lines)
     assert float(rows["sync"][0]) > 0, rows["sync"]
