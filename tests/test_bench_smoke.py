@@ -142,3 +142,25 @@ def test_generation_bench_quick_bf16_and_logprob_rows():
     assert int(fp32[0]) == 32 * 16 and float(fp32[3]) < 1e-4, fp32
     bf16 = rows["log-probs, built-in engine, bf16"]
     assert bf16[3].startswith("skipped") or float(bf16[3]) < 0.1, bf16
+
+
+@pytest.mark.timeout(240)
+def test_async_sim_bench_quick(tmp_path):
+    # Two launches (sync, async at eta 2) with the cost models of bench/sim_costs.py; ~50 s on an
+    # idle 2-core machine, mostly process start-up.
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "async_sim.py"), "--quick", "--out", str(tmp_path)],
+                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=220)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("| ") and not line.startswith("| setting"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            rows[cells[0].split(",")[0]] = cells[1:]
+    assert set(rows) == {"sync", "async"}, proc.stdout
+    tp, bound, frac, speedup, _wait, _update, _dropped, usage, trained_len = rows["async"]
+    assert float(tp) > 0 and float(bound) > 0 and re.fullmatch(r"\d+%", frac) and re.fullmatch(r"[\d.]+x", speedup)
+    # The servers ran the cost model (its utilization lines are in their logs), not the real engine.
+    busy, batch, _refill = usage.split(", ")
+    assert int(busy.rstrip("%")) > 0 and float(batch) >= 1, usage
+    assert float(trained_len) > 0  # counted by the cost-model trainer (its log lines)
+    assert float(rows["sync"][0]) > 0, rows["sync"]
