@@ -97,7 +97,7 @@ class SimGenerationEngine:
     same server) continues the same response length rather than drawing a new one (which would
     shorten the tail)."""
 
-    def __init__(self, model, tokenizer, *, seed: int = 0):
+    def __init__(self, model, tokenizer, *, seed: int = 0, dtype: str | None = None):  # dtype: costs do not depend on it
         self.costs = SimCosts.from_env()
         self.model, self.tokenizer = model, tokenizer
         self.rng = random.Random(self.costs.seed * 1_000_003 + seed)
