@@ -16,12 +16,14 @@ so every worker gets work in every MFC), constructs `Master`, calls `configure()
 steps of `source.fetch; run_step; release; MetricsWriter.write` (Master.run's sequence in sync mode
 without generation servers) and `shutdown()`. The first step is a warm-up when K >= 3.
 
-Prints a markdown table per N: median ms per step and its split (fetch / MFC dispatch+collect /
-release / metrics log), Master() + configure() time, the master process's peak RSS during that N
-(VmHWM reset before each N; the baseline includes torch and the registries) and its RSS growth
-from after the first step to after the last (nothing should grow per step), and what is left in
-the master's sample buffer and pending-request map after the last release (should be 0).
-Note: 2 cores shared by the master and the simulators, so the simulators' CPU time competes.
+Prints a markdown table per N: median wall-clock ms per step, the master process's CPU ms per step
+(all its threads: the main thread and the pool's I/O thread), the wall-clock split (fetch / MFC
+dispatch+collect / release / metrics log), Master() + configure() time, the master process's peak
+RSS during that N (VmHWM reset before each N; the baseline includes torch and the registries), its
+RSS after steps 1, 10 and 50, and what is left in the master's sample buffer and pending-request
+map after the last release (should be 0).
+Note: 2 cores shared by the master and the simulators, so the simulators' CPU time competes: the
+wall-clock time includes their share, the CPU column is the master's own.
 `--quick` (N in 4, 16; 2 steps) is the smoke test's run.
 """
 
@@ -317,8 +319,6 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.workers, args.steps = [4, 16], 2
-    if max(args.workers) > 1000:
-        print("note: the master's ZeroMQ context allows 1023 sockets (one DEALER per worker + 2)", file=sys.stderr)
 
     import torch
 

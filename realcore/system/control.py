@@ -156,13 +156,10 @@ class WorkerPool:
     SOCKET = "pool"  # its name in drop counts
 
     def __init__(self, addresses: dict[str, str], secret: bytes, *, heartbeat_interval_s: float, heartbeat_timeout_s: float,
-                 name: str = "master", limits: wire.Limits | None = None, always_ping: tuple[str, ...] = (),
-                 status_max_age_s: float = 10.0):
+                 name: str = "master", limits: wire.Limits | None = None):
         self.ctx = zmq.Context.instance()
         self.secret = secret
         self.limits = limits or wire.Limits.of()
-        self.always_ping = set(always_ping)  # workers whose Status the caller reads every interval
-        self.status_max_age_s = status_max_age_s
         # One endpoint for every worker's connection: replies are addressed to it, requests to each
         # worker's address; the I/O thread alone sends, so each worker sees its seqs in order.
         self.endpoint = wire.Endpoint(secret, name, socket=self.SOCKET, limits=self.limits)
@@ -181,7 +178,6 @@ class WorkerPool:
         self.interval = heartbeat_interval_s
         self.timeout = heartbeat_timeout_s
         self.last_reply = {n: time.monotonic() for n in self.names}
-        self.last_ping = dict.fromkeys(self.names, float("-inf"))
         self.status: dict[str, Status | None] = {n: None for n in self.names}
         self.lost: dict[str, str] = {}
         self.dropped = 0
@@ -335,13 +331,8 @@ class WorkerPool:
                     if now - self.last_reply[name] > self.timeout:
                         self._mark_lost(name, f"no heartbeat for {self.timeout:g} s")
                         continue
-                    # A worker that replied within the interval is alive already: at 1000 workers a
-                    # ping each per second doubled the pool's messages. Its Status is refreshed
-                    # every status_max_age_s all the same (always_ping: every interval).
-                    busy = now - self.last_reply[name] < self.interval and name not in self.always_ping
-                    if busy and now - self.last_ping[name] < self.status_max_age_s:
-                        continue
-                    self.last_ping[name] = now
+                    # Every interval, busy or not: the Status carries the worker's drop counts, which
+                    # the metrics must show (skipping busy workers lost the last ones of a run).
                     rid = next(ping_ids)
                     self._send(name, request(Ping(), rid), rid)
 

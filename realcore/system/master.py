@@ -99,7 +99,6 @@ class Master:
             addrs, secret,
             heartbeat_interval_s=cfg.system.heartbeat_interval_s, heartbeat_timeout_s=cfg.system.heartbeat_timeout_s,
             name="master", limits=wire.Limits.of(cfg.system),
-            always_ping=(MANAGER,) if self.async_mode else (),  # its Status says which servers are behind
         )
         self.drop_tally = drops.Tally()
         self.drop_totals: collections.Counter[str] = collections.Counter()  # "process/socket/reason" -> drops this attempt

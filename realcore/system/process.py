@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import faulthandler
 import os
 import signal
 import sys
+import threading
 
 _PR_SET_NAME = 15
 _PR_SET_PDEATHSIG = 1
@@ -67,9 +69,14 @@ def set_threads(n: int) -> None:
 def exit_on_sigterm() -> None:
     """Turn SIGTERM into SystemExit so `finally` blocks and atexit handlers run."""
 
+    exiting = threading.Event()
+
     def handler(signum, frame):
+        if exiting.is_set():  # already on its way out: a SystemExit inside a finalizer is only a traceback
+            return
         raise SystemExit(128 + signum)
 
+    atexit.register(exiting.set)  # atexit runs last-registered first: before finalizers registered earlier
     signal.signal(signal.SIGTERM, handler)
 
 
