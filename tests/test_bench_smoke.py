@@ -11,6 +11,16 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def table_rows(stdout: str, *, skip: str | None = None, key=lambda first: first) -> dict[str, list[str]]:
+    """A benchmark's markdown table: key(first cell) -> the other cells (rows starting with `skip` left out)."""
+    rows = {}
+    for line in stdout.splitlines():
+        if line.startswith("| ") and not (skip and line.startswith(skip)):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            rows[key(cells[0])] = cells[1:]
+    return rows
+
+
 @pytest.mark.timeout(150)
 def test_generation_bench_quick():
     # --no-vllm: with a vLLM interpreter the vLLM row would cost ~45 s of start-up (and vLLM's CPU
@@ -25,11 +35,7 @@ def test_generation_bench_quick():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     # Table rows by their first cell: {"built-in engine": ["512.3", "8100.0", "33/33"], ...}
-    rows = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("| "):
-            cells = [c.strip() for c in line.strip().strip("|").split("|")]
-            rows[cells[0]] = cells[1:]
+    rows = table_rows(proc.stdout)
     for engine in ("built-in engine", "transformers generate"):
         assert engine in rows, proc.stdout
         b1, b32, same = rows[engine]
@@ -69,11 +75,7 @@ def test_learning_bench_quick(tmp_path):
         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=560,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = {}  # first cell -> the other cells, header and separator left out
-    for line in proc.stdout.splitlines():
-        if line.startswith("| ") and not line.startswith("| setting"):
-            cells = [c.strip() for c in line.strip().strip("|").split("|")]
-            rows[cells[0].split(":")[0]] = cells[1:]
+    rows = table_rows(proc.stdout, skip="| setting", key=lambda first: first.split(":")[0])
     assert set(rows) == {"a", "b"}, proc.stdout
     for key, cells in rows.items():
         seeds_ok, wall, _train, samples, _first, _last, acc = cells
@@ -94,11 +96,7 @@ def test_weight_update_bench_quick():
         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=180,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("| ") and not line.startswith("| method"):
-            cells = [c.strip() for c in line.strip().strip("|").split("|")]
-            rows[cells[0].split(" (")[0]] = cells[1:]
+    rows = table_rows(proc.stdout, skip="| method", key=lambda first: first.split(" (")[0])
     assert set(rows) == {"disk", "memory", "broadcast"}, proc.stdout
     for update_s, resume_s, _ in rows.values():
         assert float(update_s) >= 0 and float(resume_s) > 0
@@ -125,11 +123,7 @@ def test_generation_bench_quick_bf16_and_logprob_rows():
         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("| "):
-            cells = [c.strip() for c in line.strip().strip("|").split("|")]
-            rows[cells[0]] = cells[1:]
+    rows = table_rows(proc.stdout)
     bf16 = rows["built-in engine, bf16"]
     if bf16[2].startswith("skipped"):  # a CPU without bf16 instructions says so
         assert "bf16" in bf16[2], bf16
@@ -151,11 +145,7 @@ def test_async_sim_bench_quick(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "async_sim.py"), "--quick", "--out", str(tmp_path)],
                           cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=220)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("| ") and not line.startswith("| setting"):
-            cells = [c.strip() for c in line.strip().strip("|").split("|")]
-            rows[cells[0].split(",")[0]] = cells[1:]
+    rows = table_rows(proc.stdout, skip="| setting", key=lambda first: first.split(",")[0])
     assert set(rows) == {"sync", "async"}, proc.stdout
     tp, bound, frac, speedup, _wait, _update, _dropped, usage, trained_len = rows["async"]
     assert float(tp) > 0 and float(bound) > 0 and re.fullmatch(r"\d+%", frac) and re.fullmatch(r"[\d.]+x", speedup)

@@ -11,17 +11,11 @@ from realcore.api.config import GenerationConfig, ModelConfig, TinyModelConfig
 from realcore.backends import precision
 from realcore.backends.generation import GenerationEngine
 from realcore.backends.models import load_model, load_tokenizer, prepare_model
+import test_generation
 from tiny_models import spread_weights
 
 torch.set_num_threads(1)
-TEXTS = [
-    "Question: What is 3 + 5?\nAnswer:",
-    "hi",
-    "the cat has many apples and the dogs have more books so",
-    "Question: What is 12 * 4?\nAnswer: let us think step by step",
-    "7",
-    "she buys eggs",
-]
+TEXTS = [*test_generation.TEXTS, "she buys eggs"]  # prompts of different lengths
 NO_BF16 = precision.bf16_unsupported("cpu")
 
 
