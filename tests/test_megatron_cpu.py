@@ -226,3 +226,57 @@ def test_gpt_tp2_matches_tp1(reference_dir):
 
 def test_gpt_pp2_1f1b_matches_tp1(reference_dir):
     _spawn(_pp_worker, 2, 2, _free_port(), reference_dir)
+
+
+PACKED_LENS = [5, 7, 4]  # one packed row of three sequences, SEQ tokens in all
+
+
+def _packed_worker(rank, world, port):
+    """realcore's core attention takes Megatron's THD packing (no mask): the packed row's logits and
+    gradients equal those of each sequence run alone with a causal mask (positions from 0)."""
+    _init(rank, world, port, tp=world)
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    from realcore.backends.megatron.varlen_attention import VarlenDotProductAttention, packed_seq_params
+
+    config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                               use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0)
+    spec = get_gpt_layer_local_spec()
+    spec.submodules.self_attention.submodules.core_attention = VarlenDotProductAttention
+    torch.manual_seed(0)
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
+                     position_embedding_type="rope")
+    masks = []
+    for m in model.modules():
+        if isinstance(m, VarlenDotProductAttention):
+            m.register_forward_pre_hook(lambda _m, args, kw: masks.append((args[3], kw["packed_seq_params"])),
+                                        with_kwargs=True)
+    tokens = torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(3))
+    assert sum(PACKED_LENS) == SEQ
+
+    packed = model(tokens[None], None, None, packed_seq_params=packed_seq_params(PACKED_LENS, PACKED_LENS, "cpu"),
+                   runtime_gather_output=True)[0]
+    assert masks and all(mask is None and p.qkv_format == "thd" for mask, p in masks)
+    (packed.float().square().mean()).backward()
+    packed_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+
+    alone, start = [], 0
+    for n in PACKED_LENS:
+        causal = torch.triu(torch.ones(n, n, dtype=torch.bool), diagonal=1)[None, None]
+        alone.append(model(tokens[start:start + n][None], torch.arange(n)[None], causal,
+                           runtime_gather_output=True)[0])
+        start += n
+    alone = torch.cat(alone)
+    (alone.float().square().mean()).backward()
+    _assert_close(packed.detach(), alone.detach(), "packed logits")
+    for name, p in model.named_parameters():
+        _assert_close(packed_grads[name], p.grad, f"packed grad {name}")
+    torch.distributed.destroy_process_group()
+
+
+def test_packed_thd_attention_matches_sequences_alone():
+    """TP=2 with grouped-query attention (one KV group per rank)."""
+    _spawn(_packed_worker, 2, 2, _free_port())

@@ -34,34 +34,40 @@ def _flash_varlen():
     return flash_attn_varlen_func
 
 
+def packed_causal_attention(query, key, value, cu: torch.Tensor, *, scale: float | None, dropout: float = 0.0):
+    """query (T, H, D), key/value (T, Hkv, D) of one packed row, boundaries `cu` -> (T, H, D).
+    Causal within each sequence, nothing across; flash-attn varlen on CUDA when installed, else
+    SDPA per sequence. Shared by the HF models (below) and Megatron's core attention."""
+    flash = _flash_varlen() if query.is_cuda else None
+    if flash is not None:
+        longest = int((cu[1:] - cu[:-1]).max())
+        return flash(query, key, value, cu, cu, longest, longest, dropout_p=dropout, softmax_scale=scale,
+                     causal=True)
+    gqa = query.shape[1] != key.shape[1]
+    q, k, v = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)  # (H, T, D)
+    bounds = cu.tolist()
+    parts = [F.scaled_dot_product_attention(q[:, a:b], k[:, a:b], v[:, a:b], dropout_p=dropout, scale=scale,
+                                            is_causal=True, enable_gqa=gqa)
+             for a, b in zip(bounds[:-1], bounds[1:])]
+    return torch.cat(parts, dim=1).transpose(0, 1)  # (T, H, D)
+
+
 def varlen_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
                      **kwargs):
     """query (1, H, T, D), key/value (1, Hkv, T, D) -> (1, T, H, D), None. Causal within each sequence."""
     cu = kwargs.get("cu_seq_lens_q")
     dropout = dropout if module.training else 0.0
-    gqa = query.shape[1] != key.shape[1]
     if cu is None:  # whole rows, each one sequence
         if attention_mask is not None or query.shape[2] != key.shape[2]:
             raise ValueError(f"{NAME} attention: no padding masks or KV cache (generate inside standard_attention)")
         out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scaling, is_causal=True,
-                                             enable_gqa=gqa)
+                                             enable_gqa=query.shape[1] != key.shape[1])
         return out.transpose(1, 2).contiguous(), None
     if query.shape[0] != 1:
         raise ValueError(f"{NAME} attention takes one packed row, got a batch of {query.shape[0]}")
-    flash = _flash_varlen() if query.is_cuda else None
-    if flash is not None:
-        max_len = int(kwargs.get("max_length_q") or int((cu[1:] - cu[:-1]).max()))
-        out = flash(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu, cu, max_len,
-                    max_len, dropout_p=dropout, softmax_scale=scaling, causal=True)  # (T, H, D)
-        return out[None], None
-    bounds = cu.tolist()
-    parts = []
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        parts.append(F.scaled_dot_product_attention(
-            query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], dropout_p=dropout, scale=scaling, is_causal=True,
-            enable_gqa=gqa))
-    out = torch.cat(parts, dim=2)  # (1, H, T, D)
-    return out.transpose(1, 2).contiguous(), None
+    out = packed_causal_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu,
+                                  scale=scaling, dropout=dropout)
+    return out[None].contiguous(), None
 
 
 def _register() -> None:

@@ -30,16 +30,6 @@ def zigzag_layout(lens: list[int], cp: int, cp_rank: int) -> tuple[list[int], to
     return padded, torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64)
 
 
-def packed_seq_params(lens: list[int], padded: list[int], device):
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    cu = torch.tensor([0] + lens, device=device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    cu_padded = torch.tensor([0] + padded, device=device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    longest = max(padded)
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded,
-                           cu_seqlens_kv_padded=cu_padded, max_seqlen_q=longest, max_seqlen_kv=longest)
-
-
 class GatherRow(torch.autograd.Function):
     """All-gather per-position values of the CP ranks into the full padded row (forward); the
     backward keeps this rank's positions (all ranks compute the same loss from the full row)."""

@@ -141,14 +141,19 @@ def mcore_config_from_hf(hf_config, **overrides):
 
 
 def layer_spec(hf_config, *, transformer_engine: bool = False):
-    """The Megatron layer spec: local modules (run anywhere), or TransformerEngine's (GPU; needed
-    for context parallel attention). Both have the same parameter names for these models."""
+    """The Megatron layer spec: local modules (run anywhere) with realcore's packed (THD) core
+    attention, or TransformerEngine's (GPU; needed for context parallel attention). Both have the
+    same parameter names for these models."""
     from megatron.core.models.gpt import gpt_layer_specs
+
+    from realcore.backends.megatron.varlen_attention import VarlenDotProductAttention
 
     if transformer_engine:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts(hf_config), moe_grouped_gemm=False)
-    return gpt_layer_specs.get_gpt_layer_local_spec(num_experts=num_experts(hf_config), moe_grouped_gemm=False)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=num_experts(hf_config), moe_grouped_gemm=False)
+    spec.submodules.self_attention.submodules.core_attention = VarlenDotProductAttention
+    return spec
 
 
 # TransformerEngine's spec fuses the pre-attention (and, dense MLP only, pre-MLP) norm into the

@@ -2,7 +2,7 @@
 
 Every rank of the mesh runs the same calls; ranks of one data-parallel replica receive the same
 sequences. Micro-batches are the torch engine's (token budget, packed into one row with a
-block-diagonal causal mask), padded to one common length so pipeline stages exchange fixed
+sequence boundaries for attention, THD), padded to one common length so pipeline stages exchange fixed
 shapes. Losses use Megatron's per-token mode (`calculate_per_token_loss`): each micro-batch
 returns (mean loss x its loss tokens, loss tokens), gradients are summed over micro-batches and
 DP ranks and divided by the global number of loss tokens in `finalize_model_grads` -- the same
@@ -23,11 +23,12 @@ import torch.distributed as dist
 from realcore.api.alloc import ParallelDims
 from realcore.api.config import RoleConfig
 from realcore.api.engine import Engine, GenerationResult, LossFn, LossWeightFn
-from realcore.backends.batching import (block_causal_mask, cu_seqlens, lr_factor, reduce_weighted, split_by_budget,
+from realcore.backends.batching import (cu_seqlens, lr_factor, reduce_weighted, split_by_budget,
                                         token_logprobs, train_batch)
 from realcore.backends.megatron.checkpoint import LazyHFState, gather_hf, load_shard
 from realcore.backends.megatron.cpu_compat import apply_cpu_compat, cuda_to_cpu_mode
 from realcore.backends.megatron.parallel import check_megatron_config, init_parallel_state, sequence_parallel
+from realcore.backends.megatron.varlen_attention import packed_seq_params
 from realcore.backends.precision import compute_dtype
 
 
@@ -196,10 +197,9 @@ class MegatronEngine(Engine):
             pad = seq_len - ids.numel()
             lens = mb["lens"] + ([pad] if pad else [])  # padding is one more "sequence"
             tokens = torch.cat([ids, ids.new_zeros(pad)]).to(device)[None]  # (1, seq_len)
-            position_ids = torch.arange(seq_len, device=device)[None]  # RoPE in Megatron uses the row's positions
-            # True = masked in Megatron. Packing is exact with RoPE: scores depend on relative positions only.
-            mask = ~block_causal_mask(lens, device)
-            output = model(tokens, position_ids, mask, runtime_gather_output=True)
+            # Attention by boundaries (THD, varlen_attention.py), RoPE restarting at each sequence: no mask.
+            output = model(tokens, None, None, packed_seq_params=packed_seq_params(lens, lens, device),
+                           runtime_gather_output=True)
 
             def logprob_fn(logits, temperature, with_entropy):
                 return self._token_logprobs(logits, tokens[0], lens, ids.numel(), temperature, with_entropy)
@@ -221,7 +221,7 @@ class MegatronEngine(Engine):
         import torch.nn.functional as F
         from megatron.core import parallel_state as ps
 
-        from realcore.backends.megatron.context_parallel import GatherRow, packed_seq_params, unpad, zigzag_layout
+        from realcore.backends.megatron.context_parallel import GatherRow, unpad, zigzag_layout
 
         cp, device = self.dims.cp, self.device
         real = list(mb["lens"])
