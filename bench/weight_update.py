@@ -13,6 +13,10 @@ the trainer (its fp32 state dict, as the torch engine holds it). Per method:
 - "interrupt-to-resume s": what generation waits in an async run: /pause_generation (abort) while
   the servers generate (4 requests each), the update (disk: the load only, the file is written
   before the pause), /continue_generation.
+- "in flight at pause": output tokens the pause's abort returned with the partial replies. None is
+  lost: an async run's rollout workers resubmit prompt + partial output after the update
+  (`generate_resumable`, as AReaL's interruptible generation), so what interruption costs is the
+  "re-prefill" column: the tokens (prompt + partial) the servers prefill again to resume them.
 Medians of `--repeats` (3) updates, each a new version; every method ends with the servers holding
 the version it sent (checked). `--quick`: tiny model, 1 repeat (the smoke test's seconds-long run).
 """
@@ -78,18 +82,24 @@ async def on_all(urls: list[str], fn):
 class Load:
     """Keeps LOAD_REQUESTS long greedy requests running on every server (a thread with its own loop)."""
 
+    PROMPT = [1, 2, 3, 4]
+
     def __init__(self, urls: list[str]):
         self.urls, self.stop = urls, threading.Event()
         self.thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+        self.aborted: list[tuple[float, int]] = []  # (when it came back, output tokens) of aborted replies
 
     async def _run(self):
         async def keep(client, k):
             while not self.stop.is_set():
                 params = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 512}
                 try:
-                    await client.generate([1, 2, 3, 4], params, rid=f"load-{k}-{time.monotonic_ns()}")
+                    reply = await client.generate(self.PROMPT, params, rid=f"load-{k}-{time.monotonic_ns()}")
                 except Exception:
                     await asyncio.sleep(0.05)
+                    continue
+                if reply.finish_reason == "abort":
+                    self.aborted.append((time.perf_counter(), len(reply.output_ids)))
 
         await on_all(self.urls, lambda c: asyncio.gather(*(keep(c, k) for k in range(LOAD_REQUESTS))))
 
@@ -104,21 +114,29 @@ class Load:
         self.thread.join(timeout=60)
 
 
-def interrupted(urls: list[str], update) -> float:
-    """Seconds from pause (abort) to continue around `update()`, with the servers generating."""
-    with Load(urls):
+def interrupted(urls: list[str], update) -> tuple[float, int, int]:
+    """(seconds from pause (abort) to continue around `update()`, output tokens in flight at the
+    pause, tokens to prefill again to resume those requests), with the servers generating."""
+    with Load(urls) as load:
         t0 = time.perf_counter()
         asyncio.run(on_all(urls, lambda c: c.pause("abort")))
         update()
         asyncio.run(on_all(urls, lambda c: c.resume()))
-        return time.perf_counter() - t0
+        t1 = time.perf_counter()
+    partial = [n for t, n in load.aborted if t0 <= t <= t1]
+    return t1 - t0, sum(partial), sum(len(Load.PROMPT) + n for n in partial)
 
 
 def versions(urls: list[str]) -> list[str]:
     return [i["weight_version"] for i in asyncio.run(on_all(urls, lambda c: c.server_info()))]
 
 
-def bench(path: str, n_servers: int, repeats: int, bucket_mb: float) -> tuple[list[tuple[str, float, float, str]], int]:
+def _row(method: str, upd: list[float], intr: list[tuple[float, int, int]], note: str = "") -> tuple:
+    """(method, median update s, median interrupt-to-resume s, median in-flight tokens, median re-prefill tokens, note)"""
+    return (method, statistics.median(upd), *(statistics.median(x[i] for x in intr) for i in range(3)), note)
+
+
+def bench(path: str, n_servers: int, repeats: int, bucket_mb: float) -> tuple[list[tuple], int]:
     model = load_model(path)
     state = model.state_dict()
     nbytes = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in state.values()}.values())
@@ -149,7 +167,7 @@ def bench(path: str, n_servers: int, repeats: int, bucket_mb: float) -> tuple[li
             out = write(version)
             intr.append(interrupted(urls, lambda: disk_load(out, version)))
         assert versions(urls) == [str(version)] * n_servers
-        rows.append(("disk (safetensors)", statistics.median(upd), statistics.median(intr), ""))
+        rows.append(_row("disk (safetensors)", upd, intr))
 
         # memory: pushed over the authenticated wire to every server's update socket
         def push(v):
@@ -165,7 +183,7 @@ def bench(path: str, n_servers: int, repeats: int, bucket_mb: float) -> tuple[li
             version += 1
             intr.append(interrupted(urls, lambda: push(version)))
         assert versions(urls) == [str(version)] * n_servers
-        rows.append(("memory (MAC'd wire)", statistics.median(upd), statistics.median(intr), ""))
+        rows.append(_row("memory (MAC'd wire)", upd, intr))
 
         # broadcast: rollout.weight_update=nccl's protocol over gloo
         cfg = SimpleNamespace(
@@ -189,8 +207,8 @@ def bench(path: str, n_servers: int, repeats: int, bucket_mb: float) -> tuple[li
             version += 1
             intr.append(interrupted(urls, lambda: broadcast(version)))
         assert versions(urls) == [str(version)] * n_servers and sender.n_groups == 1
-        rows.append((f"broadcast (gloo, {bucket_mb:g} MiB buckets)", statistics.median(upd), statistics.median(intr),
-                     f"group join {join_s:.2f} s (first update only)"))
+        rows.append(_row(f"broadcast (gloo, {bucket_mb:g} MiB buckets)", upd, intr,
+                         f"group join {join_s:.2f} s (first update only)"))
     finally:
         for proc, _ in servers:
             proc.terminate()
@@ -215,10 +233,11 @@ def main() -> None:
     rows, nbytes = bench(path, args.servers, repeats, args.bucket_mb)
     print(f"\nweight update of {name} ({nbytes / 2**20:.1f} MiB fp32) to {args.servers} built-in server(s), "
           f"median of {repeats}\n")
-    print("| method | update s | interrupt-to-resume s | note |")
-    print("|---|---|---|---|")
-    for method, upd, intr, note in rows:
-        print(f"| {method} | {upd:.2f} | {intr:.2f} | {note} |")
+    print("| method | update s | interrupt-to-resume s | in flight at pause (tokens, kept) | re-prefill to resume "
+          "(tokens) | note |")
+    print("|---|---|---|---|---|---|")
+    for method, upd, intr, partial, prefill, note in rows:
+        print(f"| {method} | {upd:.2f} | {intr:.2f} | {partial:.0f} | {prefill:.0f} | {note} |")
 
 
 if __name__ == "__main__":
