@@ -162,6 +162,39 @@ def test_bf16_weight_updates_reach_every_parameter(model_tok):
     assert [r.output_logprobs for r in after] != [r.output_logprobs for r in before]
 
 
+@pytest.mark.skipif(NO_BF16 is not None, reason=f"no bf16 on this CPU: {NO_BF16}")
+def test_bf16_output_projection_is_float32_where_it_counts():
+    """The bf16 head (a SmolLM2-sized vocabulary, 8000 here): its top-K logits per row are the float32
+    ones, so greedy picks and the log-probs of likely tokens are float32's, `exact` gives any sampled
+    token's float32 logit; the bf16 copy follows
+    in-place updates of the weight (and a new weight tensor)."""
+    from realcore.backends.generation import _Bf16Head
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(64, 8000, bias=False)
+    x = torch.randn(5, 1, 64) * 4
+
+    def check(w):
+        ref = x @ w.t()
+        out = head(x)
+        top = ref.topk(_Bf16Head.TOP_K // 2, dim=-1).indices  # well inside the recomputed top-K
+        assert torch.allclose(out.gather(-1, top), ref.gather(-1, top), atol=1e-5)
+        assert torch.equal(out.argmax(-1), ref.argmax(-1))
+        err = (out.log_softmax(-1) - ref.log_softmax(-1)).gather(-1, top).abs().max()
+        assert err < 2e-3, err  # the tail's bf16 rounding moves the normaliser a little, no more
+        assert (out - ref).abs().max() > 1e-4  # the tail is bf16
+        tail = ref[:, -1].argmin(-1)  # a token far outside the top-K: the engine corrects its log-prob
+        assert torch.allclose(head.forward.exact(tail), ref[:, -1].gather(-1, tail[:, None])[:, 0], atol=1e-5)
+
+    with torch.no_grad():
+        _Bf16Head.attach(head)
+        check(head.weight)
+        head.weight.copy_(torch.randn_like(head.weight))  # a weight update in place
+        check(head.weight)
+        head.weight = torch.nn.Parameter(torch.randn_like(head.weight))  # a new tensor
+        check(head.weight)
+
+
 def test_bf16_is_refused_where_the_cpu_lacks_it(model_tok, monkeypatch):
     model, tok = model_tok
     monkeypatch.setattr(precision, "cpu_has_bf16", lambda cpuinfo="/proc/cpuinfo": False)

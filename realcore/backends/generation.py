@@ -20,10 +20,12 @@ an HF `DynamicCache` and copies each row's keys/values into its slot.
 Precision (`dtype`): "float32", or "bfloat16" where the device has bf16 instructions
 (realcore.backends.precision): the decoder's linear layers then hold and multiply bf16 weights
 (~2x faster matmuls and half the memory traffic on an avx512_bf16 CPU), while the residual stream,
-norms, attention, KV cache, embeddings and output projection stay float32. Why not the whole model
-in bf16: on SmolLM2-135M that doubles the log-prob error against the trainer's fp32 recomputation
-(median 1.4e-2 vs 6e-3 per sampled token) at about the same speed, since the matmuls are the time;
-and a bf16 output projection rounds every logit (by up to 0.06 at a logit of 16).
+norms, attention, KV cache and embeddings stay float32. The output projection multiplies a bf16
+copy of its weight, then recomputes each row's 64 largest logits in float32 (`_Bf16Head`): a bf16
+logit is off by up to 0.06 at a logit of 16, so only the unlikely tail keeps bf16 values. Why not
+the whole model in bf16: on SmolLM2-135M that doubles the log-prob error against the trainer's fp32
+recomputation (median 1.4e-2 vs 6e-3 per sampled token) at about the same speed, since the matmuls
+are the time.
 
 Log-probs: `output_logprobs[i] = log_softmax(logits / temperature)[token]`, over the full
 vocabulary, BEFORE top-k / top-p filtering, and with the configured temperature even when greedy.
@@ -76,6 +78,7 @@ class GenerationEngine:
         """`dtype` (GenerationConfig.dtype) "bfloat16" converts `model`'s decoder linears in place,
         so the engine must own it (a generation server); None / "float32" leave it as it is."""
         self.device = next(model.parameters()).device
+        self._head: _Bf16Head | None = None
         if dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"generation: dtype {dtype!r} is not float32 or bfloat16")
         config = model.config
@@ -85,6 +88,7 @@ class GenerationEngine:
         if dtype == "bfloat16":
             compute_dtype(dtype, self.device)  # ValueError where the device lacks bf16
             _linears_to_bf16(model.get_decoder())
+            self._head = _Bf16Head.attach(model.get_output_embeddings())
         self.dtype = model.dtype  # of activations and the KV cache (float32 unless the model is bf16)
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -283,6 +287,10 @@ class GenerationEngine:
             greedy=[r.gconfig.greedy for r in reqs],
             rngs=[r.rng for r in reqs],
         )
+        if self._head is not None:  # a token from the bf16 tail: its log-prob from its float32 logit
+            rows = torch.arange(len(reqs), device=logits.device)
+            temps = torch.tensor([r.gconfig.temperature for r in reqs], device=logits.device)
+            logprobs = logprobs + (self._head.exact(tokens) - logits[rows, tokens].float()) / temps
         for r, tok, lp in zip(reqs, tokens.tolist(), logprobs.tolist()):
             r.output_ids.append(tok)
             r.output_logprobs.append(lp)
@@ -305,6 +313,52 @@ class _Bf16Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+
+class _Bf16Head:
+    """The output projection in bf16 where it matters for speed, float32 where it matters for the
+    log-probs. The vocabulary matmul (the largest one per decode step: 28M weights on SmolLM2) runs
+    on a bf16 copy of the weight, ~2.4x faster here; its bf16-rounded logits are only a first pass:
+    the TOP_K largest per row are recomputed exactly from the float32 weight and hidden state, so
+    greedy choices, the softmax's normaliser (dominated by the top logits) and the log-prob of any
+    top-K token are float32's; the engine corrects a token sampled from the tail with its float32
+    logit (`exact`; the normaliser's tail stays bf16, a tail's small share). The module keeps its float32 weight
+    and parameter names (weight updates and tied embeddings land there as before); the bf16 copy is
+    rebuilt whenever that weight changed (its in-place version counter)."""
+
+    TOP_K = 64
+
+    def __init__(self, linear: torch.nn.Linear):
+        self.linear, self.stamp, self.w16 = linear, None, None
+
+    @classmethod
+    def attach(cls, linear: torch.nn.Module) -> _Bf16Head | None:
+        if type(linear) is not torch.nn.Linear:
+            return None  # an unusual head: left in float32
+        head = cls(linear)
+        linear.forward = head  # an instance attribute: the module and its state_dict stay as they were
+        return head
+
+    def exact(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of `tokens` (B,) at the last position of the last call's rows (B, T, H)."""
+        w, b = self.linear.weight, self.linear.bias
+        out = (w[tokens] * self.last_x[:, -1].float()).sum(-1)
+        return out if b is None else out + b[tokens]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = self.linear.weight, self.linear.bias
+        self.last_x = x
+        stamp = (id(w), w._version)
+        if stamp != self.stamp:
+            self.w16, self.stamp = w.detach().to(torch.bfloat16), stamp
+        logits = F.linear(x.to(torch.bfloat16), self.w16).float()  # (..., V)
+        k = min(self.TOP_K, logits.shape[-1])
+        idx = logits.topk(k, dim=-1).indices  # (..., k)
+        exact = (w[idx] * x.float().unsqueeze(-2)).sum(-1)  # (..., k, H) . (..., 1, H)
+        if b is not None:
+            logits = logits + b
+            exact = exact + b[idx]
+        return logits.scatter_(-1, idx, exact)
 
 
 def _linears_to_bf16(module: torch.nn.Module) -> None:
@@ -342,7 +396,9 @@ def sample_tokens(
     row draws one uniform from its own generator and samples by inverse CDF.
     """
     dev = logits.device
-    scaled = logits.float() / torch.tensor(temperature, device=dev)[:, None]  # (B, V)
+    scaled = logits.float()  # (B, V)
+    if any(t != 1.0 for t in temperature):  # x / 1.0 == x: skip a (B, V) division in the common case
+        scaled = scaled / torch.tensor(temperature, device=dev)[:, None]
     logprobs = torch.log_softmax(scaled, dim=-1)
     tokens = scaled.argmax(dim=-1)  # (B,) the greedy choice
     u = torch.cat([torch.rand(1, generator=g, device=dev) for g in rngs])  # (B,) drawn even for greedy rows
