@@ -3,7 +3,7 @@
     python bench/wire.py [--quick]
 
 Prints a markdown table: small-message round trip (wire.send/recv with msgpack + MAC) over tcp
-loopback, tensor transfer at 1 MB and 64 MB (sender -> peer, timed until the peer's application
+loopback and the same with raw pyzmq frames (the floor the wire's own work adds to), tensor transfer at 1 MB and 64 MB (sender -> peer, timed until the peer's application
 ack arrives), beside a single-process memcpy, the wire MAC (keyed BLAKE3) and HMAC-SHA256 alone for the same sizes.
 """
 
@@ -50,6 +50,46 @@ def _peer(addr: str, secret: bytes) -> None:
     finally:
         sock.close(linger=1000)
         ctx.term()
+
+
+def _raw_peer(addr: str) -> None:
+    """Echo raw frames (no msgpack, no MAC): the floor that ZeroMQ and two Python processes set."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(addr)
+    try:
+        while True:
+            frames = sock.recv_multipart()
+            if frames == [b"stop"]:
+                return
+            sock.send_multipart(frames)
+    finally:
+        sock.close(linger=1000)
+        ctx.term()
+
+
+def bench_raw_ping(ctx) -> list[float]:
+    """Round-trip times (s) of two raw frames of a control message's size, pyzmq alone."""
+    sock = ctx.socket(zmq.DEALER)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    sock.setsockopt(zmq.RCVTIMEO, int(TIMEOUT_S * 1000))
+    peer = mp.get_context("spawn").Process(target=_raw_peer, args=(f"tcp://127.0.0.1:{port}",), daemon=True)
+    peer.start()
+    frames, times = [b"h" * 120, b"m" * 32], []  # a ping's header and MAC sizes
+    try:
+        for i in range(N_PING_WARMUP + N_PING):
+            t0 = time.perf_counter()
+            sock.send_multipart(frames)
+            sock.recv_multipart()
+            if i >= N_PING_WARMUP:
+                times.append(time.perf_counter() - t0)
+        sock.send_multipart([b"stop"])
+    finally:
+        peer.join(timeout=10)
+        if peer.is_alive():
+            peer.kill()
+        sock.close(linger=0)
+    return times
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -131,6 +171,9 @@ def main() -> None:
         if peer.is_alive():
             peer.kill()
         sock.close(linger=0)
+    try:
+        raw = bench_raw_ping(ctx)
+    finally:
         ctx.term()
     local = {label: bench_local(n, reps) for label, (n, reps) in SIZES.items()}
 
@@ -140,6 +183,8 @@ def main() -> None:
     print("|---|---|")
     print(f"| control round trip, median ({N_PING} trips, msgpack + MAC) | {statistics.median(us):.0f} us |")
     print(f"| control round trip, p99 | {_percentile(us, 0.99):.0f} us |")
+    raw_us = [t * 1e6 for t in raw]
+    print(f"| raw pyzmq round trip, median (same sizes, no msgpack, no MAC: the floor) | {statistics.median(raw_us):.0f} us |")
     for label in SIZES:
         pre, fresh, mac, sha = local[label]
         print(f"| tensor {label} over tcp, sender -> ack (median) | {xfer[label]:.2f} GB/s |")
