@@ -195,6 +195,23 @@ def test_bf16_output_projection_is_float32_where_it_counts():
         check(head.weight)
 
 
+@pytest.mark.skipif(NO_BF16 is not None, reason=f"no bf16 on this CPU: {NO_BF16}")
+def test_bf16_engine_reports_the_sampled_tokens_float32_logit(model_tok):
+    """The engine's log-prob of a sampled token uses its float32 logit from the head (`exact`): a
+    head whose exact logits read 0.25 higher moves every log-prob by 0.25 / temperature."""
+    model, tok = model_tok
+    prompts = _prompts(tok)[:3]
+    gconfig = GenerationConfig(greedy=True, temperature=0.5, ignore_eos=True, max_new_tokens=4, max_batch_size=3)
+    engine = GenerationEngine(copy.deepcopy(model), tok, seed=3, dtype="bfloat16")
+    base = engine.generate(prompts, gconfig)
+    exact = engine._head.exact
+    engine._head.exact = lambda tokens: exact(tokens) + 0.25
+    shifted = engine.generate(prompts, gconfig)
+    for a, b in zip(base, shifted):
+        assert a.output_ids == b.output_ids
+        assert b.output_logprobs == pytest.approx([lp + 0.5 for lp in a.output_logprobs], abs=1e-5)
+
+
 def test_bf16_is_refused_where_the_cpu_lacks_it(model_tok, monkeypatch):
     model, tok = model_tok
     monkeypatch.setattr(precision, "cpu_has_bf16", lambda cpuinfo="/proc/cpuinfo": False)
