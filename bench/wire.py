@@ -3,8 +3,10 @@
     python bench/wire.py [--quick]
 
 Prints a markdown table: small-message round trip (wire.send/recv with msgpack + MAC) over tcp
-loopback and the same with raw pyzmq frames (the floor the wire's own work adds to), tensor transfer at 1 MB and 64 MB (sender -> peer, timed until the peer's application
-ack arrives), beside a single-process memcpy, the wire MAC (keyed BLAKE3) and HMAC-SHA256 alone for the same sizes.
+loopback and the same with raw pyzmq frames (the floor the wire's own work adds to), tensor
+transfer at 1 MB and 64 MB (sender -> peer, timed until the peer's application ack arrives),
+beside a single-process memcpy, the wire MAC (keyed BLAKE3) and HMAC-SHA256 alone for the same
+sizes.
 """
 
 import hashlib

@@ -99,14 +99,6 @@ def train_batch(engine, data: dict[str, list[torch.Tensor]], loss_fn, loss_weigh
     return mean_over_minibatches(results)
 
 
-def block_causal_mask(lens: list[int], device) -> torch.Tensor:
-    """(1, 1, T, T) bool, True = may attend: causal within each packed sequence, nothing across."""
-    seq_id = torch.repeat_interleave(torch.arange(len(lens), device=device), torch.tensor(lens, device=device))
-    same = seq_id[:, None] == seq_id[None, :]  # (T, T)
-    causal = torch.ones_like(same).tril()
-    return (same & causal)[None, None]
-
-
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, starts: torch.Tensor, temperature: float,
                    with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log p(x[t] | x[:t]) and entropy of the temperature-scaled distribution, aligned

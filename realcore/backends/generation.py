@@ -322,9 +322,9 @@ class _Bf16Head:
     the TOP_K largest per row are recomputed exactly from the float32 weight and hidden state, so
     greedy choices, the softmax's normaliser (dominated by the top logits) and the log-prob of any
     top-K token are float32's; the engine corrects a token sampled from the tail with its float32
-    logit (`exact`; the normaliser's tail stays bf16, a tail's small share). The module keeps its float32 weight
-    and parameter names (weight updates and tied embeddings land there as before); the bf16 copy is
-    rebuilt whenever that weight changed (its in-place version counter)."""
+    logit (`exact`; the normaliser's tail stays bf16, a tail's small share). The module keeps its
+    float32 weight and parameter names (weight updates and tied embeddings land there as before);
+    the bf16 copy is rebuilt whenever that weight changed (its in-place version counter)."""
 
     TOP_K = 64
 

@@ -1,8 +1,8 @@
 """MegatronEngine: one rank of a Megatron-core mesh (TP x PP x DP, EP for MoE) holding a model role.
 
 Every rank of the mesh runs the same calls; ranks of one data-parallel replica receive the same
-sequences. Micro-batches are the torch engine's (token budget, packed into one row with a
-sequence boundaries for attention, THD), padded to one common length so pipeline stages exchange fixed
+sequences. Micro-batches are the torch engine's (token budget, packed into one row that attends
+by its sequence boundaries, THD), padded to one common length so pipeline stages exchange fixed
 shapes. Losses use Megatron's per-token mode (`calculate_per_token_loss`): each micro-batch
 returns (mean loss x its loss tokens, loss tokens), gradients are summed over micro-batches and
 DP ranks and divided by the global number of loss tokens in `finalize_model_grads` -- the same
