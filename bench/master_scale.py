@@ -8,7 +8,7 @@ its address with the name resolver exactly like a model worker (key `keys.model_
 and speaks `wire` (msgpack + HMAC, the run's secret) with the typed messages of
 realcore.system.protocol: it answers PING with a Status,
 CONFIGURE/FETCH/RUN_MFC with metadata shaped like a real ModelWorker's replies (sequence
-lengths, no tensors), CLEAR/SAVE/PUBLISH_WEIGHTS with {}, EXIT with {} (then it stops). Replies
+lengths, no tensors; the ids in a FETCH/RUN_MFC's `clear` dropped first), CLEAR/SAVE/PUBLISH_WEIGHTS with {}, EXIT with {} (then it stops). Replies
 are instant, so a step's time is the master's own scheduling plus the wire.
 
 The benchmark's main process builds the `ppo-math` config (allocation d{N}p1t1, batch_size 2N,
@@ -20,8 +20,13 @@ Prints a markdown table per N: median wall-clock ms per step, the master process
 (all its threads: the main thread and the pool's I/O thread), the wall-clock split (fetch / MFC
 dispatch+collect / release / metrics log), Master() + configure() time, the master process's peak
 RSS during that N (VmHWM reset before each N; the baseline includes torch and the registries), its
-RSS after steps 1, 10 and 50, and what is left in the master's sample buffer and pending-request
-map after the last release (should be 0).
+RSS after steps 1, 10, 50 and 100 (at 1000 workers it grows until each connection has carried
+~225 messages, ~50 steps at ~4.7 per step, then stays flat: libzmq's per-connection queues
+reaching their working size; a bare pyzmq ROUTER sending to 1000 peers grows by the same ~55 MB
+over its first ~225 messages per peer and not after), how many samples workers still held when the next step's Fetch came
+(should be 0: the master's release of a step travels with each worker's next request, and the
+simulated workers apply it like model workers do), and what is left in the master's sample buffer
+and pending-request map and on the workers after the last step (should be 0).
 Note: 2 cores shared by the master and the simulators, so the simulators' CPU time competes: the
 wall-clock time includes their share, the CPU column is the master's own.
 `--quick` (N in 4, 16; 2 steps) is the smoke test's run.
@@ -102,6 +107,7 @@ def _serve(assign: list, secret: bytes, root: str, spec: dict, out_q) -> None:
         dp, size = spec["dp"], spec["dataset_size"]
         counts: dict[str, int] = {}
         dropped, live = 0, len(workers)
+        held_at_fetch = 0  # samples a worker still held when a Fetch came (its release went missing)
         last_msg, end = time.monotonic(), time.monotonic() + LIFETIME_S
 
         def handle(w: _SimWorker, msg):
@@ -109,7 +115,11 @@ def _serve(assign: list, secret: bytes, root: str, spec: dict, out_q) -> None:
                 w.state = "running"
                 rows = size // dp + (1 if w.index < size % dp else 0)
                 return Configured(rows, rows)
+            nonlocal held_at_fetch
+            if isinstance(msg, (Fetch, RunMFC)):
+                w.stored.difference_update(msg.clear)  # the master's release, carried by the next request
             if isinstance(msg, Fetch):
+                held_at_fetch += len(w.stored)  # sync: every earlier sample was released by now
                 ids = list(range(msg.first_id, msg.first_id + msg.n))
                 w.stored.update(ids)
                 return Fetched(ids, {k: [[_plen(sid) if k != "answer" else 3] for sid in ids] for k in keys},
@@ -162,7 +172,7 @@ def _serve(assign: list, secret: bytes, root: str, spec: dict, out_q) -> None:
                         except Exception as e:
                             out = reply(rid, error=f"{msg.CMD.name}: {type(e).__name__}: {e}")
                     wire.send(s, out, endpoint=endpoints[s], to=peer)
-        out_q.put(("done", pid, len(assign), _os_threads(), counts, dropped,
+        out_q.put(("done", pid, len(assign), _os_threads(), counts, dropped, held_at_fetch,
                    sum(len(w.stored) for w in workers.values())))
     finally:
         for s in workers:
@@ -265,7 +275,7 @@ def run_one(n: int, steps: int, n_procs: int) -> dict:
                     t1 = time.perf_counter()
                     master.run_step(step, metrics, writer)
                     t2 = time.perf_counter()
-                    master.release()
+                    master.release(now=step == steps)  # as Master.loop: Clears go with the next step's requests
                     t3 = time.perf_counter()
                     metrics["version"] = master.version
                     metrics["time/step_s"] = t3 - t0
@@ -295,7 +305,7 @@ def run_one(n: int, steps: int, n_procs: int) -> dict:
                 counts[c] = counts.get(c, 0) + k
         return {
             "n": n, **med, "setup": setup_ms, "peak_mb": peak_kb / 1024, "rss": rss,
-            "left": left + sum(d[6] for d in done), "procs": n_procs, "sim_threads": [d[3] for d in done],
+            "left": left + sum(d[7] for d in done), "held": sum(d[6] for d in done), "procs": n_procs, "sim_threads": [d[3] for d in done],
             "master_threads": master_threads, "msgs_per_step": sum(v for c, v in counts.items() if c not in ("PING", "CONFIGURE", "EXIT")) / steps,
             "pings": counts.get("PING", 0), "dropped": sum(d[5] for d in done),
         }
@@ -313,7 +323,7 @@ def run_one(n: int, steps: int, n_procs: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, nargs="+", default=[10, 100, 1000])
-    ap.add_argument("--steps", type=int, default=50, help="steps per N (the first is a warm-up when >= 3)")
+    ap.add_argument("--steps", type=int, default=100, help="steps per N (the first is a warm-up when >= 3)")
     ap.add_argument("--procs", type=int, default=4, help="simulator processes")
     ap.add_argument("--quick", action="store_true", help="N in 4, 16; 2 steps (smoke test)")
     args = ap.parse_args()
@@ -333,12 +343,12 @@ def main() -> None:
     print(f"master scale benchmark: ppo-math (4 MFCs), d<N>p1t1, batch_size 2N, {args.steps} steps per N "
           f"(median of {timed}), simulated workers answer instantly over tcp://127.0.0.1, pid {os.getpid()}\n")
     print("| workers | step ms (wall, median) | master CPU ms/step | fetch ms | MFC dispatch+collect ms | release ms "
-          "| log ms | Master()+configure ms | master peak RSS MB | RSS MB at step 1 / 10 / 50 | left after release |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| log ms | Master()+configure ms | master peak RSS MB | RSS MB at step 1 / 10 / 50 / 100 | held at next fetch | left after release |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        at = " / ".join(f"{r['rss'][i - 1] / 1024:.1f}" if len(r["rss"]) >= i else "-" for i in (1, 10, 50))
+        at = " / ".join(f"{r['rss'][i - 1] / 1024:.1f}" if len(r["rss"]) >= i else "-" for i in (1, 10, 50, 100))
         print(f"| {r['n']} | {r['step']:.1f} | {r['cpu']:.1f} | {r['fetch']:.1f} | {r['mfc']:.1f} | {r['release']:.1f} "
-              f"| {r['log']:.1f} | {r['setup']:.1f} | {r['peak_mb']:.1f} | {at} | {r['left']} |")
+              f"| {r['log']:.1f} | {r['setup']:.1f} | {r['peak_mb']:.1f} | {at} | {r['held']} | {r['left']} |")
     print()
     for r in rows:
         print(f"N={r['n']}: simulated workers hosted by {r['procs']} processes, 1 Python thread each "

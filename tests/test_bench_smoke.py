@@ -21,6 +21,15 @@ def table_rows(stdout: str, *, skip: str | None = None, key=lambda first: first)
     return rows
 
 
+@pytest.mark.timeout(120)
+def test_zmq_queue_rss_bench_quick():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "zmq_queue_rss.py"), "--peers", "4", "--rounds", "50"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split("|")[1:3] for line in proc.stdout.splitlines() if line.startswith("| ") and "messages" not in line]
+    assert [int(k) for k, _ in rows] == [0, 25, 50] and all(float(v) > 0 for _, v in rows), proc.stdout
+
+
 @pytest.mark.timeout(150)
 def test_generation_bench_quick():
     # --no-vllm: with a vLLM interpreter the vLLM row would cost ~45 s of start-up (and vLLM's CPU
@@ -113,7 +122,7 @@ def test_wire_bench_quick():
     rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in proc.stdout.splitlines()
             if line.startswith("| ") and not line.startswith("| measurement")}
     assert re.fullmatch(r"\d+ us", rows["control round trip, median (50 trips, msgpack + MAC)"]), rows
-    raw = [v for k, v in rows.items() if k.startswith("raw pyzmq round trip")]
+    raw = [v for k, v in rows.items() if k.startswith("raw frames round trip")]
     assert len(raw) == 1 and re.fullmatch(r"\d+ us", raw[0]), rows
     for name in ("tensor 1 MB over tcp, sender -> ack (median)", "wire MAC (keyed BLAKE3) 1 MB, one side (paid by sender and receiver)"):
         assert re.fullmatch(r"[\d.]+ GB/s", rows[name]) and float(rows[name].split()[0]) > 0, rows

@@ -45,7 +45,7 @@ class DatasetSource:
                 msgs[m.names[head]] = Fetch(first_id=m.next_id, n=k)
                 m.next_id += k
         groups = []
-        for name, r in m.wait(m.pool.request_many(msgs), "dataset fetch").items():
+        for name, r in m.wait(m.pool.request_many(m.with_clears(msgs)), "dataset fetch").items():
             m.buffer.add(m.index_of[name], r.ids, r.seqlens)
             groups += [Group(sid, uid) for sid, uid in zip(r.ids, r.uids)]
         return groups
@@ -76,8 +76,8 @@ class StreamSource:
         while len(groups) < n:
             for i in m.heads:
                 name = m.names[i]
-                r: Fetched = m.wait({name: m.pool.request(name, Fetch(m.next_id, n - len(groups), m.version))},
-                                    "stream fetch")[name]
+                msg = m.with_clears({name: Fetch(m.next_id, n - len(groups), m.version)})
+                r: Fetched = m.wait(m.pool.request_many(msg), "stream fetch")[name]
                 m.next_id += len(r.ids)
                 if r.ids or r.dropped:
                     m.call_manager(Resolve(trained=r.grants, dropped=r.dropped), "resolve")

@@ -13,7 +13,6 @@ import queue
 import secrets
 import threading
 import time
-from concurrent.futures import Future
 from typing import Callable
 
 import zmq
@@ -37,15 +36,88 @@ class _Waker:
 
     def wake(self) -> None:
         with self._lock:
-            self.send_sock.send(b"", zmq.NOBLOCK)
+            wire.send_frames(self.send_sock, [b""], noblock=True)
 
     def drain(self) -> None:
-        while self.recv_sock.poll(0):
-            self.recv_sock.recv()
+        while True:
+            try:
+                wire.recv_frames(self.recv_sock, noblock=True, copy=True)
+            except zmq.Again:
+                return
 
     def close(self) -> None:
         self.send_sock.close(0)
         self.recv_sock.close(0)
+
+
+class _Batch:
+    """The replies of one request_many share one condition: a concurrent.futures.Future builds an
+    RLock + Condition each (3.3 us with its result, against 0.6; 1000 per MFC at 1000 workers).
+    A waiter is woken by the reply it waits for, not by every reply of the batch."""
+
+    __slots__ = ("cond",)
+
+    def __init__(self):
+        self.cond = threading.Condition(threading.Lock())
+
+
+class Reply:
+    """A reply to come: the subset of concurrent.futures.Future the master uses (result, done,
+    exception, add_done_callback), resolved by the pool's I/O thread."""
+
+    __slots__ = ("_batch", "_done", "_value", "_error", "_waiting", "_callbacks")
+
+    def __init__(self, batch: _Batch | None = None):
+        self._batch = batch or _Batch()
+        self._done, self._value, self._error, self._waiting, self._callbacks = False, None, None, False, None
+
+    def done(self) -> bool:
+        return self._done
+
+    def result(self, timeout: float | None = None):
+        """The reply (waiting up to `timeout` s; TimeoutError after it), or the error it failed with."""
+        self._wait(timeout)
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._wait(timeout)
+        return self._error
+
+    def _wait(self, timeout: float | None) -> None:
+        if self._done:
+            return
+        cond = self._batch.cond
+        with cond:
+            self._waiting = True
+            if not cond.wait_for(lambda: self._done, timeout):
+                raise TimeoutError(f"no reply within {timeout:g} s")
+
+    def add_done_callback(self, fn: Callable[[Reply], None]) -> None:
+        with self._batch.cond:
+            if not self._done:
+                self._callbacks = (self._callbacks or []) + [fn]
+                return
+        fn(self)
+
+    def set_result(self, value) -> None:
+        self._resolve(value, None)
+
+    def set_exception(self, error: BaseException) -> None:
+        self._resolve(None, error)
+
+    def _resolve(self, value, error) -> None:
+        cond = self._batch.cond
+        with cond:
+            if self._done:  # lost and answered in a race: the first outcome stands
+                return
+            self._value, self._error, self._done = value, error, True
+            if self._waiting:
+                cond.notify_all()
+            callbacks, self._callbacks = self._callbacks, None
+        for fn in callbacks or ():
+            fn(self)
 
 
 class ControlServer:
@@ -128,8 +200,8 @@ class ControlServer:
                 wire.send(self.sock, header, endpoint=self.endpoint, to=peer)
             if self.sock in events:
                 while True:
-                    try:
-                        frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    try:  # control messages are small: copied into bytes, cheaper than zero-copy frames
+                        frames = wire.recv_frames(self.sock, noblock=True, copy=True)
                     except zmq.Again:
                         break
                     self._handle(frames)
@@ -182,7 +254,7 @@ class WorkerPool:
         self.lost: dict[str, str] = {}
         self.dropped = 0
         self._rids = itertools.count(1)
-        self._pending: dict[int, tuple[str, Future, type]] = {}
+        self._pending: dict[int, tuple[str, Reply, type]] = {}
         self._reconnects: queue.Queue = queue.Queue()
         self._out: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
@@ -205,17 +277,18 @@ class WorkerPool:
         self._route[worker], self._by_route[route] = route, worker
         self.addresses[worker] = address
 
-    def request(self, worker: str, msg) -> Future:
-        """Send a typed message; the future resolves to its typed reply (msg.REPLY)."""
+    def request(self, worker: str, msg) -> Reply:
+        """Send a typed message; the Reply resolves to its typed reply (msg.REPLY)."""
         return self.request_many({worker: msg})[worker]
 
-    def request_many(self, msgs: dict[str, object]) -> dict[str, Future]:
+    def request_many(self, msgs: dict[str, object]) -> dict[str, Reply]:
         """request() to several workers at once: one wake-up of the I/O thread for all of them."""
-        futs: dict[str, Future] = {}
+        futs: dict[str, Reply] = {}
         out = []
+        batch = _Batch()
         with self._lock:
             for worker, msg in msgs.items():
-                fut = futs[worker] = Future()
+                fut = futs[worker] = Reply(batch)
                 if worker in self.lost:
                     fut.set_exception(WorkerLost(f"{worker}: {self.lost[worker]}"))
                     continue
@@ -240,7 +313,7 @@ class WorkerPool:
     def _send(self, worker: str, header: dict, rid: int) -> None:
         frames = self.endpoint.seal(header, to=self.addresses[worker])
         try:
-            self.sock.send_multipart([self._route[worker], *frames], zmq.NOBLOCK, copy=False)
+            wire.send_frames(self.sock, [self._route[worker], *frames], noblock=True)
         except zmq.ZMQError as e:  # its queue is full (a worker that reads nothing) or it is gone
             drops.count(self.SOCKET, "send", f"to {worker}: {e}")
             with self._lock:
@@ -318,7 +391,7 @@ class WorkerPool:
             if self.sock in events:
                 while True:  # a NOBLOCK recv until empty: Socket.poll(0) builds a Poller per call
                     try:
-                        frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        frames = wire.recv_frames(self.sock, noblock=True, copy=True)
                     except zmq.Again:
                         break
                     self._on_reply(frames)
@@ -343,7 +416,7 @@ class WorkerPool:
         self._waker.close()
 
 
-def wait_all(futures: dict[str, Future], timeout_s: float, what: str) -> dict:
+def wait_all(futures: dict[str, Reply], timeout_s: float, what: str) -> dict:
     """Results of every future, or an error naming what timed out and on which workers."""
     deadline = time.monotonic() + timeout_s
     out = {}

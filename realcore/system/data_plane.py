@@ -94,7 +94,7 @@ class DataServer:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            if self.sock.poll(200):
+            if wire.readable(self.sock, 200):
                 self._serve()
 
     def close(self) -> None:

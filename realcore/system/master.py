@@ -10,6 +10,7 @@ A recover checkpoint (recover.py) lets a restarted run continue from the step it
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import logging
 import os
@@ -17,8 +18,6 @@ import queue
 import signal
 import threading
 import time
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 
 from realcore.api.alloc import parse_allocation_mode
 from realcore.api.config import ExperimentConfig
@@ -27,12 +26,12 @@ from realcore.dfg.graph import DataFlowGraph, MFCNode, build_graph
 from realcore.system import drops, keys, recover, wire
 from realcore.system.batch_source import DatasetSource, Group, StreamSource, source_keys
 from realcore.system.buffer import SampleBuffer, split_balanced
-from realcore.system.control import WorkerPool, wait_all
+from realcore.system.control import Reply, WorkerPool, wait_all
 from realcore.system.ledger import Ledger
 from realcore.system.metrics import MetricsWriter, wandb_init_kwargs
 from realcore.system.name_resolve import make_name_resolver
-from realcore.system.protocol import (Clear, Configure, Evaluate, Exit, ManagerState, Restore, RunMFC, Save, SaveState, Snapshot,
-                                      WorkerLost, parse)
+from realcore.system.protocol import (Clear, Configure, Evaluate, Exit, Fetch, ManagerState, Restore, RunMFC, Save, SaveState,
+                                      Snapshot, WorkerLost, parse)
 from realcore.system.weight_sync import make_weight_sync
 
 log = logging.getLogger("realcore.master")
@@ -43,12 +42,12 @@ class Preempted(Exception):
     """SIGTERM arrived: a recover checkpoint was written; the run should be started again later."""
 
 
-def _report_when_done(name: str, futs: dict[str, Future], events: queue.Queue) -> None:
+def _report_when_done(name: str, futs: dict[str, Reply], events: queue.Queue) -> None:
     """Put (name, None) on `events` when every future is done, or (name, error) at the first failure."""
     left = [len(futs)]
     lock = threading.Lock()
 
-    def done(f: Future) -> None:
+    def done(f: Reply) -> None:
         with lock:
             left[0] -= 1
             last = left[0] == 0
@@ -110,14 +109,23 @@ class Master:
         self.preempt_requested = False
         self.terminated = False  # SIGTERM: whoever sent it stops every process of the run
         self.counters: dict[str, int] = {}  # rollout workers' totals (reward errors, ...) logged so far
+        self.to_clear: dict[int, list[int]] = {}  # worker -> released samples its next Fetch/RunMFC drops
 
     # --- calls --------------------------------------------------------------------------------
 
-    def wait(self, futs: dict[str, Future], what: str, timeout_s: float | None = None) -> dict:
+    def wait(self, futs: dict[str, Reply], what: str, timeout_s: float | None = None) -> dict:
         return wait_all(futs, timeout_s or self.cfg.system.request_timeout_s, what)
 
     def call_all(self, msg, what: str, timeout_s: float | None = None) -> dict:
         return self.wait(self.pool.request_many({n: msg for n in self.names}), what, timeout_s)
+
+    def with_clears(self, msgs: dict[str, Fetch | RunMFC]) -> dict[str, Fetch | RunMFC]:
+        """`msgs` with each worker's released samples to drop before it runs them (Master.release)."""
+        out = {}
+        for name, msg in msgs.items():
+            ids = self.to_clear.pop(self.index_of[name], None)
+            out[name] = dataclasses.replace(msg, clear=ids) if ids else msg
+        return out
 
     def clear_on(self, index: int, ids: list[int]) -> None:
         self.wait({self.names[index]: self.pool.request(self.names[index], Clear(ids))}, "clear")
@@ -132,7 +140,7 @@ class Master:
             while True:
                 try:
                     return fut.result(timeout=1.0)
-                except FutureTimeout:
+                except TimeoutError:
                     if self._manager_moved():
                         break
                 except WorkerLost:
@@ -171,16 +179,16 @@ class Master:
             return False
         return not (self.alloc.gen is not None and getattr(lookup("mfc", node.type), "generates", False))
 
-    def dispatch(self, node: MFCNode, ids: list[int]) -> dict[str, Future]:
+    def dispatch(self, node: MFCNode, ids: list[int]) -> dict[str, Reply]:
         costs = [self.buffer.tokens(sid, node.inputs) for sid in ids]
         parts = split_balanced(ids, costs, self.mesh.dp)
         self.buffer.start(node, ids)
         ranks = range(self.n_workers) if self.collective(node) else self.heads
         per_replica = [RunMFC(node.name, part, self.buffer.owners(part, node.inputs)) for part in parts]
-        return self.pool.request_many({self.names[i]: per_replica[self.mesh.dp_rank(i)] for i in ranks})
+        return self.pool.request_many(self.with_clears({self.names[i]: per_replica[self.mesh.dp_rank(i)] for i in ranks}))
 
     def run_step(self, step: int, metrics: dict, writer: MetricsWriter) -> None:
-        running: dict[str, tuple[MFCNode, list[int], dict[str, Future], float]] = {}
+        running: dict[str, tuple[MFCNode, list[int], dict[str, Reply], float]] = {}
         # Each MFC reports once, when all its workers replied (or at the first failure): O(workers)
         # per MFC, where waking up on every reply and re-scanning every future was O(workers^2).
         events: queue.Queue = queue.Queue()
@@ -228,13 +236,18 @@ class Master:
                 self.drop_totals[f"{process}/{k}"] += n
         metrics.update({f"dropped/{k}": n for k, n in self.drop_totals.items()})
 
-    def release(self) -> None:
+    def release(self, now: bool = False) -> None:
+        """Forget the samples every MFC has run on. Each worker drops only what it holds (a Clear of
+        every id to every worker was O(workers x batch) bytes per step), with its next Fetch or
+        RunMFC (every head gets one each step): a round trip per worker per step saved. `now`: with
+        a Clear each, waited for (the run's last step, or before stopping)."""
         ids = self.buffer.completed()
-        # Each worker clears only what it holds: a Clear of every id to every worker was
-        # O(workers x batch) bytes per step.
-        held = self.buffer.holders(ids)
-        self.wait(self.pool.request_many({self.names[w]: Clear(mine) for w, mine in held.items()}), "release")
+        for w, mine in self.buffer.holders(ids).items():
+            self.to_clear.setdefault(w, []).extend(mine)
         self.buffer.release(ids)
+        if now and self.to_clear:
+            held, self.to_clear = self.to_clear, {}
+            self.wait(self.pool.request_many({self.names[w]: Clear(mine) for w, mine in held.items()}), "release")
 
     def ledger_rows(self, groups: list[Group], trained_version: int) -> list[tuple[str, int, list[int], list[int]]]:
         rows = []
@@ -368,7 +381,7 @@ class Master:
             version = self.version
             self.run_step(step, metrics, writer)
             ledger.write(step, version, self.ledger_rows(groups, version))
-            self.release()
+            self.release(now=step == cfg.trainer.total_steps or self.preempt_requested)
             if self.weights is not None and self.version != version:
                 t1 = time.perf_counter()
                 reply = self.weights.publish(self.version)

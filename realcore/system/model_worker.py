@@ -303,6 +303,8 @@ class ModelWorker:
     # --- loop -----------------------------------------------------------------------------
 
     def handle(self, msg):
+        if isinstance(msg, (Fetch, RunMFC)) and msg.clear:  # the master's release of finished samples
+            self.storage.drop(msg.clear)
         handlers = {Configure: self.configure, Fetch: self.fetch, RunMFC: self.run_mfc, Save: self.save,
                     SaveState: self.save_state, PublishWeights: self.publish_weights, Evaluate: self.evaluate,
                     BroadcastWeights: self.broadcast_weights,

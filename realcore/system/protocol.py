@@ -187,6 +187,7 @@ class Fetch:
     first_id: int
     n: int
     version: int = 0
+    clear: list[int] = field(default_factory=list)  # released samples to drop first (see Master.release)
 
 
 @body
@@ -202,6 +203,7 @@ class RunMFC:
     mfc: str
     ids: list[int]
     owners: dict[str, list[int]]
+    clear: list[int] = field(default_factory=list)  # released samples to drop first (see Master.release)
 
 
 @message(Cmd.CLEAR)

@@ -76,7 +76,7 @@ class TrajectoryStream:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            if not self.sock.poll(200):
+            if not wire.readable(self.sock, 200):
                 continue
             try:
                 peer, header, tensors = wire.recv(self.sock, endpoint=self.endpoint, router=True)

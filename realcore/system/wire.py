@@ -48,6 +48,8 @@ import blake3
 import msgpack
 import torch
 import zmq
+from zmq.backend import Socket as _RawSocket
+from zmq.backend import zmq_poll
 
 from realcore.api.config import SystemConfig
 from realcore.system import drops
@@ -329,9 +331,40 @@ class Endpoint:
         return Peer(sender, routing_id), header, tensors
 
 
+# Frames go through pyzmq's Cython socket methods with int flags: its Python layer (send_multipart,
+# recv_multipart, Socket.poll) costs ~10-15 us per call in flag enums and copy-threshold logic,
+# more than the message itself on loopback (bench/wire.py). Same semantics otherwise.
+_SEND, _RECV, _GET = _RawSocket.send, _RawSocket.recv, _RawSocket.get
+_NOBLOCK, _SNDMORE, _RCVMORE, _POLLIN = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.RCVMORE), int(zmq.POLLIN)
+COPY_BELOW = 65536  # pyzmq's copy_threshold: smaller frames are copied (cheaper), larger sent zero-copy
+
+
+def send_frames(sock: zmq.Socket, frames: list, *, noblock: bool = False) -> None:
+    """Send `frames` as one multipart message (zmq.Again when `noblock` and it cannot be queued)."""
+    flags = _NOBLOCK if noblock else 0
+    last = len(frames) - 1
+    for i, f in enumerate(frames):
+        small = isinstance(f, bytes) or _buffer(f).nbytes < COPY_BELOW
+        _SEND(sock, f, (flags | _SNDMORE) if i < last else flags, small)
+
+
+def recv_frames(sock: zmq.Socket, *, noblock: bool = False, copy: bool = False) -> list:
+    """One multipart message: zmq.Frames (zero-copy) or bytes (`copy`, cheaper for small
+    messages). zmq.Again when `noblock` and none is waiting."""
+    frames = [_RECV(sock, _NOBLOCK if noblock else 0, copy)]
+    while _GET(sock, _RCVMORE):  # the rest of a multipart message has arrived with its first frame
+        frames.append(_RECV(sock, 0, copy))
+    return frames
+
+
+def readable(sock: zmq.Socket, timeout_ms: int) -> bool:
+    """Whether a message is waiting on `sock` within `timeout_ms` (-1: forever)."""
+    return bool(zmq_poll([(sock, _POLLIN)], timeout_ms))
+
+
 def send(sock: zmq.Socket, header: dict, tensors=(), *, endpoint: Endpoint, to: str | Peer) -> None:
     """Send one message sealed by `endpoint` to `to` (a bound address, or the Peer to answer)."""
-    sock.send_multipart(endpoint.seal(header, tensors, to=to), copy=False)
+    send_frames(sock, endpoint.seal(header, tensors, to=to))
 
 
 def recv(
@@ -349,9 +382,9 @@ def recv(
     """
     if timeout_s is not None:
         ms = max(0, math.ceil(timeout_s * 1000))
-        if not sock.poll(ms, zmq.POLLIN):
+        if not readable(sock, ms):
             raise TimeoutError(f"wire.recv: no message on {what or 'socket'} within {timeout_s:g} s")
-    return endpoint.open(sock.recv_multipart(copy=False), router=router)
+    return endpoint.open(recv_frames(sock), router=router)
 
 
 def count_dropped(socket: str, reason: str, detail: str = "") -> None:
