@@ -304,7 +304,7 @@ def run_one(n: int, steps: int, n_procs: int) -> dict:
             for c, k in d[4].items():
                 counts[c] = counts.get(c, 0) + k
         return {
-            "n": n, **med, "setup": setup_ms, "peak_mb": peak_kb / 1024, "rss": rss,
+            "n": n, "mfcs": list(dfg.order()), **med, "setup": setup_ms, "peak_mb": peak_kb / 1024, "rss": rss,
             "left": left + sum(d[7] for d in done), "held": sum(d[6] for d in done), "procs": n_procs, "sim_threads": [d[3] for d in done],
             "master_threads": master_threads, "msgs_per_step": sum(v for c, v in counts.items() if c not in ("PING", "CONFIGURE", "EXIT")) / steps,
             "pings": counts.get("PING", 0), "dropped": sum(d[5] for d in done),
@@ -340,7 +340,7 @@ def main() -> None:
     rows = [run_one(n, args.steps, args.procs) for n in args.workers]
 
     timed = args.steps - 1 if args.steps >= 3 else args.steps
-    print(f"master scale benchmark: ppo-math (4 MFCs), d<N>p1t1, batch_size 2N, {args.steps} steps per N "
+    print(f"master scale benchmark: ppo-math (MFCs {', '.join(rows[0]['mfcs'])}), d<N>p1t1, batch_size 2N, {args.steps} steps per N "
           f"(median of {timed}), simulated workers answer instantly over tcp://127.0.0.1, pid {os.getpid()}\n")
     print("| workers | step ms (wall, median) | master CPU ms/step | fetch ms | MFC dispatch+collect ms | release ms "
           "| log ms | Master()+configure ms | master peak RSS MB | RSS MB at step 1 / 10 / 50 / 100 | held at next fetch | left after release |")
