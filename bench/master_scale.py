@@ -132,7 +132,7 @@ def _serve(assign: list, secret: bytes, root: str, spec: dict, out_q) -> None:
                     for k in node["outputs"]
                 }
                 n = len(ids) * (1 if node["first_input"] in keys else group)
-                return MFCDone(ids, outputs, dict(node["stats"]), n)
+                return MFCDone(ids, outputs, dict(node["stats"]), n, then=[handle(w, m) for m in msg.then])
             if isinstance(msg, Clear):
                 w.stored.difference_update(msg.ids)
                 return None
@@ -307,6 +307,7 @@ def run_one(n: int, steps: int, n_procs: int) -> dict:
             "n": n, "mfcs": list(dfg.order()), **med, "setup": setup_ms, "peak_mb": peak_kb / 1024, "rss": rss,
             "left": left + sum(d[7] for d in done), "held": sum(d[6] for d in done), "procs": n_procs, "sim_threads": [d[3] for d in done],
             "master_threads": master_threads, "msgs_per_step": sum(v for c, v in counts.items() if c not in ("PING", "CONFIGURE", "EXIT")) / steps,
+            "by_command": {c: v / steps for c, v in sorted(counts.items()) if c not in ("PING", "CONFIGURE", "EXIT")},
             "pings": counts.get("PING", 0), "dropped": sum(d[5] for d in done),
         }
     finally:
@@ -353,7 +354,8 @@ def main() -> None:
     for r in rows:
         print(f"N={r['n']}: simulated workers hosted by {r['procs']} processes, 1 Python thread each "
               f"(OS threads per process, incl. ZeroMQ's I/O + reaper and the report queue's feeder: {r['sim_threads']}); "
-              f"master process OS threads {r['master_threads']}; {r['msgs_per_step']:.0f} requests/step, "
+              f"master process OS threads {r['master_threads']}; {r['msgs_per_step']:.0f} requests/step "
+              f"({', '.join(f'{c} {v:g}' for c, v in r['by_command'].items())}), "
               f"{r['pings']} heartbeats in all; "
               f"{r['dropped']} bad messages")
     print(f"\ntotal {time.perf_counter() - t_start:.1f} s")

@@ -1,6 +1,7 @@
 """Smoke test of the master scale simulation: `bench/master_scale.py --quick` prints its table."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -21,3 +22,8 @@ def test_master_scale_quick():
         assert float(r[1]) > 0 and float(r[7]) > 0, r  # step time, peak RSS
         assert r[-2] == "0", r  # step 1's samples were dropped by the workers before step 2's fetch
         assert r[-1] == "0", r  # nothing left in the master's buffer, nor on the workers, after the run
+    # Per step and worker: one FETCH, one RUN_MFC for actor_gen and one for ref_inf with actor_train
+    # chained to it; the release rides on the next step's requests (the last step's: one CLEAR each).
+    for n in (4, 16):
+        line = next(line for line in proc.stdout.splitlines() if line.startswith(f"N={n}:"))
+        assert re.search(rf"\(CLEAR {n / 2:g}, FETCH {n}, RUN_MFC {2 * n}\)", line), line

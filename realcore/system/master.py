@@ -2,8 +2,10 @@
 
 One step: take `batch_size` new samples from the batch source (dataset shards or the trajectory
 stream), then run every MFC whose inputs are ready on `n_seqs` samples (independent MFCs
-concurrently; each worker executes requests in arrival order, so collectives line up), then
-release the samples, publish the new weights to the generation servers, log, and checkpoint.
+concurrently; each worker executes requests in arrival order, so collectives line up; an MFC that
+waits only for the one being sent goes in its request, Master.chain), then release the samples
+(each worker drops them with its next request), publish the new weights to the generation
+servers, log, and checkpoint.
 A recover checkpoint (recover.py) lets a restarted run continue from the step it was written at.
 """
 
@@ -30,8 +32,8 @@ from realcore.system.control import Reply, WorkerPool, wait_all
 from realcore.system.ledger import Ledger
 from realcore.system.metrics import MetricsWriter, wandb_init_kwargs
 from realcore.system.name_resolve import make_name_resolver
-from realcore.system.protocol import (Clear, Configure, Evaluate, Exit, Fetch, ManagerState, Restore, RunMFC, Save, SaveState,
-                                      Snapshot, WorkerLost, parse)
+from realcore.system.protocol import (Clear, Configure, Evaluate, Exit, Fetch, ManagerState, RemoteError, Restore, RunMFC, Save,
+                                      SaveState, Snapshot, WorkerLost, parse)
 from realcore.system.weight_sync import make_weight_sync
 
 log = logging.getLogger("realcore.master")
@@ -179,47 +181,99 @@ class Master:
             return False
         return not (self.alloc.gen is not None and getattr(lookup("mfc", node.type), "generates", False))
 
-    def dispatch(self, node: MFCNode, ids: list[int]) -> dict[str, Reply]:
+    def chain(self, node: MFCNode, ids: list[int], parts: list[list[int]], busy) -> list[MFCNode]:
+        """MFCs to send with `node` on the same ids, run right after it on each worker: one request
+        per worker where each was one more round trip (the master's cost per worker,
+        bench/master_scale.py). An MFC joins when it waits only for what `node` (or one chained
+        before it) produces, takes exactly these ids, runs on the heads as `node` does, and is
+        split as `node` is by its own token costs: so it runs where it would have run anyway.
+        Not after generation (the responses it makes change every later MFC's costs), nor for
+        collective (Megatron) MFCs (other ranks read a head's outputs through the data plane,
+        which a chained MFC could reach before the head stored them)."""
+        if self.collective(node) or getattr(lookup("mfc", node.type), "generates", False):
+            return []
+        metas = [self.buffer.samples[sid] for sid in ids]
+        have = set.intersection(*(set(m.keys) for m in metas)) | set(node.outputs)
+        made = set(node.outputs)
+        out: list[MFCNode] = []
+        for b in self.nodes:
+            if (b is node or b.name in busy or b.n_seqs != len(ids) or self.collective(b)
+                    or not set(b.inputs) <= have or not set(b.inputs) & made
+                    or any(b.name in m.done or b.name in m.running for m in metas) or self.buffer.ready(b) is not None):
+                continue
+            if split_balanced(ids, [self.buffer.tokens(sid, b.inputs) for sid in ids], self.mesh.dp) != parts:
+                continue
+            out.append(b)
+            have |= set(b.outputs)
+            made |= set(b.outputs)
+        return out
+
+    def dispatch(self, node: MFCNode, ids: list[int], busy) -> tuple[list[MFCNode], dict[str, Reply]]:
+        """Send `node` on `ids` (and the MFCs chained to it) to its workers: (chained MFCs, replies)."""
         costs = [self.buffer.tokens(sid, node.inputs) for sid in ids]
         parts = split_balanced(ids, costs, self.mesh.dp)
-        self.buffer.start(node, ids)
+        chained = self.chain(node, ids, parts, busy)
+        for n in (node, *chained):
+            self.buffer.start(n, ids)
         ranks = range(self.n_workers) if self.collective(node) else self.heads
-        per_replica = [RunMFC(node.name, part, self.buffer.owners(part, node.inputs)) for part in parts]
-        return self.pool.request_many(self.with_clears({self.names[i]: per_replica[self.mesh.dp_rank(i)] for i in ranks}))
+        per_replica = []
+        for d, part in enumerate(parts):
+            then, made = [], set(node.outputs)
+            for b in chained:  # what the chain makes is stored by the head that runs this part
+                owners = {k: [self.heads[d]] * len(part) if k in made else self.buffer.owners(part, (k,))[k] for k in b.inputs}
+                then.append(RunMFC(b.name, part, owners))
+                made |= set(b.outputs)
+            per_replica.append(RunMFC(node.name, part, self.buffer.owners(part, node.inputs), then=then))
+        futs = self.pool.request_many(self.with_clears({self.names[i]: per_replica[self.mesh.dp_rank(i)] for i in ranks}))
+        return chained, futs
 
     def run_step(self, step: int, metrics: dict, writer: MetricsWriter) -> None:
-        running: dict[str, tuple[MFCNode, list[int], dict[str, Reply], float]] = {}
-        # Each MFC reports once, when all its workers replied (or at the first failure): O(workers)
+        # name of the first MFC -> (the MFCs sent together, ids, replies, start time)
+        running: dict[str, tuple[list[MFCNode], list[int], dict[str, Reply], float]] = {}
+        busy: set[str] = set()  # every MFC in `running`, chained ones included
+        # Each request reports once, when all its workers replied (or at the first failure): O(workers)
         # per MFC, where waking up on every reply and re-scanning every future was O(workers^2).
         events: queue.Queue = queue.Queue()
         while True:
             for node in self.nodes:
-                if node.name in running:
+                if node.name in busy:
                     continue
                 ids = self.buffer.ready(node)
                 if ids is not None:
-                    futs = self.dispatch(node, ids)
-                    running[node.name] = (node, ids, futs, time.perf_counter())
+                    chained, futs = self.dispatch(node, ids, busy)
+                    running[node.name] = ([node, *chained], ids, futs, time.perf_counter())
+                    busy.update(n.name for n in running[node.name][0])
                     _report_when_done(node.name, futs, events)
             if not running:
                 break
-            writer.live(step, "running " + ", ".join(running))
+            writer.live(step, "running " + ", ".join(sorted(busy)))
             try:
                 name, error = events.get(timeout=self.cfg.system.request_timeout_s)
             except queue.Empty:
-                raise TimeoutError(f"MFCs {', '.join(running)}: no reply within {self.cfg.system.request_timeout_s:g} s") from None
+                raise TimeoutError(f"MFCs {', '.join(sorted(busy))}: no reply within {self.cfg.system.request_timeout_s:g} s") from None
             if error is not None:  # a worker failed or was lost: the run cannot go on
                 raise error
-            node, ids, futs, t0 = running.pop(name)
-            replies = {w: r for w, r in wait_all(futs, 0, f"MFC {name}").items()
-                       if self.index_of[w] in self.head_set}  # the rest of a replica echoes its head
-            for wname, r in replies.items():
-                self.buffer.add(self.index_of[wname], r.ids, r.outputs)
-            self.buffer.finish(node, ids)
-            merge_stats(list(replies.values()), metrics)
-            metrics[f"time/{name}_s"] = metrics.get(f"time/{name}_s", 0.0) + time.perf_counter() - t0
-            if node.trains:
-                self.version += 1
+            nodes, ids, futs, t0 = running.pop(name)
+            wall = time.perf_counter() - t0
+            got = {w: r for w, r in wait_all(futs, 0, f"MFC {name}").items()
+                   if self.index_of[w] in self.head_set}  # the rest of a replica echoes its head
+            for w, r in got.items():
+                if len(r.then) != len(nodes) - 1:
+                    raise RemoteError(f"{w}: MFC {name} answered {len(r.then)} chained MFCs of {len(nodes) - 1}")
+            per_node = [list(got.values())] + [[r.then[k] for r in got.values()] for k in range(len(nodes) - 1)]
+            # A chain's wall time is shared out by the slowest worker's own time in each MFC.
+            slowest = [max((r.seconds for r in rs), default=0.0) for rs in per_node]
+            total = sum(slowest)
+            for node, rs, s in zip(nodes, per_node, slowest):
+                for wname, r in zip(got, rs):
+                    self.buffer.add(self.index_of[wname], r.ids, r.outputs)
+                self.buffer.finish(node, ids)
+                merge_stats(rs, metrics)
+                share = wall * s / total if total > 0 else wall / len(nodes)
+                metrics[f"time/{node.name}_s"] = metrics.get(f"time/{node.name}_s", 0.0) + share
+                busy.discard(node.name)
+                if node.trains:
+                    self.version += 1
 
     def log_drops(self, metrics: dict) -> None:
         """Messages dropped since this run (attempt) started, as dropped/<process>/<socket>/<reason>

@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import os
+import time
 import traceback
 from types import SimpleNamespace
 
@@ -184,6 +185,13 @@ class ModelWorker:
         return Evaluated(self.evaluator.run(msg.version, model=self.engines["actor"]))
 
     def run_mfc(self, msg: RunMFC) -> MFCDone:
+        t0 = time.perf_counter()
+        done = self._run_one(msg)
+        done.seconds = time.perf_counter() - t0
+        done.then = [self.run_mfc(m) for m in msg.then]  # chained MFCs read what this one stored
+        return done
+
+    def _run_one(self, msg: RunMFC) -> MFCDone:
         node = self.dfg.nodes[msg.mfc]
         ids = msg.ids
         samples = self._gather(ids, node.inputs, msg.owners)

@@ -196,6 +196,8 @@ class MFCDone:
     outputs: dict[str, list[list[int]]]
     stats: dict[str, int | float]  # an int is a count (summed over workers), a float a mean
     n: int
+    seconds: float = 0.0  # this worker's time in the MFC
+    then: list[MFCDone] = field(default_factory=list)  # the replies of RunMFC.then, in order
 
 
 @message(Cmd.RUN_MFC, MFCDone)
@@ -204,6 +206,8 @@ class RunMFC:
     ids: list[int]
     owners: dict[str, list[int]]
     clear: list[int] = field(default_factory=list)  # released samples to drop first (see Master.release)
+    # MFCs to run right after, on the same ids (Master.chain): one request instead of one each.
+    then: list[RunMFC] = field(default_factory=list)
 
 
 @message(Cmd.CLEAR)
