@@ -21,9 +21,9 @@ Prints a markdown table per N: median wall-clock ms per step, the master process
 dispatch+collect / release / metrics log), Master() + configure() time, the master process's peak
 RSS during that N (VmHWM reset before each N; the baseline includes torch and the registries), its
 RSS after steps 1, 10, 50 and 100 (at 1000 workers it grows until each connection has carried
-~225 messages, ~50 steps at ~4.7 per step, then stays flat: libzmq's per-connection queues
-reaching their working size; a bare pyzmq ROUTER sending to 1000 peers grows by the same ~55 MB
-over its first ~225 messages per peer and not after), how many samples workers still held when the next step's Fetch came
+~225 messages, ~70 steps at ~3.5 per step with pings, then stays flat: libzmq's per-connection
+queues reaching their working size; bench/zmq_queue_rss.py: a bare pyzmq ROUTER sending to 1000
+peers grows by the same ~55 MB over its first ~225 messages per peer and not after), how many samples workers still held when the next step's Fetch came
 (should be 0: the master's release of a step travels with each worker's next request, and the
 simulated workers apply it like model workers do), and what is left in the master's sample buffer
 and pending-request map and on the workers after the last step (should be 0).
