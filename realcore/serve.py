@@ -11,8 +11,12 @@ Flags:
   way, so the same launch line works for both servers.
 - accepted and ignored, with a warning (they tune SGLang's kernels, memory or warm-up; the built-in
   engine has none of these): `--skip-server-warmup`, `--attention-backend`, `--max-total-tokens`,
-  `--mem-fraction-static`, `--disable-cuda-graph`, `--trust-remote-code`, `--dtype` (it serves
-  in float32).
+  `--mem-fraction-static`, `--disable-cuda-graph`, `--trust-remote-code`.
+- `--dtype`: `bfloat16` runs the engine's bf16 mode (bf16 weights, each step's top logits
+  recomputed in float32: docs/generation-engine.md; needs a CPU with bf16 instructions, else a
+  one-line error); `float32`, `float` and
+  `auto` (SGLang's default) serve in float32, the default here as in realcore runs
+  (generation.dtype); `half`/`float16` are refused (no fp16 mode).
 - LoRA (SGLang's): `--enable-lora`, `--max-lora-rank N` and `--lora-target-modules M ...` (bounds
   of the adapters /load_lora_adapter accepts), `--lora-paths NAME=PATH` (loaded at start; at most
   one: the built-in server holds one adapter, merged into its weights), `--max-loras-per-batch`
@@ -48,7 +52,6 @@ IGNORED = {
     "attention-backend": True,
     "max-total-tokens": True,
     "mem-fraction-static": True,
-    "dtype": True,
     "lora-backend": True,  # SGLang's LoRA kernels; the built-in server merges the adapter into its weights
 }
 
@@ -77,6 +80,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-target-modules", nargs="+", default=None, help="the modules an adapter may target")
     p.add_argument("--lora-paths", nargs="+", default=None, help="NAME=PATH (or PATH) of the adapter loaded at start")
     p.add_argument("--max-loras-per-batch", type=int, default=None, help="accepted (the built-in server holds one)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float", "bfloat16", "half", "float16"],
+                   help="bfloat16: the engine's bf16 mode; auto, float, float32: float32")
     for name, takes_value in IGNORED.items():
         if takes_value:
             p.add_argument(f"--{name}", default=None, help="ignored (SGLang only)")
@@ -138,6 +143,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"--max-running-requests must be >= 1, got {args.max_running_requests}")
     if not 0 <= args.port < 65536:
         p.error(f"--port must be in [0, 65535], got {args.port}")
+    if args.dtype in ("half", "float16"):
+        p.error(f"--dtype {args.dtype}: the built-in engine serves float32 or bfloat16 (no float16 mode)")
+    args.dtype = "bfloat16" if args.dtype == "bfloat16" else "float32"
     if args.lora_paths and len(args.lora_paths) > 1:
         p.error(f"--lora-paths: the built-in engine holds one adapter, got {len(args.lora_paths)}")
     return args
@@ -191,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run_server(args.model_path, host=args.host, port=args.port, seed=args.random_seed,
                    max_batch_size=args.max_running_requests, token=key, on_ready=ready, no_token_on_loopback=True,
-                   lora_serving=lora_serving(args))
+                   lora_serving=lora_serving(args), dtype=args.dtype)
     except KeyboardInterrupt:
         return 130
     except (ValueError, OSError) as e:  # a bad model path, a port in use: one line, no traceback

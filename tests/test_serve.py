@@ -17,6 +17,7 @@ import sys
 
 import psutil
 import pytest
+import torch
 
 from realcore.api.config import ModelConfig
 from realcore.backends.gen_client import GenClient
@@ -113,6 +114,7 @@ def test_no_key_is_allowed_on_loopback_only_and_said(tiny, tmp_path):
         try:
             reply = await client.generate([1, 2], {"max_new_tokens": 2}, rid="open")
             assert len(reply.output_ids) == 2
+            assert (await client.server_info())["dtype"] == "float32"  # no --dtype: as realcore runs serve
         finally:
             await client.close()
 
@@ -122,6 +124,40 @@ def test_no_key_is_allowed_on_loopback_only_and_said(tiny, tmp_path):
         assert stop(server) == 0
     assert "no API key: every endpoint (weight loading included) answers any user of this machine" in \
         (tmp_path / "open.log").read_text()
+
+
+def test_dtype_bfloat16_serves_the_bf16_engine(tiny, tmp_path):
+    """--dtype bfloat16 is not an ignored SGLang flag: the engine serves in its bf16 mode (on a CPU
+    without bf16 instructions the server refuses in one line instead)."""
+    from realcore.backends.precision import compute_dtype
+
+    port = free_port()
+    server = serve(["--model-path", tiny, "--port", str(port), "--dtype", "bfloat16"], tmp_path / "bf16.log",
+                   {API_KEY_ENV: ""})
+    try:
+        compute_dtype("bfloat16", torch.device("cpu"))
+    except ValueError as e:  # this CPU has no bf16: the server says so and exits
+        assert server.wait(timeout=90) == 1
+        assert f"realcore.serve: ValueError: {e}" in (tmp_path / "bf16.log").read_text()
+        return
+    url = f"http://127.0.0.1:{port}"
+
+    async def main():
+        await wait_http_ready(url, timeout_s=90, proc=server)
+        client = GenClient(url, token=None, timeout_s=60)
+        try:
+            assert (await client.server_info())["dtype"] == "bfloat16"
+            reply = await client.generate([5, 17, 42], {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True},
+                                          rid="bf16")
+            assert len(reply.output_ids) == 4 and all(lp <= 0.0 for lp in reply.output_logprobs)
+        finally:
+            await client.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        assert stop(server) == 0
+    assert "--dtype is an SGLang flag" not in (tmp_path / "bf16.log").read_text()
 
 
 def test_flags_config_file_and_key_sources(tmp_path, monkeypatch):
@@ -139,7 +175,9 @@ def test_flags_config_file_and_key_sources(tmp_path, monkeypatch):
     monkeypatch.delenv(API_KEY_ENV)
     assert api_key(parse_args(["--model-path", "m"])) is None
     args = parse_args(["--model", "m", "--tensor-parallel-size", "1", "--device", "cpu", "--max-running-requests", "3"])
-    assert (args.model_path, args.tp_size, args.max_running_requests) == ("m", 1, 3)
+    assert (args.model_path, args.tp_size, args.max_running_requests, args.dtype) == ("m", 1, 3, "float32")
+    assert [parse_args(["--model", "m", "--dtype", d]).dtype for d in ("auto", "float", "float32", "bfloat16")] == \
+        ["float32", "float32", "float32", "bfloat16"]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -147,6 +185,7 @@ def test_flags_config_file_and_key_sources(tmp_path, monkeypatch):
     (["--model-path", "m", "--device", "cuda"], "--device cuda: the built-in engine serves on CPU only"),
     (["--model-path", "m", "--speculative-algorithm", "EAGLE"], "unrecognized arguments: --speculative-algorithm EAGLE"),
     (["--model-path", "m", "--max-running-requests", "0"], "--max-running-requests must be >= 1"),
+    (["--model-path", "m", "--dtype", "half"], "--dtype half: the built-in engine serves float32 or bfloat16"),
     (["--port", "1"], "the following arguments are required: --model-path/--model"),
 ])  # fmt: skip
 def test_bad_flags_are_one_line_errors(argv, message, capsys):

@@ -184,6 +184,7 @@ class EngineLoop:
 
     def __init__(self, model, tokenizer, *, seed: int, weight_version: str = "0", dtype: str = "float32"):
         self.engine = GenerationEngine(model, tokenizer, seed=seed, dtype=dtype)  # converts model to `dtype`
+        self.dtype = dtype
         self.model, self.tokenizer = model, tokenizer
         self.inbox: queue.Queue = queue.Queue()
         self.weight_version = weight_version
@@ -402,6 +403,7 @@ class EngineLoop:
     def info(self) -> dict:
         return {
             "weight_version": self.weight_version,
+            "dtype": self.dtype,  # the engine's weights (SGLang's server info names its --dtype too)
             "lora_adapter": self.adapter,
             "paused": self.paused,
             "num_running_reqs": self.engine.n_running(),
