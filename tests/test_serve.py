@@ -60,6 +60,24 @@ def stop(proc: subprocess.Popen) -> int:
     return rc
 
 
+def with_keyless_client(server: subprocess.Popen, port: int, check) -> None:
+    """Once `server` (started without a key) answers, run `await check(client)`; then stop it (exit 0)."""
+    url = f"http://127.0.0.1:{port}"
+
+    async def main():
+        await wait_http_ready(url, timeout_s=90, proc=server)
+        client = GenClient(url, token=None, timeout_s=60)
+        try:
+            await check(client)
+        finally:
+            await client.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        assert stop(server) == 0
+
+
 def test_realcore_launch_line_for_sglang_serves_the_built_in_engine(tiny, tmp_path):
     port = free_port()
     argv, env = server_command("sglang", model_path=tiny, host="127.0.0.1", port=port, tp=1, seed=1, max_batch_size=8,
@@ -106,22 +124,13 @@ def test_no_key_is_allowed_on_loopback_only_and_said(tiny, tmp_path):
 
     port = free_port()
     server = serve(["--model-path", tiny, "--port", str(port)], tmp_path / "open.log", {API_KEY_ENV: ""})
-    url = f"http://127.0.0.1:{port}"
 
-    async def main():
-        await wait_http_ready(url, timeout_s=90, proc=server)
-        client = GenClient(url, token=None, timeout_s=60)
-        try:
-            reply = await client.generate([1, 2], {"max_new_tokens": 2}, rid="open")
-            assert len(reply.output_ids) == 2
-            assert (await client.server_info())["dtype"] == "float32"  # no --dtype: as realcore runs serve
-        finally:
-            await client.close()
+    async def check(client):
+        reply = await client.generate([1, 2], {"max_new_tokens": 2}, rid="open")
+        assert len(reply.output_ids) == 2
+        assert (await client.server_info())["dtype"] == "float32"  # no --dtype: as realcore runs serve
 
-    try:
-        asyncio.run(main())
-    finally:
-        assert stop(server) == 0
+    with_keyless_client(server, port, check)
     assert "no API key: every endpoint (weight loading included) answers any user of this machine" in \
         (tmp_path / "open.log").read_text()
 
@@ -140,23 +149,14 @@ def test_dtype_bfloat16_serves_the_bf16_engine(tiny, tmp_path):
         assert server.wait(timeout=90) == 1
         assert f"realcore.serve: ValueError: {e}" in (tmp_path / "bf16.log").read_text()
         return
-    url = f"http://127.0.0.1:{port}"
 
-    async def main():
-        await wait_http_ready(url, timeout_s=90, proc=server)
-        client = GenClient(url, token=None, timeout_s=60)
-        try:
-            assert (await client.server_info())["dtype"] == "bfloat16"
-            reply = await client.generate([5, 17, 42], {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True},
-                                          rid="bf16")
-            assert len(reply.output_ids) == 4 and all(lp <= 0.0 for lp in reply.output_logprobs)
-        finally:
-            await client.close()
+    async def check(client):
+        assert (await client.server_info())["dtype"] == "bfloat16"
+        reply = await client.generate([5, 17, 42], {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True},
+                                      rid="bf16")
+        assert len(reply.output_ids) == 4 and all(lp <= 0.0 for lp in reply.output_logprobs)
 
-    try:
-        asyncio.run(main())
-    finally:
-        assert stop(server) == 0
+    with_keyless_client(server, port, check)
     assert "--dtype is an SGLang flag" not in (tmp_path / "bf16.log").read_text()
 
 
