@@ -52,6 +52,7 @@ GROUP = 4  # sequences per prompt (generation.n_samples of ppo-math), set from t
 READY_TIMEOUT_S = 180.0  # spawn + torch import of the simulators, on a loaded 2-core machine
 TIMEOUT_S = 120.0  # the master's request/startup deadlines, and the simulators' idle deadline
 LIFETIME_S = 1800.0  # a simulator never outlives this
+NOT_STEP = ("PING", "CONFIGURE", "EXIT", "RELAY")  # not counted as a step's requests to workers
 
 
 # --- simulated model workers ----------------------------------------------------------------
@@ -65,10 +66,10 @@ def _os_threads() -> int:
 
 
 class _SimWorker:
-    __slots__ = ("index", "state", "stored", "exited")
+    __slots__ = ("index", "state", "stored", "exited", "relay")
 
     def __init__(self, index: int):
-        self.index, self.state, self.stored, self.exited = index, "ready", set(), False
+        self.index, self.state, self.stored, self.exited, self.relay = index, "ready", set(), False, None
 
 
 def _plen(sid: int) -> int:
@@ -80,9 +81,10 @@ def _serve(assign: list, secret: bytes, root: str, spec: dict, out_q) -> None:
     import zmq
 
     from realcore.system import wire
+    from realcore.system.control import NodeRelay
     from realcore.system.name_resolve import FileNameResolver
     from realcore.system.protocol import (BadBody, Clear, Configure, Configured, Exit, Fetch, Fetched, MFCDone, Ping,
-                                          RunMFC, Status, parse_request, reply)
+                                          Relay, RunMFC, Status, parse_request, reply)
 
     pid = os.getpid()
     ctx = zmq.Context(io_threads=1)
@@ -90,6 +92,7 @@ def _serve(assign: list, secret: bytes, root: str, spec: dict, out_q) -> None:
     resolver = FileNameResolver(root)
     workers: dict = {}
     endpoints: dict = {}  # socket -> its wire.Endpoint (each simulated worker is a receiver of its own)
+    relays: dict = {}  # a NodeRelay's socket -> the relay (made when a worker gets its first RELAY)
     poller = zmq.Poller()
     try:
         for index, key in assign:
@@ -106,6 +109,7 @@ def _serve(assign: list, secret: bytes, root: str, spec: dict, out_q) -> None:
         keys, group, mfcs = sorted(spec["dataset_keys"]), spec["group"], spec["mfcs"]
         dp, size = spec["dp"], spec["dataset_size"]
         counts: dict[str, int] = {}
+        from_master = 0  # requests that came from the master itself (the rest came through a relay)
         dropped, live = 0, len(workers)
         held_at_fetch = 0  # samples a worker still held when a Fetch came (its release went missing)
         last_msg, end = time.monotonic(), time.monotonic() + LIFETIME_S
@@ -147,6 +151,9 @@ def _serve(assign: list, secret: bytes, root: str, spec: dict, out_q) -> None:
                 continue
             last_msg = now
             for s, _ in events:
+                if s in relays:  # the real relay of realcore.system.control, as a model worker runs it
+                    relays[s].on_readable()
+                    continue
                 w = workers[s]
                 while True:
                     try:
@@ -160,6 +167,17 @@ def _serve(assign: list, secret: bytes, root: str, spec: dict, out_q) -> None:
                         dropped += 1
                         continue
                     counts[msg.CMD.name] = counts.get(msg.CMD.name, 0) + 1
+                    inner = {h.get("cmd") for _, h in msg.requests} if isinstance(msg, Relay) else {int(msg.CMD)}
+                    if peer.sender.startswith("master#") and not inner <= {int(Ping.CMD), int(Configure.CMD), int(Exit.CMD)}:
+                        from_master += 1  # a step's message from the master (a RELAY counts once)
+                    if isinstance(msg, Relay):
+                        if w.relay is None:
+                            w.relay = NodeRelay(ctx, secret, f"model_worker/{w.index}",
+                                                lambda p, h, s=s: wire.send(s, h, endpoint=endpoints[s], to=p))
+                            relays[w.relay.sock] = w.relay
+                            poller.register(w.relay.sock, zmq.POLLIN)
+                        w.relay.forward(peer, rid, msg)
+                        continue
                     if isinstance(msg, Ping):
                         out = reply(rid, Status(w.state, pid, dropped, {"stored": len(w.stored)}))
                     elif isinstance(msg, Exit):
@@ -172,9 +190,17 @@ def _serve(assign: list, secret: bytes, root: str, spec: dict, out_q) -> None:
                         except Exception as e:
                             out = reply(rid, error=f"{msg.CMD.name}: {type(e).__name__}: {e}")
                     wire.send(s, out, endpoint=endpoints[s], to=peer)
+            for r in relays.values():
+                if r.busy():
+                    r.expire(now)
+        for r in relays.values():  # the last EXIT replies of a relay's other workers, as ControlServer.close
+            while r.busy() and time.monotonic() - now < 2 and r.sock.poll(100):
+                r.on_readable()
         out_q.put(("done", pid, len(assign), _os_threads(), counts, dropped, held_at_fetch,
-                   sum(len(w.stored) for w in workers.values())))
+                   sum(len(w.stored) for w in workers.values()), from_master))
     finally:
+        for r in relays.values():
+            r.close()
         for s in workers:
             s.close(linger=1000)  # lets the last EXIT replies out
         ctx.term()
@@ -216,7 +242,7 @@ def _wait_msgs(q, procs, kind: str, n: int, timeout_s: float) -> list:
     return got
 
 
-def run_one(n: int, steps: int, n_procs: int) -> dict:
+def run_one(n: int, steps: int, n_procs: int, relay_group: int) -> dict:
     import multiprocessing as mp
 
     from realcore.dfg.graph import build_graph
@@ -235,6 +261,7 @@ def run_one(n: int, steps: int, n_procs: int) -> dict:
             f"trainer.total_steps={steps}", f"trial_name=scale{n}", f"output_dir={tmp}/out",
             f"system.name_resolve.root={tmp}/name_resolve", f"system.startup_timeout_s={TIMEOUT_S}",
             f"system.request_timeout_s={TIMEOUT_S}", "system.shutdown_timeout_s=20",
+            f"system.relay_group_size={relay_group}",
         ])
         os.makedirs(cfg.output_dir, exist_ok=True)
         secret = wire.write_secret(os.path.join(tmp, "secret"))
@@ -248,7 +275,9 @@ def run_one(n: int, steps: int, n_procs: int) -> dict:
                      for name, node in dfg.nodes.items()},
         }
         n_procs = min(n_procs, n)
-        assign = [[(i, rc_keys.model_worker(cfg, i)) for i in range(p, n, n_procs)] for p in range(n_procs)]
+        # Contiguous blocks: a simulator process plays whole nodes (a relay's workers sit together).
+        bounds = [n * p // n_procs for p in range(n_procs + 1)]
+        assign = [[(i, rc_keys.model_worker(cfg, i)) for i in range(bounds[p], bounds[p + 1])] for p in range(n_procs)]
         mpc = mp.get_context("spawn")
         out_q = mpc.Queue()
         procs = [mpc.Process(target=_serve, args=(a, secret, cfg.system.name_resolve.root, spec, out_q), daemon=True)
@@ -304,11 +333,12 @@ def run_one(n: int, steps: int, n_procs: int) -> dict:
             for c, k in d[4].items():
                 counts[c] = counts.get(c, 0) + k
         return {
-            "n": n, "mfcs": list(dfg.order()), **med, "setup": setup_ms, "peak_mb": peak_kb / 1024, "rss": rss,
+            "n": n, "group": relay_group, "mfcs": list(dfg.order()), **med, "setup": setup_ms, "peak_mb": peak_kb / 1024, "rss": rss,
             "left": left + sum(d[7] for d in done), "held": sum(d[6] for d in done), "procs": n_procs, "sim_threads": [d[3] for d in done],
-            "master_threads": master_threads, "msgs_per_step": sum(v for c, v in counts.items() if c not in ("PING", "CONFIGURE", "EXIT")) / steps,
-            "by_command": {c: v / steps for c, v in sorted(counts.items()) if c not in ("PING", "CONFIGURE", "EXIT")},
+            "master_threads": master_threads, "msgs_per_step": sum(v for c, v in counts.items() if c not in NOT_STEP) / steps,
+            "by_command": {c: v / steps for c, v in sorted(counts.items()) if c not in NOT_STEP},
             "pings": counts.get("PING", 0), "dropped": sum(d[5] for d in done),
+            "from_master": sum(d[8] for d in done) / steps, "relays": len(master.pool.relay_of and set(master.pool.relay_of.values())),
         }
     finally:
         for p in procs:
@@ -327,6 +357,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100, help="steps per N (the first is a warm-up when >= 3)")
     ap.add_argument("--procs", type=int, default=4, help="simulator processes")
     ap.add_argument("--quick", action="store_true", help="N in 4, 16; 2 steps (smoke test)")
+    ap.add_argument("--relay-group", type=int, nargs="+", default=[8],
+                    help="system.relay_group_size values to run each N with (1: the master sends to every worker)")
     args = ap.parse_args()
     if args.quick:
         args.workers, args.steps = [4, 16], 2
@@ -338,23 +370,25 @@ def main() -> None:
     torch.set_num_threads(1)
     load_plugins([])
     t_start = time.perf_counter()
-    rows = [run_one(n, args.steps, args.procs) for n in args.workers]
+    rows = [run_one(n, args.steps, args.procs, g) for n in args.workers for g in args.relay_group]
 
     timed = args.steps - 1 if args.steps >= 3 else args.steps
     print(f"master scale benchmark: ppo-math (MFCs {', '.join(rows[0]['mfcs'])}), d<N>p1t1, batch_size 2N, {args.steps} steps per N "
           f"(median of {timed}), simulated workers answer instantly over tcp://127.0.0.1, pid {os.getpid()}\n")
-    print("| workers | step ms (wall, median) | master CPU ms/step | fetch ms | MFC dispatch+collect ms | release ms "
-          "| log ms | Master()+configure ms | master peak RSS MB | RSS MB at step 1 / 10 / 50 / 100 | held at next fetch | left after release |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| workers | relay group | master messages/step | step ms (wall, median) | master CPU ms/step | fetch ms "
+          "| MFC dispatch+collect ms | release ms | log ms | Master()+configure ms | master peak RSS MB "
+          "| RSS MB at step 1 / 10 / 50 / 100 | held at next fetch | left after release |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         at = " / ".join(f"{r['rss'][i - 1] / 1024:.1f}" if len(r["rss"]) >= i else "-" for i in (1, 10, 50, 100))
-        print(f"| {r['n']} | {r['step']:.1f} | {r['cpu']:.1f} | {r['fetch']:.1f} | {r['mfc']:.1f} | {r['release']:.1f} "
+        print(f"| {r['n']} | {r['group']} | {r['from_master']:.1f} | {r['step']:.1f} | {r['cpu']:.1f} | {r['fetch']:.1f} "
+              f"| {r['mfc']:.1f} | {r['release']:.1f} "
               f"| {r['log']:.1f} | {r['setup']:.1f} | {r['peak_mb']:.1f} | {at} | {r['held']} | {r['left']} |")
     print()
     for r in rows:
-        print(f"N={r['n']}: simulated workers hosted by {r['procs']} processes, 1 Python thread each "
+        print(f"N={r['n']}, relay group {r['group']} ({r['relays']} relays): simulated workers hosted by {r['procs']} processes, 1 Python thread each "
               f"(OS threads per process, incl. ZeroMQ's I/O + reaper and the report queue's feeder: {r['sim_threads']}); "
-              f"master process OS threads {r['master_threads']}; {r['msgs_per_step']:.0f} requests/step "
+              f"master process OS threads {r['master_threads']}; {r['msgs_per_step']:.0f} requests/step to workers "
               f"({', '.join(f'{c} {v:g}' for c, v in r['by_command'].items())}), "
               f"{r['pings']} heartbeats in all; "
               f"{r['dropped']} bad messages")

@@ -1,4 +1,5 @@
-"""Control plane over ZeroMQ: a worker's ControlServer and the master's WorkerPool.
+"""Control plane over ZeroMQ: a worker's ControlServer (and the NodeRelay it may run for its node)
+and the master's WorkerPool.
 
 Socket I/O lives on one thread per side; the main thread talks to it through queues (and a
 futures map on the master side). Pings are answered on the I/O thread, so a worker busy in a long
@@ -18,7 +19,8 @@ from typing import Callable
 import zmq
 
 from realcore.system import drops, wire
-from realcore.system.protocol import BadBody, Ping, RemoteError, Status, WorkerLost, parse, parse_request, reply, request
+from realcore.system.protocol import (BadBody, Ping, Relay, Relayed, RemoteError, Status, WorkerLost, parse, parse_request,
+                                      relay_request, reply, request)
 
 
 class _Waker:
@@ -120,6 +122,115 @@ class Reply:
             fn(self)
 
 
+class _Forwarded:
+    """One RELAY being answered: who asked, and its requests' replies as they come."""
+
+    __slots__ = ("peer", "rid", "replies", "left", "deadline", "keys")
+
+    def __init__(self, peer: wire.Peer, rid: int, n: int, deadline: float):
+        self.peer, self.rid, self.replies, self.left, self.deadline = peer, rid, [None] * n, n, deadline
+        self.keys: list[tuple[bytes, int]] = []
+
+
+class NodeRelay:
+    """Forwards the requests of a RELAY (protocol.Relay), each to its worker over one ROUTER
+    connected to every worker named so far, and answers the master once all of them replied (a
+    worker silent past the RELAY's timeout gets an error reply in its place). The master then sends
+    one message per node, not per worker. Requests are forwarded in the order they arrive, so each
+    worker still sees the master's requests in order. Driven by its owner's I/O loop: poll `sock`,
+    call on_readable() when it is, expire() now and then; answers go out through `answer(peer,
+    reply header)`. Not thread-safe: one thread only."""
+
+    SOCKET = "relay"  # its name in drop counts
+
+    def __init__(self, ctx: zmq.Context, secret: bytes, name: str, answer: Callable[[wire.Peer, dict], None], *,
+                 limits: wire.Limits | None = None):
+        limits = limits or wire.Limits.of()
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        wire.set_max_size(self.sock, limits.max_control_message_bytes)
+        self.endpoint = wire.Endpoint(secret, f"{name}/relay", socket=self.SOCKET, limits=limits)
+        self.answer = answer
+        self._routes: dict[str, bytes] = {}  # worker address -> the routing id of our connection to it
+        self._ids = itertools.count()
+        self._waiting: dict[tuple[bytes, int], tuple[_Forwarded, int]] = {}  # (route, rid) -> (relay, slot)
+        self._open: dict[int, _Forwarded] = {}  # id() -> relays not answered yet
+
+    def busy(self) -> bool:
+        return bool(self._open)
+
+    def _route(self, address: str) -> bytes:
+        route = self._routes.get(address)
+        if route is None:
+            route = self._routes[address] = f"relay-{next(self._ids)}".encode()
+            self.sock.setsockopt(zmq.CONNECT_ROUTING_ID, route)
+            self.sock.connect(address)  # messages queue until the TCP connection is up
+        return route
+
+    def forward(self, peer: wire.Peer, rid: int, msg: Relay) -> None:
+        fwd = _Forwarded(peer, rid, len(msg.requests), time.monotonic() + msg.timeout_s)
+        for i, (address, header) in enumerate(msg.requests):
+            sub = header.get("rid")
+            if type(sub) is not int:
+                self._fill(fwd, i, reply(0, error=f"relay: request {i} has no int rid"))
+                continue
+            try:
+                route = self._route(address)
+                if (route, sub) in self._waiting:
+                    raise ValueError(f"request {sub} to {address} is already waiting for its reply")
+                wire.send_frames(self.sock, [route, *self.endpoint.seal(header, to=address)], noblock=True)
+            except (zmq.ZMQError, ValueError) as e:  # a bad address or header, or a full queue
+                self._fill(fwd, i, reply(sub, error=f"relay: cannot send to {address}: {e}"))
+                continue
+            self._waiting[(route, sub)] = (fwd, i)
+            fwd.keys.append((route, sub))
+        if fwd.left:
+            self._open[id(fwd)] = fwd
+        else:
+            self._done(fwd)
+
+    def _fill(self, fwd: _Forwarded, slot: int, header: dict) -> None:
+        fwd.replies[slot] = header
+        fwd.left -= 1
+
+    def _done(self, fwd: _Forwarded) -> None:
+        self._open.pop(id(fwd), None)
+        self.answer(fwd.peer, {"rid": fwd.rid, "ok": True, "body": {"replies": fwd.replies}, "error": None})
+
+    def on_readable(self) -> None:
+        while True:
+            try:
+                frames = wire.recv_frames(self.sock, noblock=True, copy=True)
+            except zmq.Again:
+                return
+            try:
+                _, header, tensors = self.endpoint.open(frames[1:])  # counts its own drops
+            except wire.BadMessage:
+                continue
+            entry = self._waiting.pop((bytes(frames[0]), header.get("rid")), None)
+            if entry is None or tensors:  # a late reply (after its timeout) or one that should not be
+                drops.count(self.SOCKET, "body", "a reply no relayed request waits for" if entry is None
+                            else f"a reply carrying {len(tensors)} tensors")
+                continue
+            fwd, slot = entry
+            self._fill(fwd, slot, {k: header.get(k) for k in ("rid", "ok", "body", "error")})
+            if not fwd.left:
+                self._done(fwd)
+
+    def expire(self, now: float) -> None:
+        """Answer every relay past its deadline, with an error for each worker that did not reply."""
+        for fwd in [f for f in self._open.values() if now >= f.deadline]:
+            for route, sub in fwd.keys:
+                entry = self._waiting.pop((route, sub), None)
+                if entry is not None:
+                    self._fill(fwd, entry[1], reply(sub, error="relay: no reply within the relay's timeout"))
+            self._done(fwd)
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
 class ControlServer:
     """Worker side: a ROUTER socket; requests go to `self.requests` as (peer, rid, body), the
     body a typed message of realcore.system.protocol; answer with send_reply(peer, rid, ...)."""
@@ -127,7 +238,7 @@ class ControlServer:
     SOCKET = "control"  # its name in drop counts
 
     def __init__(self, host: str, secret: bytes, status: Callable[[], Status], *, name: str = "worker",
-                 limits: wire.Limits | None = None):
+                 limits: wire.Limits | None = None, relay: bool = False):
         self.ctx = zmq.Context.instance()
         self.secret = secret
         self.status = status
@@ -141,6 +252,9 @@ class ControlServer:
         self.requests: queue.Queue = queue.Queue()
         self._out: queue.Queue = queue.Queue()
         self._waker = _Waker(self.ctx)
+        # `relay`: this worker may relay the master's requests for its node (NodeRelay, on the I/O thread)
+        self.relay = NodeRelay(self.ctx, secret, name, self._answer, limits=limits) if relay else None
+        self._close_by = float("inf")  # close(): relays in progress may finish until then
         self.dropped = 0  # unauthenticated or malformed messages
         self.last_seen = time.monotonic()  # last authenticated message from the master
         self._served = False  # a request has been handed out (the startup deadline is over)
@@ -179,7 +293,12 @@ class ControlServer:
             drops.count(self.SOCKET, "body", f"{type(e).__name__}: {e}")
             return
         self.last_seen = time.monotonic()
-        if isinstance(body, Ping):
+        if isinstance(body, Relay):  # forwarded from the I/O thread: never behind this worker's own work
+            if self.relay is not None:
+                self.relay.forward(peer, rid, body)
+            else:
+                self._answer(peer, reply(rid, error="RELAY: this process does not relay"))
+        elif isinstance(body, Ping):
             status = self.status()
             status.drops = drops.snapshot()  # the whole process's, every socket
             status.dropped = sum(status.drops.values())
@@ -187,17 +306,34 @@ class ControlServer:
         else:
             self.requests.put((peer, rid, body))
 
+    def _answer(self, peer: wire.Peer, header: dict) -> None:
+        wire.send(self.sock, header, endpoint=self.endpoint, to=peer)
+
+    def _serving(self) -> bool:
+        if not self._stop.is_set():
+            return True
+        # Closing (this worker's EXIT is answered): a relay still waiting for the other workers'
+        # replies (their EXITs) gets until _close_by to send them on.
+        return self.relay is not None and self.relay.busy() and time.monotonic() < self._close_by
+
     def _loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self._waker.recv_sock, zmq.POLLIN)
-        while not self._stop.is_set():
-            events = dict(poller.poll(200))
+        if self.relay is not None:
+            poller.register(self.relay.sock, zmq.POLLIN)
+        while self._serving():
+            events = dict(poller.poll(200 if not self._stop.is_set() else 20))
             if self._waker.recv_sock in events:
                 self._waker.drain()
             while not self._out.empty():
                 peer, header = self._out.get()
                 wire.send(self.sock, header, endpoint=self.endpoint, to=peer)
+            if self.relay is not None:
+                if self.relay.sock in events:
+                    self.relay.on_readable()
+                if self.relay.busy():
+                    self.relay.expire(time.monotonic())
             if self.sock in events:
                 while True:
                     try:  # control messages are small: copied into bytes, cheaper than zero-copy frames
@@ -209,10 +345,13 @@ class ControlServer:
             peer, header = self._out.get()
             wire.send(self.sock, header, endpoint=self.endpoint, to=peer)
 
-    def close(self) -> None:
+    def close(self, relay_grace_s: float = 2.0) -> None:
+        self._close_by = time.monotonic() + relay_grace_s
         self._stop.set()
-        self._thread.join(timeout=2)
+        self._thread.join(timeout=relay_grace_s + 2)
         self.sock.close()
+        if self.relay is not None:
+            self.relay.close()
         self._waker.close()
 
 
@@ -223,12 +362,17 @@ class WorkerPool:
     Each connection gets its own routing id (ZMQ_CONNECT_ROUTING_ID, set before connect), so a
     reply names its worker in its first frame and one poll covers every worker: with a DEALER per
     worker, each wake-up polled all N sockets (O(N) per reply, ~1.3 ms per worker per step at 1000
-    workers). Workers are unchanged: their ROUTER answers the master's routing id as before."""
+    workers). Workers are unchanged: their ROUTER answers the master's routing id as before.
+
+    `relays` (leader -> its node's workers): requests to those workers go as one RELAY per leader
+    and call (NodeRelay forwards them), each worker's Reply resolved from the leader's answer;
+    heartbeats still go to every worker directly."""
 
     SOCKET = "pool"  # its name in drop counts
 
     def __init__(self, addresses: dict[str, str], secret: bytes, *, heartbeat_interval_s: float, heartbeat_timeout_s: float,
-                 name: str = "master", limits: wire.Limits | None = None):
+                 name: str = "master", limits: wire.Limits | None = None, relays: dict[str, list[str]] | None = None,
+                 relay_timeout_s: float = 1800.0):
         self.ctx = zmq.Context.instance()
         self.secret = secret
         self.limits = limits or wire.Limits.of()
@@ -255,6 +399,11 @@ class WorkerPool:
         self.dropped = 0
         self._rids = itertools.count(1)
         self._pending: dict[int, tuple[str, Reply, type]] = {}
+        # Relays (NodeRelay): leader -> its node's workers (itself included). Every request to one of
+        # them goes through its leader, so each worker still gets the master's requests in order.
+        self.relay_of = {w: leader for leader, members in (relays or {}).items() for w in members}
+        self.relay_timeout_s = relay_timeout_s
+        self._relayed: dict[int, tuple[str, dict[int, str]]] = {}  # a RELAY's rid -> (leader, {request rid: worker})
         self._reconnects: queue.Queue = queue.Queue()
         self._out: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
@@ -286,15 +435,25 @@ class WorkerPool:
         futs: dict[str, Reply] = {}
         out = []
         batch = _Batch()
+        by_leader: dict[str, list[tuple[str, dict]]] = {}  # leader -> [(worker, request header)]
         with self._lock:
             for worker, msg in msgs.items():
                 fut = futs[worker] = Reply(batch)
-                if worker in self.lost:
-                    fut.set_exception(WorkerLost(f"{worker}: {self.lost[worker]}"))
+                lost = self.lost.get(worker) or self.lost.get(self.relay_of.get(worker, worker))
+                if lost:
+                    fut.set_exception(WorkerLost(f"{worker}: {lost}"))
                     continue
                 rid = next(self._rids)
                 self._pending[rid] = (worker, fut, msg.REPLY)
-                out.append((worker, rid, request(msg, rid)))
+                leader = self.relay_of.get(worker)
+                if leader is None:
+                    out.append((worker, rid, request(msg, rid)))
+                else:
+                    by_leader.setdefault(leader, []).append((worker, request(msg, rid)))
+            for leader, reqs in by_leader.items():
+                rid = next(self._rids)
+                self._relayed[rid] = (leader, {h["rid"]: w for w, h in reqs})
+                out.append((leader, rid, relay_request([(self.addresses[w], h) for w, h in reqs], self.relay_timeout_s, rid)))
         if out:
             self._out.put(out)
             self._waker.wake()
@@ -317,9 +476,9 @@ class WorkerPool:
         except zmq.ZMQError as e:  # its queue is full (a worker that reads nothing) or it is gone
             drops.count(self.SOCKET, "send", f"to {worker}: {e}")
             with self._lock:
-                entry = self._pending.pop(rid, None)
-            if entry is not None:
-                entry[1].set_exception(WorkerLost(f"{worker}: cannot send to it ({e})"))
+                entries = [self._pending.pop(r, None) for r in self._relayed.pop(rid, (None, [rid]))[1]]
+            for entry in filter(None, entries):
+                entry[1].set_exception(WorkerLost(f"{entry[0]}: cannot send to {worker} ({e})"))
 
     def _on_reply(self, frames) -> None:
         worker = self._by_route.get(bytes(frames[0])) if frames else None
@@ -344,29 +503,76 @@ class WorkerPool:
             return
         self.last_reply[worker] = time.monotonic()
         with self._lock:
+            relayed = self._relayed.pop(rid, None)
             entry = self._pending.pop(rid, None)
-        try:
-            if rid < 0:  # a heartbeat reply
+        if relayed is not None:
+            self._on_relayed(worker, relayed[1], header)
+        elif rid < 0:  # a heartbeat reply
+            try:
                 self.status[worker] = parse(Status, header.get("body"))
-            elif entry is not None:
-                _, fut, reply_type = entry
-                if header.get("ok"):
-                    fut.set_result(parse(reply_type, header.get("body")))
-                else:
-                    fut.set_exception(RemoteError(f"{worker}: {header.get('error')}"))
+            except BadBody as e:
+                self.dropped += 1
+                drops.count(self.SOCKET, "body", f"a malformed reply from {worker}: {e}")
+        elif entry is not None:
+            self._resolve(entry, header)
+
+    def _resolve(self, entry: tuple[str, Reply, type], header: dict) -> None:
+        worker, fut, reply_type = entry
+        if not header.get("ok"):
+            fut.set_exception(RemoteError(f"{worker}: {header.get('error')}"))
+            return
+        try:
+            fut.set_result(parse(reply_type, header.get("body")))
         except BadBody as e:
             self.dropped += 1
             drops.count(self.SOCKET, "body", f"a malformed reply from {worker}: {e}")
+            fut.set_exception(RemoteError(f"{worker}: malformed reply: {e}"))
+
+    def _on_relayed(self, leader: str, rids: dict[int, str], header: dict) -> None:
+        """A RELAY's reply: each of its requests' replies resolves that request (matched by rid), a
+        heartbeat's (rid < 0) is that worker's; a request the relay did not answer fails."""
+        replies: list = []
+        try:
+            if header.get("ok"):
+                replies = parse(Relayed, header.get("body")).replies
+        except BadBody as e:
+            self.dropped += 1
+            drops.count(self.SOCKET, "body", f"a malformed relay reply from {leader}: {e}")
+        for sub in replies:
+            rid = sub.get("rid")
+            if type(rid) is not int or rid not in rids:
+                self.dropped += 1
+                drops.count(self.SOCKET, "body", f"a relay reply from {leader} answering no request of it ({rid!r:.40})")
+                continue
+            if rid < 0:  # a heartbeat: only a worker that answered it is alive
+                if sub.get("ok"):
+                    try:
+                        self.status[rids[rid]] = parse(Status, sub.get("body"))
+                        self.last_reply[rids[rid]] = time.monotonic()
+                    except BadBody as e:
+                        self.dropped += 1
+                        drops.count(self.SOCKET, "body", f"a malformed heartbeat of {rids[rid]} from {leader}: {e}")
+                continue
+            with self._lock:
+                entry = self._pending.pop(rid, None)
             if entry is not None:
-                entry[1].set_exception(RemoteError(f"{worker}: malformed reply: {e}"))
+                self._resolve(entry, sub)
+        with self._lock:
+            left = [e for e in (self._pending.pop(r, None) for r in rids if r > 0) if e is not None]
+        why = header.get("error") if not header.get("ok") else "no reply in the relay's answer"
+        for worker, fut, _ in left:
+            fut.set_exception(RemoteError(f"{worker}: relayed by {leader}: {why}"))
 
     def _mark_lost(self, worker: str, why: str) -> None:
         with self._lock:
             self.lost[worker] = why
             mine = [rid for rid, (w, _, _) in self._pending.items() if w == worker]
-            futs = [self._pending.pop(rid)[1] for rid in mine]
-        for f in futs:
-            f.set_exception(WorkerLost(f"{worker}: {why}"))
+            # What `worker` relays for others is lost with it.
+            for relay_rid in [r for r, (leader, _) in self._relayed.items() if leader == worker]:
+                mine += [rid for rid in self._relayed.pop(relay_rid)[1] if rid in self._pending]
+            entries = [self._pending.pop(rid) for rid in dict.fromkeys(mine)]
+        for w, f, _ in entries:
+            f.set_exception(WorkerLost(f"{w}: {why}" if w == worker else f"{w}: its relay {worker}: {why}"))
 
     def _loop(self) -> None:
         poller = zmq.Poller()
@@ -398,6 +604,7 @@ class WorkerPool:
             now = time.monotonic()
             if now >= next_ping:
                 next_ping = now + self.interval
+                relayed: dict[str, dict[int, str]] = {}  # leader -> {ping rid: worker}
                 for name in self.names:
                     if name in self.lost:
                         continue
@@ -407,7 +614,19 @@ class WorkerPool:
                     # Every interval, busy or not: the Status carries the worker's drop counts, which
                     # the metrics must show (skipping busy workers lost the last ones of a run).
                     rid = next(ping_ids)
-                    self._send(name, request(Ping(), rid), rid)
+                    leader = self.relay_of.get(name)
+                    if leader is None:
+                        self._send(name, request(Ping(), rid), rid)
+                    else:
+                        relayed.setdefault(leader, {})[rid] = name
+                for leader, rids in relayed.items():  # a node's heartbeats in one RELAY, answered within the interval
+                    if leader in self.lost:
+                        continue
+                    rid = next(ping_ids)
+                    with self._lock:
+                        self._relayed[rid] = (leader, rids)
+                    pings = [(self.addresses[w], request(Ping(), r)) for r, w in rids.items()]
+                    self._send(leader, relay_request(pings, self.interval, rid), rid)
 
     def close(self) -> None:
         self._stop.set()

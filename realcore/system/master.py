@@ -74,6 +74,17 @@ def merge_stats(replies: list, into: dict) -> None:
             into[k] = sum(r.stats.get(k, 0.0) * r.n for r in replies) / total
 
 
+def relay_groups(addresses: dict[str, str], size: int) -> dict[str, list[str]]:
+    """Model workers whose requests go through one relay (control.NodeRelay): those of one host
+    (their control address's), in order, up to `size` a group; the first of each relays for it.
+    A worker alone in its group is sent to directly."""
+    by_host: dict[str, list[str]] = {}
+    for name, address in addresses.items():
+        by_host.setdefault(address.rsplit(":", 1)[0], []).append(name)
+    groups = [names[i:i + size] for names in by_host.values() for i in range(0, len(names), size)]
+    return {g[0]: g for g in groups if len(g) > 1}
+
+
 class Master:
     def __init__(self, cfg: ExperimentConfig, secret: bytes, n_workers: int):
         self.cfg = cfg
@@ -100,6 +111,8 @@ class Master:
             addrs, secret,
             heartbeat_interval_s=cfg.system.heartbeat_interval_s, heartbeat_timeout_s=cfg.system.heartbeat_timeout_s,
             name="master", limits=wire.Limits.of(cfg.system),
+            relays=relay_groups({n: addrs[n] for n in self.names}, cfg.system.relay_group_size),
+            relay_timeout_s=cfg.system.request_timeout_s,
         )
         self.drop_tally = drops.Tally()
         self.drop_totals: collections.Counter[str] = collections.Counter()  # "process/socket/reason" -> drops this attempt
@@ -476,7 +489,7 @@ class Master:
             self.pool.close()
             return
         try:
-            futs = {n: self.pool.request(n, Exit()) for n in self.pool.names if n not in self.pool.lost}
+            futs = self.pool.request_many({n: Exit() for n in self.pool.names if n not in self.pool.lost})
             wait_all(futs, self.cfg.system.shutdown_timeout_s, "exit")
         except Exception as e:  # workers may already be gone; the launcher kills leftovers
             log.warning("shutdown: %s", e)

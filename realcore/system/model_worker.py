@@ -59,7 +59,7 @@ class ModelWorker:
         self.resolver = make_name_resolver(cfg.system.name_resolve)
         host, name, limits = cfg.system.host, f"model_worker/{index}", wire.Limits.of(cfg.system)
         drops.set_log_interval(cfg.system.drop_log_interval_s)
-        self.control = ControlServer(host, secret, self._status, name=name, limits=limits)
+        self.control = ControlServer(host, secret, self._status, name=name, limits=limits, relay=True)
         self.data = DataServer(host, secret, self.storage, name=name, limits=limits)
         self.client = DataClient(secret, cfg.system.request_timeout_s, name=name, limits=limits)
         self.peers: dict[int, str] = {}

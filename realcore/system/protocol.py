@@ -40,6 +40,7 @@ class Cmd(IntEnum):
     EVALUATE = 20  # master -> model worker 0: evaluate the current policy on the held-out prompts
     SERVER_VERSION = 21  # rollout worker -> manager: which weight version does this server hold now?
     BROADCAST_WEIGHTS = 22  # master -> model workers: broadcast the trainable weights to the servers (weight-update group)
+    RELAY = 23  # master -> a model worker that relays for its node: forward these requests, answer with all replies
 
 
 class BadBody(ValueError):
@@ -379,3 +380,27 @@ class AskServerVersion:
     Answered once the manager has finished the update it may be running (one command at a time)."""
 
     server: str
+
+
+@body
+class Relayed:
+    """The replies of a RELAY's requests, in their order: each a reply header as `reply()` makes it
+    ({rid, ok, body, error}); one a relay made itself (ok false) when a worker did not answer in time."""
+
+    replies: list[dict[str, Any]]
+
+
+@message(Cmd.RELAY, Relayed)
+class Relay:
+    """Requests for several workers of one node in one message (control.Relay forwards them, each
+    to its worker in the order given, and answers once all replied): the master's messages per step
+    grow with nodes, not workers. `requests`: [worker's control address, request header]."""
+
+    requests: list[tuple[str, dict[str, Any]]]
+    timeout_s: float  # a worker silent this long gets an error reply in its place
+
+
+def relay_request(requests: list[tuple[str, dict]], timeout_s: float, rid: int) -> dict:
+    """The RELAY request header for already-built request headers (request()): built directly,
+    since its body only nests headers that are msgpack-ready already."""
+    return {"cmd": int(Cmd.RELAY), "rid": rid, "body": {"requests": requests, "timeout_s": timeout_s}}

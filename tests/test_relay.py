@@ -1,0 +1,153 @@
+"""The master's requests for a node's workers travel as one RELAY through the first of them
+(control.NodeRelay): real ControlServers and a WorkerPool over loopback."""
+
+import threading
+import time
+
+import pytest
+
+from realcore.system.control import ControlServer, WorkerPool, wait_all
+from realcore.system.master import relay_groups
+from realcore.system.protocol import Clear, Fetch, Fetched, RemoteError, Status, WorkerLost
+
+SECRET = b"r" * 32
+
+
+def serve(server: ControlServer, stop: threading.Event, handled: list, delay_s: float = 0.0):
+    """A worker loop: FETCH answers its first_id and n, CLEAR fails; every request is logged in order."""
+    while not stop.is_set():
+        try:
+            peer, rid, msg = server.requests.get(timeout=0.05)
+        except Exception:
+            continue
+        handled.append(msg)
+        time.sleep(delay_s)
+        if isinstance(msg, Clear):
+            server.send_reply(peer, rid, error="no such samples")
+        else:
+            server.send_reply(peer, rid, Fetched([msg.first_id], {}, [f"n={msg.n}"]))
+
+
+class Node:
+    """`n` workers on one host: w0 relays (relay=True, as every model worker), the rest serve."""
+
+    def __init__(self, n: int, *, heartbeat_timeout_s: float = 5.0, relay_timeout_s: float = 30.0, delays=None):
+        self.servers = [ControlServer("127.0.0.1", SECRET, lambda: Status("running", 1), name=f"w{i}", relay=True)
+                        for i in range(n)]
+        self.handled: list[list] = [[] for _ in range(n)]
+        self.stops = [threading.Event() for _ in range(n)]
+        self.threads = [threading.Thread(target=serve, args=(s, self.stops[i], self.handled[i], (delays or {}).get(i, 0.0)),
+                                         daemon=True) for i, s in enumerate(self.servers)]
+        for t in self.threads:
+            t.start()
+        addrs = {f"w{i}": s.address for i, s in enumerate(self.servers)}
+        self.pool = WorkerPool(addrs, SECRET, heartbeat_interval_s=0.1, heartbeat_timeout_s=heartbeat_timeout_s,
+                               relays=relay_groups(addrs, 8), relay_timeout_s=relay_timeout_s)
+
+    def close(self):
+        for st in self.stops:
+            st.set()
+        for t in self.threads:  # a delayed worker replies before its server closes
+            t.join(timeout=10)
+        self.pool.close()
+        for s in self.servers:
+            s.close(relay_grace_s=0.2)
+
+
+@pytest.fixture
+def node():
+    made = []
+    yield lambda *a, **k: made.append(Node(*a, **k)) or made[-1]
+    for n in made:
+        n.close()
+
+
+def test_relay_groups_are_per_host_and_bounded():
+    addrs = {f"w{i}": f"tcp://node-{'ab'[i % 2]}:{5000 + i}" for i in range(6)} | {"w6": "tcp://node-c:1"}
+    assert relay_groups(addrs, 2) == {"w0": ["w0", "w2"], "w1": ["w1", "w3"]}  # groups of one go direct
+    assert relay_groups(addrs, 8) == {"w0": ["w0", "w2", "w4"], "w1": ["w1", "w3", "w5"]}
+    assert relay_groups(addrs, 1) == {}
+
+
+def test_requests_go_through_the_relay_in_order_with_typed_replies(node):
+    """Three rounds to four workers: the master sends one RELAY per round (to w0), every worker gets
+    its own requests in the order sent, every reply comes back typed to its own Reply; a remote
+    error stays the worker's."""
+    n = node(4)
+    assert n.pool.relay_of == {f"w{i}": "w0" for i in range(4)}
+    relayed_before = n.servers[0].relay.endpoint.guard._senders.copy()
+    for r in range(3):
+        got = wait_all(n.pool.request_many({f"w{i}": Fetch(100 * r + i, i) for i in range(4)}), 10, "fetch")
+        assert got == {f"w{i}": Fetched([100 * r + i], {}, [f"n={i}"]) for i in range(4)}
+    with pytest.raises(RemoteError, match="w2: no such samples"):
+        n.pool.request("w2", Clear([1])).result(10)
+    for i in range(4):
+        assert [m.first_id for m in n.handled[i] if isinstance(m, Fetch)] == [i, 100 + i, 200 + i]
+    # every worker heard the requests from w0's relay, not from the master
+    assert relayed_before == {} and len(n.servers[0].relay.endpoint.guard._senders) == 4
+    assert not n.pool._pending and not n.pool._relayed
+
+
+def test_a_silent_worker_gets_an_error_reply_from_the_relay(node):
+    """w1 takes longer than the RELAY's timeout: the relay answers anyway, w1's Reply fails naming
+    the relay's timeout and the others' replies arrive."""
+    n = node(3, relay_timeout_s=0.5, delays={1: 2.0})
+    futs = n.pool.request_many({f"w{i}": Fetch(i, 1) for i in range(3)})
+    assert futs["w0"].result(10).ids == [0] and futs["w2"].result(10).ids == [2]
+    with pytest.raises(RemoteError, match="w1: relay: no reply within the relay's timeout"):
+        futs["w1"].result(10)
+
+
+def test_a_lost_relay_fails_what_it_relays(node):
+    """The relaying worker stops answering (its I/O thread stops) while w1 is still busy: every
+    request it relays fails with WorkerLost naming it, and later requests to its node fail at once."""
+    n = node(3, heartbeat_timeout_s=0.5, delays={1: 3.0})
+    futs = n.pool.request_many({f"w{i}": Fetch(i, 1) for i in range(3)})
+    time.sleep(0.3)  # forwarded: w0 and w2 answered their relay, w1 is busy
+    n.servers[0]._close_by = 0  # w0's I/O thread (and with it its relay and heartbeat) stops at once
+    n.servers[0]._stop.set()
+    with pytest.raises(WorkerLost, match="w0: no heartbeat"):
+        futs["w0"].result(10)
+    for w in ("w1", "w2"):
+        with pytest.raises(WorkerLost, match=f"{w}: its relay w0: no heartbeat"):
+            futs[w].result(1)
+    with pytest.raises(WorkerLost, match="w2: no heartbeat"):
+        n.pool.request("w2", Fetch(9, 1)).result(1)
+
+
+def test_a_relay_request_to_a_process_that_does_not_relay_fails():
+    """The manager's control server (relay=False) refuses a RELAY with an error reply."""
+    servers = [ControlServer("127.0.0.1", SECRET, lambda: Status("running", 1), name=f"m{i}") for i in range(2)]
+    stops = [threading.Event(), threading.Event()]
+    for s, st in zip(servers, stops):
+        threading.Thread(target=serve, args=(s, st, []), daemon=True).start()
+    pool = WorkerPool({"m0": servers[0].address, "m1": servers[1].address}, SECRET, heartbeat_interval_s=0.1,
+                      heartbeat_timeout_s=5, relays={"m0": ["m0", "m1"]})
+    try:
+        with pytest.raises(RemoteError, match="m1: relayed by m0: RELAY: this process does not relay"):
+            pool.request("m1", Fetch(1, 1)).result(10)
+    finally:
+        for st in stops:
+            st.set()
+        pool.close()
+        for s in servers:
+            s.close()
+
+
+def test_heartbeats_travel_through_the_relay(node):
+    """The master pings a node's workers with one RELAY per interval: every worker's Status arrives,
+    no worker hears the master directly, and a worker that stops answering (its I/O thread stopped)
+    is lost on its own while its node goes on."""
+    n = node(3, heartbeat_timeout_s=1.0)
+    deadline = time.monotonic() + 10
+    while any(n.pool.status[f"w{i}"] is None for i in range(3)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all((n.pool.status[f"w{i}"].state, n.pool.status[f"w{i}"].pid) == ("running", 1) for i in range(3)), n.pool.status
+    for s in n.servers[1:]:
+        assert s.endpoint.guard._senders and all(k.startswith("w0/relay#") for k in s.endpoint.guard._senders)
+    n.servers[2]._close_by = 0
+    n.servers[2]._stop.set()
+    while "w2" not in n.pool.lost and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert set(n.pool.lost) == {"w2"}, n.pool.lost
+    assert n.pool.request("w1", Fetch(5, 1)).result(10).ids == [5]
