@@ -18,7 +18,6 @@ import logging
 import os
 import queue
 import signal
-import threading
 import time
 
 from realcore.api.alloc import parse_allocation_mode
@@ -28,7 +27,7 @@ from realcore.dfg.graph import DataFlowGraph, MFCNode, build_graph
 from realcore.system import drops, keys, recover, wire
 from realcore.system.batch_source import DatasetSource, Group, StreamSource, source_keys
 from realcore.system.buffer import SampleBuffer, split_balanced
-from realcore.system.control import Reply, WorkerPool, wait_all
+from realcore.system.control import Reply, WorkerPool, wait_all, when_all_done
 from realcore.system.ledger import Ledger
 from realcore.system.metrics import MetricsWriter, wandb_init_kwargs
 from realcore.system.name_resolve import make_name_resolver
@@ -46,20 +45,10 @@ class Preempted(Exception):
 
 def _report_when_done(name: str, futs: dict[str, Reply], events: queue.Queue) -> None:
     """Put (name, None) on `events` when every future is done, or (name, error) at the first failure."""
-    left = [len(futs)]
-    lock = threading.Lock()
-
-    def done(f: Reply) -> None:
-        with lock:
-            left[0] -= 1
-            last = left[0] == 0
-        if f.exception() is not None:
-            events.put((name, f.exception()))
-        elif last:
-            events.put((name, None))
-
-    for f in futs.values():
-        f.add_done_callback(done)
+    if futs:
+        when_all_done(futs, lambda error: events.put((name, error)))
+    else:
+        events.put((name, None))
 
 
 def merge_stats(replies: list, into: dict) -> None:
