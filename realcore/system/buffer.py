@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
 
 from realcore.dfg.graph import MFCNode
 
 
-@dataclass
 class SampleMeta:
-    id: int
-    keys: dict[str, tuple[int, list[int]]] = field(default_factory=dict)  # key -> (owner worker, seqlens)
-    done: set[str] = field(default_factory=set)  # MFC nodes that ran on this sample
-    running: set[str] = field(default_factory=set)
+    """One sample's metadata (a plain class with slots: the master makes one per sample per step)."""
+
+    __slots__ = ("id", "keys", "done", "running")
+
+    def __init__(self, id: int):
+        self.id = id
+        self.keys: dict[str, tuple[int, list[int]]] = {}  # key -> (owner worker, seqlens)
+        self.done: set[str] = set()  # MFC nodes that ran on this sample
+        self.running: set[str] = set()
 
 
 class SampleBuffer:
@@ -59,8 +62,13 @@ class SampleBuffer:
 
     def tokens(self, sid: int, keys: tuple[str, ...]) -> int:
         """Cost estimate of a sample for an MFC: the longest of its inputs, summed over sequences."""
-        meta = self.samples[sid]
-        return max((sum(meta.keys[k][1]) for k in keys if k in meta.keys), default=1)
+        have, best = self.samples[sid].keys, None
+        for k in keys:  # a loop, not max(generator): called per sample and MFC
+            if k in have:
+                n = sum(have[k][1])
+                if best is None or n > best:
+                    best = n
+        return 1 if best is None else best
 
     def completed(self) -> list[int]:
         """Samples every MFC has run on: ready to be released."""
@@ -87,7 +95,7 @@ def split_balanced(ids: list[int], costs: list[int], n_parts: int) -> list[list[
     # A heap of the parts that can take more, least loaded first: O(n log parts), so a 1000-rank
     # mesh does not cost the master seconds per step (bench/master_scale.py).
     heap = [(0, 0, p) for p in range(n_parts)]  # (load, count, part)
-    for i in sorted(range(len(ids)), key=lambda i: -costs[i]):
+    for i in sorted(range(len(ids)), key=costs.__getitem__, reverse=True):  # stable: ties keep their order
         load, count, p = heapq.heappop(heap)
         parts[p].append(ids[i])
         if count + 1 < cap:
