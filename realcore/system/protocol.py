@@ -392,7 +392,7 @@ class Relayed:
 
 @message(Cmd.RELAY, Relayed)
 class Relay:
-    """Requests for several workers of one node in one message (control.Relay forwards them, each
+    """Requests for several workers of one node in one message (control.NodeRelay forwards them, each
     to its worker in the order given, and answers once all replied): the master's messages per step
     grow with nodes, not workers. `requests`: [worker's control address, request header]."""
 
