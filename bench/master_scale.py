@@ -338,7 +338,7 @@ def run_one(n: int, steps: int, n_procs: int, relay_group: int) -> dict:
             "master_threads": master_threads, "msgs_per_step": sum(v for c, v in counts.items() if c not in NOT_STEP) / steps,
             "by_command": {c: v / steps for c, v in sorted(counts.items()) if c not in NOT_STEP},
             "pings": counts.get("PING", 0), "dropped": sum(d[5] for d in done),
-            "from_master": sum(d[8] for d in done) / steps, "relays": len(master.pool.relay_of and set(master.pool.relay_of.values())),
+            "from_master": sum(d[8] for d in done) / steps, "relays": len(set(master.pool.relay_of.values())),
         }
     finally:
         for p in procs:

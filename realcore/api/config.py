@@ -372,8 +372,8 @@ class SystemConfig(_Strict):
     relay_group_size: int = Field(
         8, ge=1, description="the master sends its requests for up to this many model workers of one node (same host "
         "in their addresses) as one message to the first of them, which forwards each and answers with all their "
-        "replies: the master's messages per step grow with nodes, not workers (heartbeats still go to every "
-        "worker); 1: a message to every worker")
+        "replies, heartbeats included: the master's messages per step grow with nodes, not workers; 1: a message "
+        "to every worker")
     request_timeout_s: float = Field(
         1800.0, gt=0, description="deadline for one MFC call, and for every other request between realcore processes "
         "(a batch from the rollout stream, tensor transfers, weight pushes, manager calls, torch.distributed "

@@ -392,7 +392,7 @@ class WorkerPool:
 
     `relays` (leader -> its node's workers): requests to those workers go as one RELAY per leader
     and call (NodeRelay forwards them), each worker's Reply resolved from the leader's answer;
-    heartbeats still go to every worker directly."""
+    heartbeats too: one RELAY of pings per leader and interval, a worker alive only if it answered."""
 
     SOCKET = "pool"  # its name in drop counts
 
