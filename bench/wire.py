@@ -33,8 +33,14 @@ TIMEOUT_S = 30.0
 PEER = "bench-peer"  # the peer's name as a receiver (it connects, so it has no bound address)
 
 
-def _peer(addr: str, secret: bytes) -> None:
+def _pin(cpus) -> None:
+    if cpus is not None:  # before the zmq.Context: its I/O thread inherits the mask
+        os.sched_setaffinity(0, cpus)
+
+
+def _peer(addr: str, secret: bytes, cpus=None) -> None:
     """Echo pings; ack tensors with their size; exit on 'stop'."""
+    _pin(cpus)
     torch.set_num_threads(1)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -55,8 +61,9 @@ def _peer(addr: str, secret: bytes) -> None:
         ctx.term()
 
 
-def _raw_peer(addr: str) -> None:
+def _raw_peer(addr: str, cpus=None) -> None:
     """Echo raw frames (no msgpack, no MAC): the floor that ZeroMQ and two Python processes set."""
+    _pin(cpus)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.connect(addr)
@@ -71,13 +78,13 @@ def _raw_peer(addr: str) -> None:
         ctx.term()
 
 
-def bench_raw_ping(ctx) -> list[float]:
+def bench_raw_ping(ctx, cpus=None) -> list[float]:
     """Round-trip times (s) of two raw frames of a control message's size: the same ZeroMQ calls
     as the wire (wire.send_frames / recv_frames), without msgpack, envelope or MAC."""
     sock = ctx.socket(zmq.DEALER)
     port = sock.bind_to_random_port("tcp://127.0.0.1")
     sock.setsockopt(zmq.RCVTIMEO, int(TIMEOUT_S * 1000))
-    peer = mp.get_context("spawn").Process(target=_raw_peer, args=(f"tcp://127.0.0.1:{port}",), daemon=True)
+    peer = mp.get_context("spawn").Process(target=_raw_peer, args=(f"tcp://127.0.0.1:{port}", cpus), daemon=True)
     peer.start()
     frames, times = [b"h" * 120, b"m" * 32], []  # a ping's header and MAC sizes
     try:
@@ -152,22 +159,20 @@ def bench_local(nbytes: int, reps: int) -> tuple[float, float, float]:
     return tuple(statistics.median(r[1:]) for r in (pre, fresh, mac, sha))
 
 
-def main() -> None:
-    global N_PING, N_PING_WARMUP, SIZES
-    if "--quick" in sys.argv:  # the smoke test's seconds-long version
-        N_PING, N_PING_WARMUP, SIZES = 50, 10, {"1 MB": (1 << 20, 3)}
-    torch.set_num_threads(1)
-    secret = os.urandom(32)
+def run_pair(secret: bytes, cpus=None, transfers: bool = True):
+    """(control round trips, raw round trips, {label: GB/s}) between this process and a peer, both
+    on `cpus` (None: wherever the scheduler puts them)."""
+    before = os.sched_getaffinity(0)
+    _pin(cpus)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     port = sock.bind_to_random_port("tcp://127.0.0.1")
-    peer = mp.get_context("spawn").Process(target=_peer, args=(f"tcp://127.0.0.1:{port}", secret), daemon=True)
+    peer = mp.get_context("spawn").Process(target=_peer, args=(f"tcp://127.0.0.1:{port}", secret, cpus), daemon=True)
     peer.start()
-    t_start = time.perf_counter()
     try:
         ep = wire.Endpoint(secret, "bench", socket="bench")
         rtt = bench_ping(sock, ep)
-        xfer = {label: bench_transfer(sock, ep, n, reps) for label, (n, reps) in SIZES.items()}
+        xfer = {label: bench_transfer(sock, ep, n, reps) for label, (n, reps) in SIZES.items()} if transfers else {}
         wire.send(sock, {"op": "stop"}, endpoint=ep, to=PEER)
         wire.recv(sock, endpoint=ep, timeout_s=TIMEOUT_S, what="peer bye")
     finally:
@@ -176,9 +181,25 @@ def main() -> None:
             peer.kill()
         sock.close(linger=0)
     try:
-        raw = bench_raw_ping(ctx)
+        raw = bench_raw_ping(ctx, cpus)
     finally:
         ctx.term()
+        os.sched_setaffinity(0, before)
+    return rtt, raw, xfer
+
+
+def main() -> None:
+    global N_PING, N_PING_WARMUP, SIZES
+    if "--quick" in sys.argv:  # the smoke test's seconds-long version
+        N_PING, N_PING_WARMUP, SIZES = 50, 10, {"1 MB": (1 << 20, 3)}
+    torch.set_num_threads(1)
+    secret = os.urandom(32)
+    t_start = time.perf_counter()
+    rtt, raw, xfer = run_pair(secret)
+    # Both processes (and their ZeroMQ I/O threads) on one core: no wake-up of an idle core per
+    # message, whose cost on this VM varies from run to run more than the wire's own work.
+    one = {min(os.sched_getaffinity(0))}
+    rtt1, raw1, _ = run_pair(secret, one, transfers=False)
     local = {label: bench_local(n, reps) for label, (n, reps) in SIZES.items()}
 
     us = [t * 1e6 for t in rtt]
@@ -190,6 +211,9 @@ def main() -> None:
     raw_us = [t * 1e6 for t in raw]
     print(f"| raw frames round trip, median (same sizes and ZeroMQ calls, no msgpack, no MAC: the floor) "
           f"| {statistics.median(raw_us):.0f} us |")
+    print(f"| control round trip, median, both processes on one core (cpu {min(one)}) "
+          f"| {statistics.median(rtt1) * 1e6:.0f} us |")
+    print(f"| raw frames round trip, median, both processes on one core | {statistics.median(raw1) * 1e6:.0f} us |")
     for label in SIZES:
         pre, fresh, mac, sha = local[label]
         print(f"| tensor {label} over tcp, sender -> ack (median) | {xfer[label]:.2f} GB/s |")

@@ -104,6 +104,25 @@ def test_a_changed_byte_anywhere_is_rejected():
                 wire.decode(changed, SECRET)
 
 
+@pytest.mark.parametrize("tensors", [[], [torch.arange(3)]], ids=["control", "tensor"])
+def test_a_changed_byte_anywhere_in_a_sealed_message_is_rejected(tensors):
+    """Endpoint.open (whose messages without tensors take a shorter path than decode): every
+    single-byte change of every frame is refused, whether frames come as bytes or as buffers."""
+    a = wire.Endpoint(SECRET, "a", socket="t")
+    frames = [bytes(f) for f in a.seal({"op": "x", "ids": [1, 2]}, tensors, to="B")]
+    assert wire.decode(frames, SECRET)[0]["op"] == "x"  # the short path's frames are the codec's
+    for kind in (bytes, bytearray):
+        b = wire.Endpoint(SECRET, "b", socket="t", address="B")
+        for i, frame in enumerate(frames):
+            for j in range(len(frame)):
+                changed = [kind(f) for f in frames]
+                changed[i] = kind(frame[:j] + bytes([frame[j] ^ 0x40]) + frame[j + 1:])
+                with pytest.raises(wire.BadMessage, match="mac"):
+                    b.open(changed)
+        _, header, got = b.open([kind(f) for f in frames])  # the untouched message passes, once
+        assert header == {"op": "x", "ids": [1, 2]} and [t.tolist() for t in got] == [t.tolist() for t in tensors]
+
+
 def _signed(frames):
     return [*frames, wire.mac(frames, SECRET)]
 

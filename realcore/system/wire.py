@@ -43,6 +43,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import blake3
 import msgpack
@@ -136,9 +137,13 @@ def _encode(header: dict, tensors, secret: bytes) -> list:
 def _check_header(header: dict) -> None:
     if not isinstance(header, dict):
         raise ValueError(f"wire: header must be a dict, got {type(header).__name__}")
-    for key in (_META_KEY, _ENVELOPE_KEY):
-        if key in header:
-            raise ValueError(f"wire: header key {key!r} is reserved")
+    if _META_KEY in header or _ENVELOPE_KEY in header:
+        raise ValueError(f"wire: header key {_META_KEY if _META_KEY in header else _ENVELOPE_KEY!r} is reserved")
+
+
+def _mac1(key: bytes, head: bytes) -> bytes:
+    """mac() of the one frame `head` (a message without tensors) in one BLAKE3 call."""
+    return blake3.blake3(len(head).to_bytes(8, "big") + head, key=key).digest()
 
 
 def encode(header: dict, tensors, secret: bytes) -> list:
@@ -217,9 +222,9 @@ def set_max_size(sock: zmq.Socket, nbytes: int) -> None:
     sock.setsockopt(zmq.MAXMSGSIZE, int(nbytes))
 
 
-@dataclass(frozen=True)
-class Peer:
-    """Where a received message came from; send a reply `to` it."""
+class Peer(NamedTuple):
+    """Where a received message came from; send a reply `to` it. (A NamedTuple: one is made per
+    received message, and a frozen dataclass costs several times as much to construct.)"""
 
     sender: str  # the sender's endpoint id (authenticated)
     routing_id: bytes | None = None  # its ROUTER routing identity; None on a DEALER
@@ -232,6 +237,7 @@ class ReplayGuard:
     def __init__(self, not_before: float, window: int = REPLAY_WINDOW, max_senders: int = MAX_SENDERS):
         self.not_before = not_before  # reject anything stamped earlier (this receiver's start - skew)
         self.window, self.max_senders = window, max_senders
+        self._window_mask = (1 << window) - 1
         self.forgotten_until = float("-inf")  # the last stamp of the senders forgotten so far
         self._senders: collections.OrderedDict[str, list] = collections.OrderedDict()  # id -> [highest, mask, last ts]
         self._lock = threading.Lock()
@@ -254,7 +260,7 @@ class ReplayGuard:
                 return
             highest, mask, _ = state
             if seq > highest:
-                state[0], state[1] = seq, ((mask << (seq - highest)) | 1) & ((1 << self.window) - 1)
+                state[0], state[1] = seq, ((mask << (seq - highest)) | 1) & self._window_mask
             else:
                 back = highest - seq
                 if back >= self.window:
@@ -279,6 +285,7 @@ class Endpoint:
         self.secret, self.socket, self.address = secret, socket, address
         self.limits = limits or Limits.of()
         self.id = f"{name}#{secrets.token_hex(8)}"
+        self._key = _mac_key(secret)
         self._seq = itertools.count(1)  # next() is atomic under the GIL
         self.guard = ReplayGuard(time.time() - self.limits.clock_skew_s)
 
@@ -288,14 +295,20 @@ class Endpoint:
         _check_header(header)
         tensors = list(tensors)
         lim = self.limits
-        for i, t in enumerate(tensors):
-            nbytes = t.numel() * t.element_size()
-            if nbytes > lim.max_message_bytes:
-                raise ValueError(f"wire: tensor {i} ({str(t.dtype).removeprefix('torch.')} {list(t.shape)}) is {nbytes} "
-                                 f"bytes, over system.max_message_bytes = {lim.max_message_bytes}: raise that key")
-        receiver = to.sender if isinstance(to, Peer) else to
-        envelope = [self.id, next(self._seq), receiver, time.time()]
-        frames = _encode({**header, _ENVELOPE_KEY: envelope}, tensors, self.secret)
+        envelope = [self.id, next(self._seq), to.sender if isinstance(to, Peer) else to, time.time()]
+        if tensors:
+            for i, t in enumerate(tensors):
+                nbytes = t.numel() * t.element_size()
+                if nbytes > lim.max_message_bytes:
+                    raise ValueError(f"wire: tensor {i} ({str(t.dtype).removeprefix('torch.')} {list(t.shape)}) is "
+                                     f"{nbytes} bytes, over system.max_message_bytes = {lim.max_message_bytes}: raise that key")
+            frames = _encode({**header, _ENVELOPE_KEY: envelope}, tensors, self.secret)
+        else:  # a control message: the same frames as _encode's, in fewer Python steps (its per-message cost)
+            try:
+                head = msgpack.packb({**header, _ENVELOPE_KEY: envelope, _META_KEY: []}, use_bin_type=True)
+            except (TypeError, ValueError, OverflowError) as e:
+                raise ValueError(f"wire: header is not msgpack-able: {e}") from e
+            frames = [head, _mac1(self._key, head)]
         if len(frames[0]) > lim.max_control_message_bytes:
             raise ValueError(f"wire: a message header of {len(frames[0])} bytes is over "
                              f"system.max_control_message_bytes = {lim.max_control_message_bytes}: raise that key")
@@ -317,7 +330,26 @@ class Endpoint:
             if not frames:
                 raise BadMessage("malformed", "ROUTER message without an identity frame")
             routing_id, frames = bytes(_buffer(frames[0])), frames[1:]
-        header, tensors = decode(frames, self.secret)
+        if len(frames) == 2:  # a message without tensors: decode()'s checks, in fewer Python steps
+            head, tag = frames
+            if type(head) is not bytes:
+                head = bytes(_buffer(head))
+            if type(tag) is not bytes:
+                tag = bytes(_buffer(tag))
+            if not hmac.compare_digest(_mac1(self._key, head), tag):
+                raise BadMessage("mac", "HMAC mismatch (wrong secret, tampered or truncated message)")
+            try:
+                header = msgpack.unpackb(head, raw=False, strict_map_key=False)
+            except Exception as e:
+                raise BadMessage("malformed", f"header is not valid msgpack: {e!r}") from e
+            if not isinstance(header, dict):
+                raise BadMessage("malformed", f"header is a {type(header).__name__}, not a map")
+            meta = header.pop(_META_KEY, None)
+            if meta != []:
+                _parse_meta(meta, 0)  # raises: what it says is wrong
+            tensors = []
+        else:
+            header, tensors = decode(frames, self.secret)
         env = header.pop(_ENVELOPE_KEY, None)
         ok = (isinstance(env, list) and len(env) == 4 and isinstance(env[0], str) and len(env[0]) <= 256
               and type(env[1]) is int and env[1] > 0 and isinstance(env[2], str)
@@ -357,6 +389,29 @@ def recv_frames(sock: zmq.Socket, *, noblock: bool = False, copy: bool = False) 
     return frames
 
 
+def _tensor_count(head: bytes) -> int:
+    """How many tensor frames a header announces (a hint for receiving them zero-copy, read before
+    the MAC is checked; decode() checks it after), or a large number if it does not parse."""
+    try:
+        return len(msgpack.unpackb(head, raw=False, strict_map_key=False)[_META_KEY])
+    except Exception:
+        return 1 << 30
+
+
+def recv_message(sock: zmq.Socket, *, router: bool = False) -> list:
+    """One multipart message (blocking): the routing identity (`router`), header and MAC as bytes,
+    the tensor frames the header announces as zmq.Frames (zero-copy). A zmq.Frame costs far more
+    than a copy of a small frame (bench/wire.py), so only tensors are received as Frames."""
+    frames = [_RECV(sock, 0, True)]
+    if router and _GET(sock, _RCVMORE):
+        frames.append(_RECV(sock, 0, True))
+    n = _tensor_count(frames[-1]) if _GET(sock, _RCVMORE) else 0
+    while _GET(sock, _RCVMORE):
+        frames.append(_RECV(sock, 0, n <= 0))
+        n -= 1
+    return frames
+
+
 def readable(sock: zmq.Socket, timeout_ms: int) -> bool:
     """Whether a message is waiting on `sock` within `timeout_ms` (-1: forever)."""
     return bool(zmq_poll([(sock, _POLLIN)], timeout_ms))
@@ -384,7 +439,7 @@ def recv(
         ms = max(0, math.ceil(timeout_s * 1000))
         if not readable(sock, ms):
             raise TimeoutError(f"wire.recv: no message on {what or 'socket'} within {timeout_s:g} s")
-    return endpoint.open(recv_frames(sock), router=router)
+    return endpoint.open(recv_message(sock, router=router), router=router)
 
 
 def count_dropped(socket: str, reason: str, detail: str = "") -> None:
