@@ -203,18 +203,29 @@ class GServerManager:
         """Disk: pause, load `path`, continue. In memory (`path` None): the trainer has pushed the
         tensors to the paused servers already; continue. A server that fails leaves the routing
         (the monitor catches it up later); the update goes on for the others."""
+        from realcore.backends.gen_client import version_number
+
         t0 = time.perf_counter()
         with self.lock:
             targets = [s for s in self.servers.values() if s.healthy]
-        if msg.path is not None:
-            self._on(targets, lambda c: c.pause("abort"))
-            loaded = self._on(targets, lambda c: c.update_weights_from_disk(msg.path, msg.version))
-            holds = {s.index: msg.version for s, _ in loaded}
-        else:  # pushed by the trainer: a server it could not reach still holds the old version
-            from realcore.backends.gen_client import version_number
 
-            holds = {s.index: version_number(v) for s, v in self._on(targets, lambda c: c.weight_version())}
-        self._on(targets, lambda c: c.resume())
+        # Each server goes through its steps back to back, on its own: its batch is empty only for
+        # its own pause + load + continue, not until the slowest server has loaded.
+        async def from_disk(c):
+            await c.pause("abort")
+            try:
+                await c.update_weights_from_disk(msg.path, msg.version)
+            finally:  # continued even when the load failed (it leaves the routing; the monitor catches it up)
+                await c.resume()
+            return msg.version
+
+        async def pushed(c):  # by the trainer: a server it could not reach still holds the old version
+            try:
+                return version_number(await c.weight_version())
+            finally:
+                await c.resume()
+
+        holds = dict((s.index, v) for s, v in self._on(targets, from_disk if msg.path is not None else pushed))
         with self.lock:
             for s in targets:
                 s.holds = holds.get(s.index, s.holds)
