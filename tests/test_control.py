@@ -268,3 +268,29 @@ def test_buffer_readiness_and_balanced_split():
     parts = split_balanced(list(range(6)), [10, 1, 1, 1, 1, 6], 2)
     assert sorted(len(p) for p in parts) == [3, 3]
     assert sorted(sum([10, 1, 1, 1, 1, 6][i] for i in p) for p in parts) == [8, 12]  # the best split with equal counts
+
+
+def test_one_message_to_several_workers_is_serialized_once(monkeypatch):
+    """A fan-out of one message object (every rank of a replica gets the same RunMFC) builds its
+    body once; each worker still gets it under its own request id."""
+    import realcore.system.control as control
+    from realcore.system import protocol
+
+    servers = [ControlServer("127.0.0.1", SECRET, status=lambda: Status("running", 1), name=f"w{i}") for i in range(3)]
+    stop = threading.Event()
+    for s in servers:
+        threading.Thread(target=serve, args=(s, stop), daemon=True).start()
+    pool = WorkerPool({f"w{i}": s.address for i, s in enumerate(servers)}, SECRET, heartbeat_interval_s=0.1,
+                      heartbeat_timeout_s=5.0)
+    built = []
+    monkeypatch.setattr(control, "to_body", lambda msg: built.append(msg) or protocol.to_body(msg))
+    try:
+        same, other = Fetch(7, 3), Fetch(9, 1)
+        got = wait_all(pool.request_many({"w0": same, "w1": same, "w2": other}), 10, "fetch")
+        assert got == {"w0": Fetched([7], {}, ["n=3"]), "w1": Fetched([7], {}, ["n=3"]), "w2": Fetched([9], {}, ["n=1"])}
+        assert built == [same, other]
+    finally:
+        stop.set()
+        pool.close()
+        for s in servers:
+            s.close()

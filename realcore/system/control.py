@@ -20,7 +20,7 @@ import zmq
 
 from realcore.system import drops, wire
 from realcore.system.protocol import (BadBody, Ping, Relay, Relayed, RemoteError, Status, WorkerLost, parse, parse_request,
-                                      relay_request, reply, request)
+                                      relay_request, reply, request, to_body)
 
 
 class _Waker:
@@ -463,6 +463,9 @@ class WorkerPool:
         out = []
         batch = _Batch()
         by_leader: dict[str, list[tuple[str, dict]]] = {}  # leader -> [(worker, request header)]
+        # One body per distinct message: every rank of a replica gets the same RunMFC object (a
+        # Megatron MFC runs on all of them), and a body is never changed once built.
+        bodies: dict[int, dict] = {}
         with self._lock:
             for worker, msg in msgs.items():
                 fut = futs[worker] = Reply(batch)
@@ -472,11 +475,15 @@ class WorkerPool:
                     continue
                 rid = next(self._rids)
                 self._pending[rid] = (worker, fut, msg.REPLY)
+                body = bodies.get(id(msg))
+                if body is None:
+                    body = bodies[id(msg)] = to_body(msg)
+                header = request(msg, rid, body)
                 leader = self.relay_of.get(worker)
                 if leader is None:
-                    out.append((worker, rid, request(msg, rid)))
+                    out.append((worker, rid, header))
                 else:
-                    by_leader.setdefault(leader, []).append((worker, request(msg, rid)))
+                    by_leader.setdefault(leader, []).append((worker, header))
             for leader, reqs in by_leader.items():
                 rid = next(self._rids)
                 self._relayed[rid] = (leader, {h["rid"]: w for w, h in reqs})

@@ -96,8 +96,9 @@ def to_body(msg) -> dict:
     return _adapter(type(msg)).dump_python(msg)
 
 
-def request(msg, rid: int) -> dict:
-    return {"cmd": int(msg.CMD), "rid": rid, "body": to_body(msg)}
+def request(msg, rid: int, body: dict | None = None) -> dict:
+    """A request header; `body`: to_body(msg) already built (one per distinct message of a fan-out)."""
+    return {"cmd": int(msg.CMD), "rid": rid, "body": to_body(msg) if body is None else body}
 
 
 def parse_request(header: dict):
