@@ -375,3 +375,20 @@ def test_secret_file(tmp_path):
     os.chmod(bad, 0o600)
     with pytest.raises(ValueError, match="hex"):
         wire.load_secret(str(bad))
+
+
+def test_a_large_message_is_maced_on_several_threads_with_the_same_digest():
+    """From MAC_THREADS_FROM bytes the MAC runs on all cores; the digest is BLAKE3's, the same as
+    one thread's (a receiver of either kind accepts it)."""
+    import blake3
+
+    big = torch.arange(wire.MAC_THREADS_FROM // 8 + 1, dtype=torch.int64)
+    frames = wire.encode({"op": "x"}, [big], SECRET)
+    one = blake3.blake3(key=wire._mac_key(SECRET), max_threads=1)
+    for f in frames[:-1]:
+        buf = memoryview(f)
+        one.update(buf.nbytes.to_bytes(8, "big"))
+        one.update(buf)
+    assert bytes(frames[-1]) == one.digest()
+    _, (t,) = wire.decode(frames, SECRET)
+    assert torch.equal(t, big)
