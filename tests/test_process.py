@@ -37,3 +37,36 @@ def test_a_forked_helper_dies_with_its_killed_worker():
             os.kill(child, signal.SIGKILL)
             raise AssertionError("the forked child outlived its SIGKILLed worker")
         time.sleep(0.1)
+
+
+EXITING = """
+import atexit, sys, threading, time
+from realcore.system.process import run_and_exit
+
+class Leak:  # unreachable at exit (a cycle): its finalizer must still run, as it would in a teardown
+    def __del__(self):
+        print("finalized", flush=True)
+
+def main():
+    leak = Leak()
+    leak.me = leak
+    atexit.register(lambda: print("atexit", flush=True))
+    threading.Thread(target=lambda: (time.sleep(0.3), print("thread done", flush=True))).start()
+    sys.stdout.write("buffered")  # no newline, no flush: the exit flushes it
+    if sys.argv[1] == "message":
+        sys.exit("a message")
+    return int(sys.argv[1])
+
+run_and_exit(main)
+"""
+
+
+def test_run_and_exit_keeps_what_a_normal_exit_does():
+    """Workers and the launcher exit through run_and_exit (no module teardown): the exit code,
+    a non-daemon thread's end, atexit handlers, finalizers of unreachable objects and buffered
+    output all still happen, in Python's order."""
+    for arg, code in (("0", 0), ("3", 3), ("message", 1)):
+        r = subprocess.run([sys.executable, "-c", EXITING, arg], capture_output=True, text=True, timeout=60)
+        assert r.returncode == code, r
+        assert r.stdout.splitlines() == ["bufferedthread done", "atexit", "finalized"], r.stdout
+        assert r.stderr == ("a message\n" if arg == "message" else ""), r.stderr

@@ -3,6 +3,7 @@
 import sys
 
 from realcore.launch.launcher import main
+from realcore.system.process import run_and_exit
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    run_and_exit(lambda: main(sys.argv[1:]))

@@ -45,7 +45,7 @@ from realcore.api.config import ExperimentConfig
 from realcore.launch.local import Proc, describe_exit, dump_stacks_and_kill, spawn_command
 from realcore.launch.supervise import (ROLLOUT_SIDE, STABLE_S, begin_attempt, count_quick_death, heartbeat_path, hung,
                                        record)
-from realcore.system.process import PREEMPTED_EXIT
+from realcore.system.process import PREEMPTED_EXIT, run_and_exit
 
 POLL_S = 0.5
 
@@ -228,4 +228,4 @@ class Follow:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_and_exit(main)

@@ -409,12 +409,6 @@ class Master:
             writer.close()
             ledger.close()
         print_reward_summary(writer.path)
-        try:  # a picture of the run (realcore.plot); never worth failing a finished run over
-            from realcore.plot import plot_run
-
-            plot_run(cfg.output_dir)
-        except Exception as e:
-            log.warning("curves.png not written: %s: %s", type(e).__name__, e)
 
     def start_generation(self, path: str | None) -> None:
         """Servers start with the initial weights: give them the current version, then (async) let
@@ -483,6 +477,17 @@ class Master:
         except Exception as e:  # workers may already be gone; the launcher kills leftovers
             log.warning("shutdown: %s", e)
         self.pool.close()
+
+
+def write_curves(output_dir: str) -> None:
+    """A picture of the finished run (realcore.plot); never worth failing a finished run over.
+    run_worker draws it after shutdown(): the workers end while it draws (~1 s)."""
+    try:
+        from realcore.plot import plot_run
+
+        plot_run(output_dir)
+    except Exception as e:
+        log.warning("curves.png not written: %s: %s", type(e).__name__, e)
 
 
 def print_reward_summary(metrics_path: str) -> None:

@@ -50,13 +50,48 @@ def forks_die_with_parent() -> None:
     os.register_at_fork(before=_note_forking_pid, after_in_child=_die_with_forking_parent)
 
 
+def run_and_exit(main) -> None:
+    """`sys.exit(main())` without the interpreter's teardown of every module: with torch and
+    transformers loaded, that teardown took 1-3 s per process on two busy cores, at the end of
+    every run (and of every test that runs one). What of the teardown matters still happens, in
+    Python's order: non-daemon threads are joined, atexit handlers run (logging flushes its
+    handlers), then one garbage collection runs the finalizers of what is unreachable, so an HTTP
+    session or task left open still warns in the log. An exception other than SystemExit takes the
+    usual way out (its traceback)."""
+    try:
+        code = main()
+    except SystemExit as e:
+        code = e.code
+    for t in threading.enumerate():
+        if t is not threading.current_thread() and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()  # first, as Python does: exit_on_sigterm's handler then ignores a late SIGTERM
+    import gc
+
+    gc.collect()
+    if code is not None and not isinstance(code, int):  # as sys.exit("message") does
+        print(code, file=sys.stderr)
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed, or its reader is gone
+            pass
+    os._exit(code or 0)
+
+
 def set_title(name: str) -> None:
     _prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]))
 
 
-def set_threads(n: int) -> None:
-    """Pin torch/OpenMP threads: two threads per process are pathologically slow on these CPUs."""
+def set_threads(n: int, *, torch_too: bool = True) -> None:
+    """Pin torch/OpenMP threads: two threads per process are pathologically slow on these CPUs.
+    `torch_too=False` (a process that computes nothing with torch: the master, the manager) sets
+    only the variables, which torch reads if something imports it later, and saves importing it."""
     os.environ["OMP_NUM_THREADS"] = str(n)
+    os.environ["MKL_NUM_THREADS"] = str(n)
+    if not torch_too:
+        return
     import torch
 
     torch.set_num_threads(n)
@@ -80,9 +115,10 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def setup_worker_process(name: str, threads: int, *, ignore_sigterm: bool = False) -> None:
+def setup_worker_process(name: str, threads: int, *, ignore_sigterm: bool = False, torch_threads: bool = True) -> None:
     """`ignore_sigterm`: a task runner stops this process, not SIGTERM (Slurm sends SIGTERM to
-    every process of a step, also on preemption, when the master must first write its checkpoint)."""
+    every process of a step, also on preemption, when the master must first write its checkpoint).
+    `torch_threads`: see set_threads' `torch_too`."""
     die_with_parent()
     if os.getppid() == 1:  # the parent died before we asked to be told
         sys.exit(1)
@@ -91,7 +127,7 @@ def setup_worker_process(name: str, threads: int, *, ignore_sigterm: bool = Fals
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     set_title(name)
-    set_threads(threads)
+    set_threads(threads, torch_too=torch_threads)
     if ignore_sigterm:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     else:

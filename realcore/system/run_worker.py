@@ -12,7 +12,7 @@ import sys
 
 from realcore.api.alloc import parse_allocation_mode
 from realcore.api.config import ExperimentConfig
-from realcore.system.process import PREEMPTED_EXIT, setup_worker_process, start_heartbeat
+from realcore.system.process import PREEMPTED_EXIT, run_and_exit, setup_worker_process, start_heartbeat
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     # Bind and publish this node's address (several nodes under Slurm; loopback by default).
     cfg.system.host = node_address(cfg.system.host, cfg.system.interface)
     name = args.type if args.type in ("master", "gserver_manager") else f"{args.type}/{args.index}"
-    setup_worker_process(f"rc-{name}", cfg.system.threads_per_process, ignore_sigterm=args.ignore_sigterm)
+    setup_worker_process(f"rc-{name}", cfg.system.threads_per_process, ignore_sigterm=args.ignore_sigterm,
+                         torch_threads=args.type not in ("master", "gserver_manager"))
     start_heartbeat(os.path.join(cfg.output_dir, ".heartbeat", name.replace("/", "-")), cfg.system.heartbeat_interval_s)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s", stream=sys.stderr)
     if args.type == "master":  # the master's output goes to the console; keep a copy with the logs
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg.rollout.server_token = server_token(secret, cfg.rollout.server_token)
     if args.type == "master":
-        from realcore.system.master import Master, Preempted
+        from realcore.system.master import Master, Preempted, write_curves
 
         master = Master(cfg, secret, args.world)
         try:
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             return PREEMPTED_EXIT
         finally:
             master.shutdown()
+        write_curves(cfg.output_dir)
         return 0
 
     return run(args, cfg, secret)
@@ -118,4 +120,4 @@ def run(args, cfg: ExperimentConfig, secret: bytes) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_and_exit(main)
