@@ -14,10 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a tensor is made: a process that only routes samples starts without it
+    import torch
 
-Sample = dict[str, list[torch.Tensor]]
+Sample = dict[str, list["torch.Tensor"]]
 
 
 @dataclass
@@ -60,10 +62,14 @@ class SequenceSample:
 
 
 def text_to_tensor(text: str) -> torch.Tensor:
+    import torch
+
     return torch.tensor(list(text.encode("utf-8")), dtype=torch.uint8)
 
 
 def tensor_to_text(t: torch.Tensor) -> str:
+    import torch
+
     return bytes(t.to(torch.uint8).tolist()).decode("utf-8", errors="replace")
 
 

@@ -30,9 +30,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # imported where a tensor is made (see realcore.api.data)
+    import torch
+
 
 # What every trajectory carries. Per token: input_ids, loss_mask, behav_logprobs; per sequence
 # (1 element): rewards, version_start, version_end (the policy versions of its first and last
@@ -101,6 +103,8 @@ class TrajectoryBuilder:
         return len(self.ids)
 
     def to_tensors(self, reward: float, **extra: torch.Tensor) -> dict[str, torch.Tensor]:
+        import torch
+
         if not self.versions:
             raise ValueError("a trajectory needs at least one generated token")
         return {
@@ -117,6 +121,8 @@ class TrajectoryBuilder:
 def check_trajectories(result: Any, keys: tuple[str, ...]) -> dict[str, list[torch.Tensor]]:
     """A workflow's return value (one trajectory or a group) -> {key: one tensor per sequence};
     ValueError naming what is wrong (a missing or undeclared key, a bad shape or length)."""
+    import torch
+
     group = [result] if isinstance(result, dict) else result
     if not isinstance(group, list) or not group or not all(isinstance(t, dict) for t in group):
         raise ValueError(f"a workflow returns a dict of tensors, a non-empty list of them, or None; got {type(result).__name__}")
@@ -148,6 +154,8 @@ def check_trajectories(result: Any, keys: tuple[str, ...]) -> dict[str, list[tor
 
 def workflow_data(sample: dict[str, list[torch.Tensor]]) -> dict[str, Any]:
     """A dataset sample (one sequence per key) -> the `data` a workflow receives."""
+    import torch
+
     out: dict[str, Any] = {}
     for k, v in sample.items():
         t = v[0]

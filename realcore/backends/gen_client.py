@@ -19,14 +19,16 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
-import torch
 import zmq
 
 from realcore.backends.server_launch import wait_http_ready
 from realcore.system import wire  # the one realcore.system module backends may use
+
+if TYPE_CHECKING:  # the manager uses this module and never makes a tensor
+    import torch
 
 CONTROL_TIMEOUT_S = 30.0
 FINISH_REASONS = ("stop", "length", "abort")

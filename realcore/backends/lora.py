@@ -13,11 +13,12 @@ from __future__ import annotations
 import json
 import math
 import os
-
-import safetensors.torch
-import torch
+from typing import TYPE_CHECKING
 
 from realcore.api.config import LoraConfig
+
+if TYPE_CHECKING:  # imported on use: the manager reads adapter folders' names only
+    import torch
 
 LORA_NAME = "actor"  # the adapter's name on the generation servers of a LoRA run
 ADAPTER_NAME = "default"  # PEFT's name of the one adapter a model carries
@@ -30,6 +31,8 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, *, seed: int) -> torch.n
     """`model` wrapped by PEFT with one LoRA adapter; every base weight frozen (requires_grad False).
     PEFT draws A at random: from `seed`, so that every data-parallel rank (and a run started again)
     starts from the same adapter; the caller's random state is left as it was."""
+    import torch
+
     from peft import LoraConfig as PeftLoraConfig, get_peft_model
 
     peft_cfg = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, target_modules=list(cfg.target_modules),
@@ -66,6 +69,8 @@ def merged_state(model) -> dict[str, torch.Tensor]:
     """The base model's state dict (HF names, tied weights under both names, like
     `model.state_dict()` of the unwrapped model) with each adapted weight replaced by W + delta.
     The live model is not changed (merging in place and back would not restore W bit for bit)."""
+    import torch
+
     from peft.tuners.lora import LoraLayer
 
     out: dict[str, torch.Tensor] = {}
@@ -110,13 +115,16 @@ def save_adapter(model, path: str, tensors: dict[str, torch.Tensor] | None = Non
         model.save_pretrained(path)
         return
     model.save_pretrained(path, state_dict={})  # the config and model card, as PEFT writes them
-    safetensors.torch.save_file({n: t.contiguous() for n, t in tensors.items()}, os.path.join(path, ADAPTER_WEIGHTS),
-                                metadata={"format": "pt"})
+    from safetensors.torch import save_file
+
+    save_file({n: t.contiguous() for n, t in tensors.items()}, os.path.join(path, ADAPTER_WEIGHTS), metadata={"format": "pt"})
 
 
 def save_merged(model, path: str, state: dict[str, torch.Tensor] | None = None) -> None:
     """A plain HF checkpoint of base + adapter in `path`, loadable by transformers without PEFT;
     `state`: the merged weights when the caller has them (FSDP gathers them), else merged_state."""
+    import torch
+
     from transformers import AutoModelForCausalLM
 
     base = model.get_base_model()
@@ -168,13 +176,17 @@ def read_adapter(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
         check_config(cfg)
     except ValueError as e:
         raise ValueError(f"{e} ({path!r})") from None
-    return cfg, safetensors.torch.load_file(weights)
+    from safetensors.torch import load_file
+
+    return cfg, load_file(weights)
 
 
 def merge_adapter(base: dict[str, torch.Tensor], cfg: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """{HF weight name: base + scale * B @ A} for every module the adapter changes (PEFT's
     get_delta_weight: scale = alpha / r, or alpha / sqrt(r) with rsLoRA; transposed when
     fan_in_fan_out). `base` holds at least those weights, under HF names."""
+    import torch
+
     r = int(cfg["r"])
     scale = cfg["lora_alpha"] / (math.sqrt(r) if cfg.get("use_rslora") else r)
     out: dict[str, torch.Tensor] = {}
@@ -203,6 +215,8 @@ def write_zero_adapter(model_path: str, cfg: LoraConfig, path: str) -> str:
     the trainer's initial adapter (PEFT starts B at zero). SGLang servers start with it loaded
     (--lora-paths), so requests can name the adapter before the first update. Shapes come from the
     model's config alone (a meta-device model), so no weights are read. Returns `path`."""
+    import torch
+
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -218,7 +232,9 @@ def write_zero_adapter(model_path: str, cfg: LoraConfig, path: str) -> str:
     # Each file by rename: servers started one after another may read it while the next writes it.
     os.makedirs(path, exist_ok=True)
     tmp = f".tmp-{os.getpid()}"
-    safetensors.torch.save_file(tensors, os.path.join(path, ADAPTER_WEIGHTS + tmp))
+    from safetensors.torch import save_file
+
+    save_file(tensors, os.path.join(path, ADAPTER_WEIGHTS + tmp))
     with open(os.path.join(path, ADAPTER_CONFIG + tmp), "w") as f:
         json.dump(config, f, indent=2)
     os.replace(os.path.join(path, ADAPTER_WEIGHTS + tmp), os.path.join(path, ADAPTER_WEIGHTS))

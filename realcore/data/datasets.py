@@ -20,8 +20,6 @@ from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
-import torch
-
 from realcore.api.config import DatasetConfig
 from realcore.api.data import Sample, chat_template_ids, text_to_tensor
 from realcore.api.registry import register_dataset
@@ -82,6 +80,8 @@ def _field(row: Mapping, key: str) -> str | None:
 
 def _row_to_sample(row: Mapping, cfg: DatasetConfig, tokenizer, use_chat_template: bool) -> Sample | str:
     """The sample of one row, or the reason it is skipped."""
+    import torch
+
     question, answer = _field(row, "question"), _field(row, "answer")
     if question is None or answer is None:
         return SKIP_MISSING

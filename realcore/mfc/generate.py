@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import asyncio
 
-import torch
-
 from realcore.api.data import SequenceSample
 from realcore.api.registry import make_workflow, register_mfc, workflow_keys
 from realcore.api.workflow import check_trajectories, workflow_data
@@ -47,6 +45,8 @@ class Generate:
             raise ValueError(f"outputs {extra} are not produced by workflow {cfg.rollout.workflow!r} (it declares {list(keys)})")
 
     def run(self, model, batch: SequenceSample):
+        import torch
+
         from realcore.workflows.engines import BatchingEngine, run_batched
 
         if self.runner is None:

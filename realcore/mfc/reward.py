@@ -7,8 +7,6 @@ counted in `reward/timeouts`, and is killed.
 
 from __future__ import annotations
 
-import torch
-
 from realcore.api.data import SequenceSample, tensor_to_text
 from realcore.api.registry import register_mfc
 from realcore.mfc.reward_runner import RewardCall, RewardRunner
@@ -33,6 +31,8 @@ class Reward:
         self.runner: RewardRunner | None = None  # started on first use: only replica heads score
 
     def run(self, model, batch: SequenceSample):
+        import torch
+
         if self.runner is None:
             r = self.cfg.reward
             self.runner = RewardRunner(r.type, reward_modules(self.cfg), timeout_s=r.timeout_s, n_procs=r.n_procs)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from realcore.api.data import SequenceSample
 from realcore.api.registry import register_mfc
-from realcore.mfc.ppo_functional import group_advantages, kl_loss, ppo_actor_loss, sft_loss
+
+if TYPE_CHECKING:  # torch and the losses are imported on first use (see realcore.api.data)
+    import torch
 
 
 def _n_tokens(data: dict[str, torch.Tensor]) -> float:
@@ -40,6 +42,8 @@ class PPOUpdate:
         self.max_tokens_per_mb = mfc.max_tokens_per_mb  # None: the role's budget
 
     def loss_fn(self, logprobs, entropy, data):
+        from realcore.mfc.ppo_functional import kl_loss, ppo_actor_loss
+
         mask = data["loss_mask"].float()
         decoupled = self.ppo.use_decoupled_loss
         loss, stats = ppo_actor_loss(
@@ -61,6 +65,10 @@ class PPOUpdate:
         return loss, stats
 
     def run(self, model, batch: SequenceSample):
+        import torch
+
+        from realcore.mfc.ppo_functional import group_advantages
+
         group_sizes = batch.group_sizes("input_ids")
         rewards = torch.cat(batch.flat("rewards")).float() if len(batch) else torch.zeros(0)
         adv = group_advantages(rewards, group_sizes, norm=self.ppo.adv_norm, eps=self.ppo.adv_eps)
@@ -94,6 +102,8 @@ class SFTUpdate:
 
     @staticmethod
     def loss_fn(logprobs, entropy, data):
+        from realcore.mfc.ppo_functional import sft_loss
+
         loss, stats = sft_loss(logprobs, data["loss_mask"].float())
         stats = {f"sft/{k}": v for k, v in stats.items()}
         stats["loss"] = loss.detach()

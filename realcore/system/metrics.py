@@ -63,6 +63,34 @@ def start_wandb(output_dir: str, resume_step: int, init: dict):
         return None
 
 
+class TensorBoardScalars:
+    """Scalars in TensorBoard's event files, through tensorboard's own writer: torch's SummaryWriter
+    writes the same events around it, but importing it costs a process that needs no torch (the
+    master) ~2 s of CPU. `purge_step` as SummaryWriter's: TensorBoard hides the events of that step
+    and later ones written before (by an attempt that failed)."""
+
+    def __init__(self, log_dir: str, purge_step: int | None = None):
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self._event, self._summary = Event, Summary
+        self._writer = EventFileWriter(log_dir)
+        if purge_step is not None:
+            self._writer.add_event(Event(step=purge_step, file_version="brain.Event:2"))
+            self._writer.add_event(Event(step=purge_step, session_log=SessionLog(status=SessionLog.START)))
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        summary = self._summary(value=[self._summary.Value(tag=tag, simple_value=float(value))])
+        self._writer.add_event(self._event(wall_time=time.time(), step=step, summary=summary))
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
 class MetricsWriter:
     def __init__(self, output_dir: str, total_steps: int, *, resume_step: int = 0, wandb_init: dict | None = None):
         """A new run starts a new record; a resumed one continues after `resume_step`: rows of
@@ -77,9 +105,7 @@ class MetricsWriter:
             os.remove(self.path)
         truncate_jsonl(self.path, resume_step)
         self._file = open(self.path, "a", buffering=1)
-        from torch.utils.tensorboard import SummaryWriter
-
-        self._tb = SummaryWriter(os.path.join(output_dir, "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
+        self._tb = TensorBoardScalars(os.path.join(output_dir, "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
         self._live = sys.stdout.isatty()
         self._wandb = start_wandb(output_dir, resume_step, wandb_init) if wandb_init is not None else None
 

@@ -43,17 +43,19 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import blake3
 import msgpack
-import torch
 import zmq
 from zmq.backend import Socket as _RawSocket
 from zmq.backend import zmq_poll
 
 from realcore.api.config import SystemConfig
 from realcore.system import drops
+
+if TYPE_CHECKING:
+    import torch
 
 MAC_SIZE = 32  # bytes of a BLAKE3 digest
 _MAC_CONTEXT = "realcore 2026-11 wire frames MAC"  # BLAKE3 key derivation: a key for this use only
@@ -66,15 +68,10 @@ REPLAY_WINDOW = 1024
 # Senders remembered per receiver; the least recently heard one is forgotten first, and anything
 # it (or any sender not heard of) stamped before its last message is then refused as stale.
 MAX_SENDERS = 4096
-# Dtypes allowed on the wire, by name. A name is data, so decode() looks it up here rather than
-# calling getattr(torch, name) on whatever a peer sent.
-_DTYPES = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-        torch.float16, torch.bfloat16, torch.float32, torch.float64,
-    )
-}
+# Dtypes allowed on the wire, by name. A name is data, so decode() checks it against this list
+# before it looks it up in torch. torch itself is imported on the first tensor: the processes that
+# only pass control messages (launcher, master, manager) start ~2 s of CPU sooner without it.
+_DTYPES = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64")
 
 
 class BadMessage(ValueError):
@@ -115,6 +112,8 @@ def mac(frames, secret: bytes) -> bytes:
 
 def _tensor_buffer(t: torch.Tensor) -> memoryview:
     """A flat byte view of a CPU tensor's memory (copies only if it is non-contiguous)."""
+    import torch
+
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"wire: tensors must be torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
@@ -128,15 +127,21 @@ def _tensor_buffer(t: torch.Tensor) -> memoryview:
     return memoryview(flat.numpy())  # the numpy array keeps the tensor alive while zmq sends
 
 
-def _encode(header: dict, tensors, secret: bytes) -> list:
-    tensors = list(tensors)
-    meta = [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in tensors]
-    bufs = [_tensor_buffer(t) for t in tensors]
+def _pack(header: dict) -> bytes:
     try:
-        head = msgpack.packb({**header, _META_KEY: meta}, use_bin_type=True)
+        return msgpack.packb(header, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as e:
         raise ValueError(f"wire: header is not msgpack-able: {e}") from e
-    frames = [head, *bufs]
+
+
+def _encode(header: dict, tensors, secret: bytes) -> list:
+    tensors = list(tensors)
+    if not tensors:  # a control message: one msgpack and one BLAKE3 call (its per-message cost)
+        head = _pack({**header, _META_KEY: []})
+        return [head, _mac1(_mac_key(secret), head)]
+    meta = [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in tensors]
+    bufs = [_tensor_buffer(t) for t in tensors]
+    frames = [_pack({**header, _META_KEY: meta}), *bufs]
     frames.append(mac(frames, secret))
     return frames
 
@@ -170,29 +175,45 @@ def _parse_meta(meta, n_frames: int) -> list[tuple[torch.dtype, list[int]]]:
         ok = isinstance(m, list) and len(m) == 2 and isinstance(m[1], list)
         if not ok or m[0] not in _DTYPES or not all(isinstance(s, int) and s >= 0 for s in m[1]):
             raise BadMessage("malformed", f"tensor {i}: bad metadata {m!r}")
-        out.append((_DTYPES[m[0]], m[1]))
+        out.append((m[0], m[1]))
+    if out:
+        import torch
+
+        out = [(getattr(torch, name), shape) for name, shape in out]  # names from _DTYPES only
     return out
 
 
 def decode(frames, secret: bytes) -> tuple[dict, list[torch.Tensor]]:
     """Authenticate and parse frames from encode(); tensors are views of the frames' memory.
     A sealed message's envelope stays in the header under ``_e`` (Endpoint.open checks it)."""
-    frames = list(frames)
+    if type(frames) is not list:
+        frames = list(frames)
     if len(frames) < 2:
         raise BadMessage("malformed", f"truncated: {len(frames)} frame(s), need at least header and mac")
-    *body, tag = frames
-    if not hmac.compare_digest(mac(body, secret), bytes(_buffer(tag))):
+    if len(frames) == 2:  # a control message: its MAC in one BLAKE3 call over bytes (its per-message cost)
+        head, tag = frames
+        if type(head) is not bytes:
+            head = bytes(_buffer(head))
+        ok = hmac.compare_digest(_mac1(_mac_key(secret), head), tag if type(tag) is bytes else bytes(_buffer(tag)))
+    else:
+        head = _buffer(frames[0])
+        ok = hmac.compare_digest(mac(frames[:-1], secret), bytes(_buffer(frames[-1])))
+    if not ok:
         raise BadMessage("mac", "HMAC mismatch (wrong secret, tampered or truncated message)")
     try:
         # strict_map_key=False: int keys are allowed; the message is already authenticated.
-        header = msgpack.unpackb(_buffer(body[0]), raw=False, strict_map_key=False)
+        header = msgpack.unpackb(head, raw=False, strict_map_key=False)
     except Exception as e:  # msgpack raises several unrelated types on bad input
         raise BadMessage("malformed", f"header is not valid msgpack: {e!r}") from e
     if not isinstance(header, dict):
         raise BadMessage("malformed", f"header is a {type(header).__name__}, not a map")
-    specs = _parse_meta(header.pop(_META_KEY, None), len(body) - 1)
+    specs = _parse_meta(header.pop(_META_KEY, None), len(frames) - 2)
+    if not specs:
+        return header, []
+    import torch
+
     tensors = []
-    for i, ((dtype, shape), f) in enumerate(zip(specs, body[1:])):
+    for i, ((dtype, shape), f) in enumerate(zip(specs, frames[1:-1])):
         buf = _buffer(f)
         nbytes = math.prod(shape) * dtype.itemsize
         if buf.nbytes != nbytes:
@@ -292,7 +313,6 @@ class Endpoint:
         self.secret, self.socket, self.address = secret, socket, address
         self.limits = limits or Limits.of()
         self.id = f"{name}#{secrets.token_hex(8)}"
-        self._key = _mac_key(secret)
         self._seq = itertools.count(1)  # next() is atomic under the GIL
         self.guard = ReplayGuard(time.time() - self.limits.clock_skew_s)
 
@@ -303,19 +323,12 @@ class Endpoint:
         tensors = list(tensors)
         lim = self.limits
         envelope = [self.id, next(self._seq), to.sender if isinstance(to, Peer) else to, time.time()]
-        if tensors:
-            for i, t in enumerate(tensors):
-                nbytes = t.numel() * t.element_size()
-                if nbytes > lim.max_message_bytes:
-                    raise ValueError(f"wire: tensor {i} ({str(t.dtype).removeprefix('torch.')} {list(t.shape)}) is "
-                                     f"{nbytes} bytes, over system.max_message_bytes = {lim.max_message_bytes}: raise that key")
-            frames = _encode({**header, _ENVELOPE_KEY: envelope}, tensors, self.secret)
-        else:  # a control message: the same frames as _encode's, in fewer Python steps (its per-message cost)
-            try:
-                head = msgpack.packb({**header, _ENVELOPE_KEY: envelope, _META_KEY: []}, use_bin_type=True)
-            except (TypeError, ValueError, OverflowError) as e:
-                raise ValueError(f"wire: header is not msgpack-able: {e}") from e
-            frames = [head, _mac1(self._key, head)]
+        for i, t in enumerate(tensors):
+            nbytes = t.numel() * t.element_size()
+            if nbytes > lim.max_message_bytes:
+                raise ValueError(f"wire: tensor {i} ({str(t.dtype).removeprefix('torch.')} {list(t.shape)}) is "
+                                 f"{nbytes} bytes, over system.max_message_bytes = {lim.max_message_bytes}: raise that key")
+        frames = _encode({**header, _ENVELOPE_KEY: envelope}, tensors, self.secret)
         if len(frames[0]) > lim.max_control_message_bytes:
             raise ValueError(f"wire: a message header of {len(frames[0])} bytes is over "
                              f"system.max_control_message_bytes = {lim.max_control_message_bytes}: raise that key")
@@ -337,26 +350,7 @@ class Endpoint:
             if not frames:
                 raise BadMessage("malformed", "ROUTER message without an identity frame")
             routing_id, frames = bytes(_buffer(frames[0])), frames[1:]
-        if len(frames) == 2:  # a message without tensors: decode()'s checks, in fewer Python steps
-            head, tag = frames
-            if type(head) is not bytes:
-                head = bytes(_buffer(head))
-            if type(tag) is not bytes:
-                tag = bytes(_buffer(tag))
-            if not hmac.compare_digest(_mac1(self._key, head), tag):
-                raise BadMessage("mac", "HMAC mismatch (wrong secret, tampered or truncated message)")
-            try:
-                header = msgpack.unpackb(head, raw=False, strict_map_key=False)
-            except Exception as e:
-                raise BadMessage("malformed", f"header is not valid msgpack: {e!r}") from e
-            if not isinstance(header, dict):
-                raise BadMessage("malformed", f"header is a {type(header).__name__}, not a map")
-            meta = header.pop(_META_KEY, None)
-            if meta != []:
-                _parse_meta(meta, 0)  # raises: what it says is wrong
-            tensors = []
-        else:
-            header, tensors = decode(frames, self.secret)
+        header, tensors = decode(frames, self.secret)
         env = header.pop(_ENVELOPE_KEY, None)
         ok = (isinstance(env, list) and len(env) == 4 and isinstance(env[0], str) and len(env[0]) <= 256
               and type(env[1]) is int and env[1] > 0 and isinstance(env[2], str)
