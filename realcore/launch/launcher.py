@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import sys
+import threading
 import time
 
 from realcore.api.alloc import AllocationMode
@@ -57,8 +58,8 @@ def cluster_name_resolve(cfg: ExperimentConfig) -> None:
 
 
 def prepare_output(cfg: ExperimentConfig, dfg: DataFlowGraph) -> tuple[str, str]:
-    """Output folders, the resolved config for workers, a fresh per-run secret, dfg.png."""
-    from realcore.dfg.draw import draw
+    """Output folders, the resolved config for workers, a fresh per-run secret, dfg.png (drawn by
+    a thread while the workers start: ~1 s of matplotlib that need not delay them)."""
     from realcore.system.wire import write_secret
 
     out = os.path.abspath(cfg.output_dir)
@@ -73,8 +74,18 @@ def prepare_output(cfg: ExperimentConfig, dfg: DataFlowGraph) -> tuple[str, str]
     os.fchmod(fd, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(cfg.model_dump_json(indent=2))
-    draw(dfg, os.path.join(out, "dfg.png"))
+    # Not a daemon: the launcher's exit waits for it, so the picture is whole whenever it ends.
+    threading.Thread(target=draw_dfg, args=(dfg, os.path.join(out, "dfg.png")), name="dfg.png").start()
     return config_path, secret_path
+
+
+def draw_dfg(dfg: DataFlowGraph, path: str) -> None:
+    from realcore.dfg.draw import draw
+
+    try:
+        draw(dfg, path)
+    except Exception as e:  # a picture is never worth failing a run over
+        print(f"realcore: dfg.png not written: {type(e).__name__}: {e}", file=sys.stderr)
 
 
 def child_env(cfg: ExperimentConfig) -> dict:

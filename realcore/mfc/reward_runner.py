@@ -36,7 +36,7 @@ from realcore.api.registry import lookup
 
 log = logging.getLogger("realcore.reward_runner")
 
-_START_TIMEOUT_S = 120.0  # a child imports torch (via realcore.data) and the user's modules
+_START_TIMEOUT_S = 120.0  # a child imports the built-in registrations and the user's modules (theirs may import torch)
 _LOG_INTERVAL_S = 10.0  # at most one warning per failure kind per interval
 
 
