@@ -62,9 +62,10 @@ def run_and_exit(main) -> None:
         code = main()
     except SystemExit as e:
         code = e.code
-    for t in threading.enumerate():
-        if t is not threading.current_thread() and not t.daemon:
-            t.join()
+    # Python's own first step at exit: threading's exit hooks (concurrent.futures tells the idle
+    # workers of an executor still referenced, e.g. an event loop's default one, to stop), then
+    # the join of every non-daemon thread.
+    threading._shutdown()
     atexit._run_exitfuncs()  # first, as Python does: exit_on_sigterm's handler then ignores a late SIGTERM
     import gc
 
