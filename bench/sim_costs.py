@@ -23,6 +23,7 @@ launcher passes on to every worker.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import json
 import logging
@@ -113,6 +114,7 @@ class SimGenerationEngine:
         self._refill: tuple[float, int] | None = None  # since an abort of everything: (when, batch to get back to)
         self.started: float | None = None
         self.logged, self.last_usage = 0.0, dict(self.usage)
+        atexit.register(self._log_usage, True)  # a short run may end before the next periodic line
 
     def add_request(self, prompt_ids: list[int], gconfig) -> int:
         if not prompt_ids:
@@ -191,13 +193,14 @@ class SimGenerationEngine:
         time.sleep(seconds)
         self.usage["busy_s"] += seconds
 
-    def _log_usage(self) -> None:
-        """Every LOG_S while busy, and whenever the engine runs dry (so a short run logs too)."""
+    def _log_usage(self, at_exit: bool = False) -> None:
+        """Every LOG_S while busy, whenever the engine runs dry, and at exit (so a short run logs too)."""
         now = time.monotonic()
-        if self.started is None or (now - self.logged < LOG_S and self.has_unfinished()) or self.usage == self.last_usage:
+        due = at_exit or now - self.logged >= LOG_S or not self.has_unfinished()
+        if self.started is None or not due or self.usage == self.last_usage:
             return
         self.logged, self.last_usage, u = now, dict(self.usage), self.usage
-        log.info("sim: %d decode steps, mean running batch %.1f, busy %.1f s of %.1f s since the first request; "
+        log.info("sim: %d decode steps, mean running batch %.1f, busy %.3f s of %.3f s since the first request; "
                  "%d interruptions, %.3f s each until the batch was back", u["decode_steps"],
                  u["batch_sum"] / max(1, u["decode_steps"]), u["busy_s"], now - self.started, u["refills"],
                  u["refill_s"] / max(1, u["refills"]))
