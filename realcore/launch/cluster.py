@@ -44,7 +44,7 @@ from typing import Callable
 from realcore.api.config import ExperimentConfig
 from realcore.launch.local import Proc, describe_exit, dump_stacks_and_kill, spawn_command
 from realcore.launch.supervise import (ROLLOUT_SIDE, STABLE_S, begin_attempt, count_quick_death, heartbeat_path, hung,
-                                       record)
+                                       last_beat, record)
 from realcore.system.process import PREEMPTED_EXIT, run_and_exit
 
 POLL_S = 0.5
@@ -71,11 +71,14 @@ def run_task(cfg: ExperimentConfig, argv: list[str], *, name: str, attempt: int,
     proc = spawn_command(name, argv, env=env if env is not None else dict(os.environ), log_path=log_path)
     quick_deaths: dict[str, int] = {}
     while True:
+        # Seen before a SIGTERM: Slurm's SIGCONT at the job's end resumes a stopped worker, whose
+        # heartbeat thread may beat before we look again.
+        beat = last_beat(cfg.output_dir, name)
         if not shield_term:
             time.sleep(POLL_S)
         elif signal.sigtimedwait({signal.SIGTERM}, POLL_S) is not None:
             if job_ending is not None and job_ending():  # the job ends: nothing to wait for
-                return _end_with_job(cfg, proc, name)
+                return _end_with_job(cfg, proc, name, beat)
             _preempt(proc, kind)
         if preempt_file is not None and not preempted and os.path.exists(preempt_file):
             preempted = True
@@ -104,10 +107,11 @@ def run_task(cfg: ExperimentConfig, argv: list[str], *, name: str, attempt: int,
         proc.restart()
 
 
-def _end_with_job(cfg: ExperimentConfig, proc: Proc, name: str) -> tuple[int, str]:
-    """Stop the worker of a job that ends. One silent for half the heartbeat deadline is probably
-    why the job ends (its peers lost it and failed first): its stacks are dumped, and it is named."""
-    why = hung(cfg, name, proc.started, time.monotonic(), margin=0.5)
+def _end_with_job(cfg: ExperimentConfig, proc: Proc, name: str, beat: float | None) -> tuple[int, str]:
+    """Stop the worker of a job that ends. One silent for half the heartbeat deadline (`beat`: its
+    last heartbeat seen before the job's SIGTERM) is probably why the job ends (its peers lost it
+    and failed first): its stacks are dumped, and it is named."""
+    why = hung(cfg, name, proc.started, time.monotonic(), margin=0.5, beat=beat)
     if why is not None:
         dump_stacks_and_kill(proc)
     else:

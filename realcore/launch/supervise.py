@@ -58,19 +58,29 @@ def begin_attempt(cfg: ExperimentConfig, resolver) -> None:
     os.makedirs(os.path.join(cfg.output_dir, ".heartbeat"))
 
 
-def hung(cfg: ExperimentConfig, name: str, started: float, now: float, margin: float = 1.0) -> str | None:
+def last_beat(output_dir: str, name: str) -> float | None:
+    """The wall time of `name`'s last heartbeat, or None before its first."""
+    try:
+        return os.stat(heartbeat_path(output_dir, name)).st_mtime
+    except FileNotFoundError:
+        return None
+
+
+def hung(cfg: ExperimentConfig, name: str, started: float, now: float, margin: float = 1.0,
+         beat: float | None = None) -> str | None:
     """Why realcore process `name` (started at monotonic time `started`) counts as hung (silent for
-    margin x the heartbeat deadline), or None. Shared by the Supervisor and the cluster task runner."""
+    margin x the heartbeat deadline), or None. Shared by the Supervisor and the cluster task runner.
+    `beat`: its last heartbeat as seen earlier (default: now)."""
     sys_cfg = cfg.system
     deadline = margin * sys_cfg.heartbeat_timeout_s
-    try:
-        last = os.stat(heartbeat_path(cfg.output_dir, name)).st_mtime
-        silent = time.time() - last
-        if silent > deadline and now - started > deadline:
-            return f"hung (no heartbeat for {silent:.0f} s; its stacks are in its log)"
-    except FileNotFoundError:  # still starting (imports): the startup deadline applies
+    beat = last_beat(cfg.output_dir, name) if beat is None else beat
+    if beat is None:  # still starting (imports): the startup deadline applies
         if now - started > sys_cfg.startup_timeout_s:
             return f"hung (no heartbeat within {sys_cfg.startup_timeout_s:g} s of its start)"
+        return None
+    silent = time.time() - beat
+    if silent > deadline and now - started > deadline:
+        return f"hung (no heartbeat for {silent:.0f} s; its stacks are in its log)"
     return None
 
 
