@@ -35,9 +35,10 @@ import sys
 from realcore.system.plugins import load_plugins
 load_plugins([])  # the built-in datasets, MFCs and workflows register without torch
 import realcore.system.master, realcore.system.gserver_manager, realcore.system.run_worker
+from realcore.backends.server_launch import server_token  # every worker derives the servers' token
 from realcore.system.metrics import MetricsWriter
 MetricsWriter(sys.argv[1], 1).close()
-print(sorted(m for m in ("torch", "transformers") if m in sys.modules))
+print(sorted(m for m in ("torch", "transformers", "aiohttp") if m in sys.modules))
 """
 
 

@@ -37,7 +37,6 @@ import sys
 import tempfile
 import time
 
-import aiohttp
 
 ENGINES = ("sglang", "vllm")
 PIP_HINTS = {
@@ -328,6 +327,8 @@ async def wait_http_ready(
     TimeoutError after `timeout_s`. Connection errors and non-200 answers mean "not yet" (a 401,
     a missing or wrong `token`, is named in the TimeoutError).
     """
+    import aiohttp  # here: every realcore process imports this module (server_token), few need aiohttp
+
     probe = url.rstrip("/") + "/v1/models"
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     deadline = time.monotonic() + timeout_s
