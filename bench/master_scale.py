@@ -52,7 +52,7 @@ GROUP = 4  # sequences per prompt (generation.n_samples of ppo-math), set from t
 READY_TIMEOUT_S = 180.0  # spawn + torch import of the simulators, on a loaded 2-core machine
 TIMEOUT_S = 120.0  # the master's request/startup deadlines, and the simulators' idle deadline
 LIFETIME_S = 1800.0  # a simulator never outlives this
-NOT_STEP = ("PING", "CONFIGURE", "EXIT", "RELAY")  # not counted as a step's requests to workers
+NOT_STEP = ("PING", "CONFIGURE", "EXIT", "RELAY", "SPLIT")  # not counted as a step's requests to workers
 
 
 # --- simulated model workers ----------------------------------------------------------------
@@ -84,7 +84,7 @@ def _serve(assign: list, secret: bytes, root: str, spec: dict, out_q) -> None:
     from realcore.system.control import NodeRelay
     from realcore.system.name_resolve import FileNameResolver
     from realcore.system.protocol import (BadBody, Clear, Configure, Configured, Exit, Fetch, Fetched, MFCDone, Ping,
-                                          Relay, RunMFC, Status, parse_request, reply)
+                                          Relay, RunMFC, Split, Status, parse_request, reply)
 
     pid = os.getpid()
     ctx = zmq.Context(io_threads=1)
@@ -167,16 +167,17 @@ def _serve(assign: list, secret: bytes, root: str, spec: dict, out_q) -> None:
                         dropped += 1
                         continue
                     counts[msg.CMD.name] = counts.get(msg.CMD.name, 0) + 1
-                    inner = {h.get("cmd") for _, h in msg.requests} if isinstance(msg, Relay) else {int(msg.CMD)}
+                    inner = ({h.get("cmd") for _, h in msg.requests} if isinstance(msg, Relay)
+                             else {msg.cmd} if isinstance(msg, Split) else {int(msg.CMD)})
                     if peer.sender.startswith("master#") and not inner <= {int(Ping.CMD), int(Configure.CMD), int(Exit.CMD)}:
                         from_master += 1  # a step's message from the master (a RELAY counts once)
-                    if isinstance(msg, Relay):
+                    if isinstance(msg, (Relay, Split)):
                         if w.relay is None:
                             w.relay = NodeRelay(ctx, secret, f"model_worker/{w.index}",
                                                 lambda p, h, s=s: wire.send(s, h, endpoint=endpoints[s], to=p))
                             relays[w.relay.sock] = w.relay
                             poller.register(w.relay.sock, zmq.POLLIN)
-                        w.relay.forward(peer, rid, msg)
+                        (w.relay.forward if isinstance(msg, Relay) else w.relay.split)(peer, rid, msg)
                         continue
                     if isinstance(msg, Ping):
                         out = reply(rid, Status(w.state, pid, dropped, {"stored": len(w.stored)}))

@@ -254,12 +254,12 @@ def test_buffer_readiness_and_balanced_split():
     nodes = [dfg.nodes[n] for n in dfg.order()]
     buf = SampleBuffer(nodes)
     n = cfg.trainer.batch_size
-    buf.add(0, list(range(n)), {"prompt_ids": [[5]] * n, "answer": [[2]] * n})
+    buf.add([0] * n, list(range(n)), {"prompt_ids": [[5]] * n, "answer": [[2]] * n})
     gen, ref = dfg.nodes["actor_gen"], dfg.nodes["ref_inf"]
     assert buf.ready(ref) is None and buf.ready(gen) == list(range(n))
     buf.start(gen, list(range(n)))
     assert buf.ready(gen) is None  # running: not handed out twice
-    buf.add(1, list(range(n)), {k: [[9, 9]] * n for k in ("input_ids", "loss_mask", "behav_logprobs", "rewards")})
+    buf.add([1] * n, list(range(n)), {k: [[9, 9]] * n for k in ("input_ids", "loss_mask", "behav_logprobs", "rewards")})
     buf.finish(gen, list(range(n)))
     assert buf.ready(ref) == list(range(n))
     assert buf.owners([0], ["input_ids", "loss_mask", "answer"]) == {"input_ids": [1], "loss_mask": [1], "answer": [0]}

@@ -27,9 +27,9 @@ def _master(dp: int = 2) -> Master:
 
 def _generated(m: Master, ids: list[int], lens: dict[int, int]) -> None:
     """Samples as after actor_gen: prompts from worker 0, generated keys on worker 1."""
-    m.buffer.add(0, ids, {"prompt_ids": [[5]] * len(ids), "answer": [[1]] * len(ids)})
+    m.buffer.add([0] * len(ids), ids, {"prompt_ids": [[5]] * len(ids), "answer": [[1]] * len(ids)})
     gen = m.dfg.nodes["actor_gen"]
-    m.buffer.add(1, ids, {k: [[lens[sid]] * 4 for sid in ids] for k in gen.outputs})
+    m.buffer.add([1] * len(ids), ids, {k: [[lens[sid]] * 4 for sid in ids] for k in gen.outputs})
     for sid in ids:
         m.buffer.samples[sid].done.add("actor_gen")
 
@@ -43,7 +43,7 @@ def test_training_rides_with_reference_logprobs_not_with_generation():
     m = _master()
     n = m.dfg.nodes["actor_gen"].n_seqs
     ids = list(range(n))
-    m.buffer.add(0, ids, {"prompt_ids": [[5]] * n, "answer": [[1]] * n})
+    m.buffer.add([0] * len(ids), ids, {"prompt_ids": [[5]] * n, "answer": [[1]] * n})
     # Generation makes the responses later MFCs are balanced by: nothing is chained to it.
     assert m.chain(m.dfg.nodes["actor_gen"], ids, _parts(m, "actor_gen", ids), set()) == []
 

@@ -13,7 +13,7 @@ from realcore.system.protocol import Clear, Fetch, Fetched, RemoteError, Status,
 SECRET = b"r" * 32
 
 
-def serve(server: ControlServer, stop: threading.Event, handled: list, delay_s: float = 0.0):
+def serve(server: ControlServer, stop: threading.Event, handled: list, delay_s: float = 0.0, index: int = 0):
     """A worker loop: FETCH answers its first_id and n, CLEAR fails; every request is logged in order."""
     while not stop.is_set():
         try:
@@ -29,14 +29,15 @@ def serve(server: ControlServer, stop: threading.Event, handled: list, delay_s: 
 
 
 class Node:
-    """`n` workers on one host: w0 relays (relay=True, as every model worker), the rest serve."""
+    """`n` workers on one host: w0 relays (relay=True, as every model worker), the rest serve
+    (`serve_fn`, called as serve above, each with its index)."""
 
-    def __init__(self, n: int, *, heartbeat_timeout_s: float = 5.0, relay_timeout_s: float = 30.0, delays=None):
+    def __init__(self, n: int, *, heartbeat_timeout_s: float = 5.0, relay_timeout_s: float = 30.0, delays=None, serve_fn=serve):
         self.servers = [ControlServer("127.0.0.1", SECRET, lambda: Status("running", 1), name=f"w{i}", relay=True)
                         for i in range(n)]
         self.handled: list[list] = [[] for _ in range(n)]
         self.stops = [threading.Event() for _ in range(n)]
-        self.threads = [threading.Thread(target=serve, args=(s, self.stops[i], self.handled[i], (delays or {}).get(i, 0.0)),
+        self.threads = [threading.Thread(target=serve_fn, args=(s, self.stops[i], self.handled[i], (delays or {}).get(i, 0.0), i),
                                          daemon=True) for i, s in enumerate(self.servers)]
         for t in self.threads:
             t.start()

@@ -45,8 +45,9 @@ class DatasetSource:
                 msgs[m.names[head]] = Fetch(first_id=m.next_id, n=k)
                 m.next_id += k
         groups = []
-        for name, r in m.wait(m.pool.request_many(m.with_clears(msgs)), "dataset fetch").items():
-            m.buffer.add(m.index_of[name], r.ids, r.seqlens)
+        for g in m.wait(m.pool.request_joined(m.with_clears(msgs)), "dataset fetch").values():
+            r = g.reply
+            m.buffer.add(g.owners(m.index_of), r.ids, r.seqlens)
             groups += [Group(sid, uid) for sid, uid in zip(r.ids, r.uids)]
         return groups
 
@@ -86,7 +87,7 @@ class StreamSource:
                 if len(fresh) < len(r.ids):
                     duplicates += len(r.ids) - len(fresh)
                     m.clear_on(i, [r.ids[k] for k in range(len(r.ids)) if k not in fresh])
-                m.buffer.add(i, [r.ids[k] for k in fresh], {key: [v[k] for k in fresh] for key, v in r.seqlens.items()})
+                m.buffer.add([i] * len(fresh), [r.ids[k] for k in fresh], {key: [v[k] for k in fresh] for key, v in r.seqlens.items()})
                 for k in fresh:
                     self.trained.add(r.uids[k])
                     groups.append(Group(r.ids[k], r.uids[k], r.version_start[k], r.version_end[k]))

@@ -27,15 +27,17 @@ class SampleBuffer:
     def __len__(self) -> int:
         return len(self.samples)
 
-    def add(self, owner: int, ids: list[int], seqlens: dict[str, list[list[int]]]) -> None:
+    def add(self, owners: list[int], ids: list[int], seqlens: dict[str, list[list[int]]]) -> None:
+        """Sample ids[i] now has each key of `seqlens`, stored on worker owners[i]."""
         # seqlens comes from a parsed reply the caller gives away: its lists are kept, not copied.
         samples = self.samples
+        items = seqlens.items()
         for i, sid in enumerate(ids):
             meta = samples.get(sid)
             if meta is None:
                 meta = samples[sid] = SampleMeta(sid)
-            keys = meta.keys
-            for key, lens in seqlens.items():
+            keys, owner = meta.keys, owners[i]
+            for key, lens in items:
                 keys[key] = (owner, lens[i])
 
     def ready(self, node: MFCNode) -> list[int] | None:

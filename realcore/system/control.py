@@ -14,13 +14,14 @@ import queue
 import secrets
 import threading
 import time
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import zmq
 
-from realcore.system import drops, wire
-from realcore.system.protocol import (BadBody, Ping, Relay, Relayed, RemoteError, Status, WorkerLost, parse, parse_request,
-                                      relay_request, reply, request, to_body)
+from realcore.system import columns, drops, wire
+from realcore.system.protocol import (BadBody, Cmd, Joined, Ping, Relay, Relayed, RemoteError, Split, Status, WorkerLost,
+                                      parse, parse_request, relay_request, reply, request, split_request, to_body)
 
 
 class _Waker:
@@ -148,14 +149,30 @@ def when_all_done(replies: dict[str, Reply], fn: Callable[[BaseException | None]
     fn(failed)
 
 
+@dataclass
+class Gathered:
+    """Several workers' replies to one request each, as one (WorkerPool.request_joined): `reply`
+    covers all their samples, `sizes[k]` of them from `workers[k]`, in order."""
+
+    workers: list[str]
+    sizes: list[int]
+    reply: Any
+
+    def owners(self, index_of: dict[str, int]) -> list[int]:
+        """The worker (its index in `index_of`) that answered each sample of `reply`."""
+        return [index_of[w] for w, n in zip(self.workers, self.sizes) for _ in range(n)]
+
+
 class _Forwarded:
-    """One RELAY being answered: who asked, and its requests' replies as they come."""
+    """One RELAY (or SPLIT) being answered: who asked, and its requests' replies as they come."""
 
-    __slots__ = ("peer", "rid", "replies", "left", "deadline", "keys")
+    __slots__ = ("peer", "rid", "replies", "left", "deadline", "keys", "split", "addresses")
 
-    def __init__(self, peer: wire.Peer, rid: int, n: int, deadline: float):
+    def __init__(self, peer: wire.Peer, rid: int, n: int, deadline: float, split: int | None = None,
+                 addresses: list[str] | None = None):
         self.peer, self.rid, self.replies, self.left, self.deadline = peer, rid, [None] * n, n, deadline
         self.keys: list[tuple[bytes, int]] = []
+        self.split, self.addresses = split, addresses  # a SPLIT's command, and its workers
 
 
 class NodeRelay:
@@ -180,6 +197,7 @@ class NodeRelay:
         self.answer = answer
         self._routes: dict[str, bytes] = {}  # worker address -> the routing id of our connection to it
         self._ids = itertools.count()
+        self._sub_rids = itertools.count(1 << 50)  # a SPLIT's requests: never a master's rid (those count from 1)
         self._waiting: dict[tuple[bytes, int], tuple[_Forwarded, int]] = {}  # (route, rid) -> (relay, slot)
         self._open: dict[int, _Forwarded] = {}  # id() -> relays not answered yet
 
@@ -195,8 +213,26 @@ class NodeRelay:
         return route
 
     def forward(self, peer: wire.Peer, rid: int, msg: Relay) -> None:
-        fwd = _Forwarded(peer, rid, len(msg.requests), time.monotonic() + msg.timeout_s)
-        for i, (address, header) in enumerate(msg.requests):
+        self._send_all(_Forwarded(peer, rid, len(msg.requests), time.monotonic() + msg.timeout_s), msg.requests)
+
+    def split(self, peer: wire.Peer, rid: int, msg: Split) -> None:
+        """Send each worker of a SPLIT its own request (columns.cut); answer with their replies
+        joined (columns.join), or with the first failure, naming its worker's address."""
+        n = len(msg.workers)
+        try:
+            if msg.cmd not in (Cmd.FETCH, Cmd.RUN_MFC) or len(msg.sizes) != n or len(msg.clears) != n:
+                raise ValueError(f"command {msg.cmd} with {n} workers, {len(msg.sizes)} sizes, {len(msg.clears)} clears")
+            requests = [(address, {"cmd": msg.cmd, "rid": next(self._sub_rids),
+                                   "body": columns.cut(msg.cmd, msg.body, msg.sizes, msg.clears, k)})
+                        for k, address in enumerate(msg.workers)]
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            self.answer(peer, reply(rid, error=f"relay: a malformed SPLIT: {type(e).__name__}: {e}"))
+            return
+        fwd = _Forwarded(peer, rid, n, time.monotonic() + msg.timeout_s, split=msg.cmd, addresses=msg.workers)
+        self._send_all(fwd, requests)
+
+    def _send_all(self, fwd: _Forwarded, requests: list[tuple[str, dict]]) -> None:
+        for i, (address, header) in enumerate(requests):
             sub = header.get("rid")
             if type(sub) is not int:
                 self._fill(fwd, i, reply(0, error=f"relay: request {i} has no int rid"))
@@ -222,7 +258,19 @@ class NodeRelay:
 
     def _done(self, fwd: _Forwarded) -> None:
         self._open.pop(id(fwd), None)
-        self.answer(fwd.peer, {"rid": fwd.rid, "ok": True, "body": {"replies": fwd.replies}, "error": None})
+        if fwd.split is None:
+            self.answer(fwd.peer, {"rid": fwd.rid, "ok": True, "body": {"replies": fwd.replies}, "error": None})
+            return
+        failed = next(((a, r) for a, r in zip(fwd.addresses, fwd.replies) if not r.get("ok")), None)
+        if failed is not None:
+            self.answer(fwd.peer, reply(fwd.rid, error=f"{failed[0]}: {failed[1].get('error')}"))
+            return
+        try:
+            sizes, body = columns.join(fwd.split, [r["body"] for r in fwd.replies])
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            self.answer(fwd.peer, reply(fwd.rid, error=f"relay: the replies do not join: {type(e).__name__}: {e}"))
+            return
+        self.answer(fwd.peer, {"rid": fwd.rid, "ok": True, "body": {"sizes": sizes, "body": body}, "error": None})
 
     def on_readable(self) -> None:
         while True:
@@ -319,11 +367,13 @@ class ControlServer:
             drops.count(self.SOCKET, "body", f"{type(e).__name__}: {e}")
             return
         self.last_seen = time.monotonic()
-        if isinstance(body, Relay):  # forwarded from the I/O thread: never behind this worker's own work
-            if self.relay is not None:
+        if isinstance(body, (Relay, Split)):  # forwarded from the I/O thread: never behind this worker's own work
+            if self.relay is None:
+                self._answer(peer, reply(rid, error=f"{Cmd(body.CMD).name}: this process does not relay"))
+            elif isinstance(body, Relay):
                 self.relay.forward(peer, rid, body)
             else:
-                self._answer(peer, reply(rid, error="RELAY: this process does not relay"))
+                self.relay.split(peer, rid, body)
         elif isinstance(body, Ping):
             status = self.status()
             status.drops = drops.snapshot()  # the whole process's, every socket
@@ -425,7 +475,8 @@ class WorkerPool:
         self.lost: dict[str, str] = {}
         self.dropped = 0
         self._rids = itertools.count(1)
-        self._pending: dict[int, tuple[str, Reply, type]] = {}
+        # rid -> (worker asked, its Reply, reply type, workers whose replies it gathers or None, a SPLIT?)
+        self._pending: dict[int, tuple[str, Reply, type, tuple[str, ...] | None, bool]] = {}
         # Relays (NodeRelay): leader -> its node's workers (itself included). Every request to one of
         # them goes through its leader, so each worker still gets the master's requests in order.
         self.relay_of = {w: leader for leader, members in (relays or {}).items() for w in members}
@@ -474,7 +525,7 @@ class WorkerPool:
                     fut.set_exception(WorkerLost(f"{worker}: {lost}"))
                     continue
                 rid = next(self._rids)
-                self._pending[rid] = (worker, fut, msg.REPLY)
+                self._pending[rid] = (worker, fut, msg.REPLY, None, False)
                 body = bodies.get(id(msg))
                 if body is None:
                     body = bodies[id(msg)] = to_body(msg)
@@ -488,6 +539,55 @@ class WorkerPool:
                 rid = next(self._rids)
                 self._relayed[rid] = (leader, {h["rid"]: w for w, h in reqs})
                 out.append((leader, rid, relay_request([(self.addresses[w], h) for w, h in reqs], self.relay_timeout_s, rid)))
+        if out:
+            self._out.put(out)
+            self._waker.wake()
+        return futs
+
+    def request_joined(self, msgs: dict[str, object]) -> dict[str, Reply]:
+        """request_many() of Fetch or RunMFC messages whose replies come back gathered: the workers of
+        one relay get theirs as one SPLIT (columns.py) when they fit together, answered as one; each
+        Reply resolves to a Gathered (one per SPLIT, named by its first worker; one per worker sent
+        to directly). The master's cost per step then grows with nodes, not workers."""
+        futs: dict[str, Reply] = {}
+        out = []
+        batch = _Batch()
+        by_leader: dict[str, list[str]] = {}
+        for worker in msgs:
+            leader = self.relay_of.get(worker)
+            if leader is not None:
+                by_leader.setdefault(leader, []).append(worker)
+        splits: list[tuple[str, list[str], tuple]] = []  # (leader, its workers, columns.pack's)
+        for leader, members in by_leader.items():
+            packed = columns.pack([msgs[w] for w in members])
+            # Requests that do not fit one SPLIT (different MFCs) go as one each, still in order.
+            for group in [members] if packed is not None else [[w] for w in members]:
+                one = packed if packed is not None else columns.pack([msgs[group[0]]])
+                if one is None:
+                    raise ValueError(f"request_joined: {group[0]}'s {type(msgs[group[0]]).__name__} does not split "
+                                     "(a Fetch or RunMFC with an owner per id)")
+                splits.append((leader, group, one))
+        with self._lock:
+            for worker in msgs:
+                if worker in self.relay_of:
+                    continue
+                fut = futs[worker] = Reply(batch)
+                if worker in self.lost:
+                    fut.set_exception(WorkerLost(f"{worker}: {self.lost[worker]}"))
+                    continue
+                rid = next(self._rids)
+                self._pending[rid] = (worker, fut, msgs[worker].REPLY, (worker,), False)
+                out.append((worker, rid, request(msgs[worker], rid)))
+            for leader, group, (cmd, sizes, body, clears) in splits:
+                fut = futs[group[0]] = Reply(batch)
+                lost = next((f"{w}: {self.lost[w]}" for w in (*group, leader) if w in self.lost), None)
+                if lost:
+                    fut.set_exception(WorkerLost(lost))
+                    continue
+                rid = next(self._rids)
+                self._pending[rid] = (leader, fut, msgs[group[0]].REPLY, tuple(group), True)
+                out.append((leader, rid, split_request(cmd, [self.addresses[w] for w in group], sizes, body, clears,
+                                                       self.relay_timeout_s, rid)))
         if out:
             self._out.put(out)
             self._waker.wake()
@@ -560,13 +660,30 @@ class WorkerPool:
         self._status_body[worker] = body
         return True
 
-    def _resolve(self, entry: tuple[str, Reply, type], header: dict) -> None:
-        worker, fut, reply_type = entry
+    def _resolve(self, entry: tuple, header: dict) -> None:
+        worker, fut, reply_type, members, split = entry
         if not header.get("ok"):
-            fut.set_exception(RemoteError(f"{worker}: {header.get('error')}"))
+            error = str(header.get("error"))
+            if split:  # the relay names the failed worker by its address
+                at = next((w for w in members if error.startswith(self.addresses[w] + ": ")), None)
+                error = (f"{at}: {error.removeprefix(self.addresses[at] + ': ')}" if at is not None
+                         else f"{worker}: relaying for {', '.join(members)}: {error}")
+                fut.set_exception(RemoteError(error))
+            else:
+                fut.set_exception(RemoteError(f"{worker}: {error}"))
             return
         try:
-            fut.set_result(parse(reply_type, header.get("body")))
+            if not split:
+                value = parse(reply_type, header.get("body"))
+                if members is not None:
+                    value = Gathered(list(members), [len(value.ids)], value)
+            else:
+                joined = parse(Joined, header.get("body"))
+                value = parse(reply_type, joined.body)
+                if len(joined.sizes) != len(members) or sum(joined.sizes) != len(value.ids):
+                    raise BadBody(f"Joined.sizes: {joined.sizes} for {len(members)} workers and {len(value.ids)} ids")
+                value = Gathered(list(members), joined.sizes, value)
+            fut.set_result(value)
         except BadBody as e:
             self.dropped += 1
             drops.count(self.SOCKET, "body", f"a malformed reply from {worker}: {e}")
@@ -599,19 +716,22 @@ class WorkerPool:
         with self._lock:
             left = [e for e in (self._pending.pop(r, None) for r in rids if r > 0) if e is not None]
         why = header.get("error") if not header.get("ok") else "no reply in the relay's answer"
-        for worker, fut, _ in left:
+        for worker, fut, *_ in left:
             fut.set_exception(RemoteError(f"{worker}: relayed by {leader}: {why}"))
 
     def _mark_lost(self, worker: str, why: str) -> None:
         with self._lock:
             self.lost[worker] = why
-            mine = [rid for rid, (w, _, _) in self._pending.items() if w == worker]
+            mine = [rid for rid, (w, _, _, members, _) in self._pending.items() if w == worker or (members and worker in members)]
             # What `worker` relays for others is lost with it.
             for relay_rid in [r for r, (leader, _) in self._relayed.items() if leader == worker]:
                 mine += [rid for rid in self._relayed.pop(relay_rid)[1] if rid in self._pending]
             entries = [self._pending.pop(rid) for rid in dict.fromkeys(mine)]
-        for w, f, _ in entries:
-            f.set_exception(WorkerLost(f"{w}: {why}" if w == worker else f"{w}: its relay {worker}: {why}"))
+        for w, f, _, members, split in entries:
+            if split and worker != w:  # a member of a SPLIT its relay `w` sent
+                f.set_exception(WorkerLost(f"{worker}: {why}"))
+            else:
+                f.set_exception(WorkerLost(f"{w}: {why}" if w == worker else f"{w}: its relay {worker}: {why}"))
 
     def _loop(self) -> None:
         poller = zmq.Poller()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -27,7 +28,8 @@ from realcore.dfg.graph import DataFlowGraph, MFCNode, build_graph
 from realcore.system import drops, keys, recover, wire
 from realcore.system.batch_source import DatasetSource, Group, StreamSource, source_keys
 from realcore.system.buffer import SampleBuffer, split_balanced
-from realcore.system.control import Reply, WorkerPool, wait_all, when_all_done
+from realcore.system.columns import merged_stats
+from realcore.system.control import Gathered, Reply, WorkerPool, wait_all, when_all_done
 from realcore.system.ledger import Ledger
 from realcore.system.metrics import MetricsWriter, wandb_init_kwargs
 from realcore.system.name_resolve import make_name_resolver
@@ -53,14 +55,8 @@ def _report_when_done(name: str, futs: dict[str, Reply], events: queue.Queue) ->
 
 def merge_stats(replies: list, into: dict) -> None:
     """Counts (int stats) are summed over workers; means are averaged, weighted by how many
-    sequences each worker processed."""
-    total = sum(r.n for r in replies) or 1
-    for k in {k for r in replies for k in r.stats}:
-        values = [r.stats[k] for r in replies if k in r.stats]
-        if all(isinstance(v, int) for v in values):
-            into[k] = sum(values)
-        else:
-            into[k] = sum(r.stats.get(k, 0.0) * r.n for r in replies) / total
+    sequences each worker processed (columns.merged_stats; a relay's reply is merged already)."""
+    into.update(merged_stats([(r.stats, r.n) for r in replies]))
 
 
 def relay_groups(addresses: dict[str, str], size: int) -> dict[str, list[str]]:
@@ -72,6 +68,16 @@ def relay_groups(addresses: dict[str, str], size: int) -> dict[str, list[str]]:
         by_host.setdefault(address.rsplit(":", 1)[0], []).append(name)
     groups = [names[i:i + size] for names in by_host.values() for i in range(0, len(names), size)]
     return {g[0]: g for g in groups if len(g) > 1}
+
+
+def calm_collector() -> None:
+    """The master makes ~75k small containers a step at 1000 workers (metadata per sample); with
+    Python's default thresholds the cyclic collector then ran ~5 full collections a step over all
+    that setup left alive (torch, transformers, the registries): ~40% of the master's CPU
+    (bench/master_scale.py). What exists now lives for the run: frozen out of collections; young
+    objects are collected when 20000 (not 700) accumulate, older generations 20x less often."""
+    gc.freeze()
+    gc.set_threshold(20_000, 20, 20)
 
 
 class Master:
@@ -217,7 +223,6 @@ class Master:
         chained = self.chain(node, ids, parts, busy)
         for n in (node, *chained):
             self.buffer.start(n, ids)
-        ranks = range(self.n_workers) if self.collective(node) else self.heads
         per_replica = []
         for d, part in enumerate(parts):
             then, made = [], set(node.outputs)
@@ -226,7 +231,11 @@ class Master:
                 then.append(RunMFC(b.name, part, owners))
                 made |= set(b.outputs)
             per_replica.append(RunMFC(node.name, part, self.buffer.owners(part, node.inputs), then=then))
-        futs = self.pool.request_many(self.with_clears({self.names[i]: per_replica[self.mesh.dp_rank(i)] for i in ranks}))
+        if self.collective(node):  # every rank of a replica; the heads' replies are the replica's
+            futs = self.pool.request_many(self.with_clears({self.names[i]: per_replica[self.mesh.dp_rank(i)]
+                                                            for i in range(self.n_workers)}))
+        else:  # heads only: one request (and reply) per relay (WorkerPool.request_joined)
+            futs = self.pool.request_joined(self.with_clears({self.names[i]: per_replica[d] for d, i in enumerate(self.heads)}))
         return chained, futs
 
     def run_step(self, step: int, metrics: dict, writer: MetricsWriter) -> None:
@@ -257,18 +266,20 @@ class Master:
                 raise error
             nodes, ids, futs, t0 = running.pop(name)
             wall = time.perf_counter() - t0
-            got = {w: r for w, r in wait_all(futs, 0, f"MFC {name}").items()
-                   if self.index_of[w] in self.head_set}  # the rest of a replica echoes its head
-            for w, r in got.items():
-                if len(r.then) != len(nodes) - 1:
-                    raise RemoteError(f"{w}: MFC {name} answered {len(r.then)} chained MFCs of {len(nodes) - 1}")
-            per_node = [list(got.values())] + [[r.then[k] for r in got.values()] for k in range(len(nodes) - 1)]
+            got = [r if isinstance(r, Gathered) else Gathered([w], [len(r.ids)], r)
+                   for w, r in wait_all(futs, 0, f"MFC {name}").items()
+                   if isinstance(r, Gathered) or self.index_of[w] in self.head_set]  # the rest of a replica echoes its head
+            for g in got:
+                if len(g.reply.then) != len(nodes) - 1:
+                    raise RemoteError(f"{g.workers[0]}: MFC {name} answered {len(g.reply.then)} chained MFCs of {len(nodes) - 1}")
+            owners = [g.owners(self.index_of) for g in got]
+            per_node = [[g.reply for g in got]] + [[g.reply.then[k] for g in got] for k in range(len(nodes) - 1)]
             # A chain's wall time is shared out by the slowest worker's own time in each MFC.
             slowest = [max((r.seconds for r in rs), default=0.0) for rs in per_node]
             total = sum(slowest)
             for node, rs, s in zip(nodes, per_node, slowest):
-                for wname, r in zip(got, rs):
-                    self.buffer.add(self.index_of[wname], r.ids, r.outputs)
+                for own, r in zip(owners, rs):
+                    self.buffer.add(own, r.ids, r.outputs)
                 self.buffer.finish(node, ids)
                 merge_stats(rs, metrics)
                 share = wall * s / total if total > 0 else wall / len(nodes)
@@ -370,6 +381,7 @@ class Master:
 
     def configure(self, recover_from: str | None = None) -> None:
         replies = self.call_all(Configure(recover_from=recover_from), "configure", self.cfg.system.startup_timeout_s)
+        calm_collector()
         if not self.async_mode:
             skipped: dict[str, int] = {}
             for r in replies.values():

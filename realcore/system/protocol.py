@@ -41,6 +41,7 @@ class Cmd(IntEnum):
     SERVER_VERSION = 21  # rollout worker -> manager: which weight version does this server hold now?
     BROADCAST_WEIGHTS = 22  # master -> model workers: broadcast the trainable weights to the servers (weight-update group)
     RELAY = 23  # master -> a model worker that relays for its node: forward these requests, answer with all replies
+    SPLIT = 24  # master -> a relaying model worker: one FETCH or RUN_MFC for several workers as columns (columns.py)
 
 
 class BadBody(ValueError):
@@ -405,3 +406,35 @@ def relay_request(requests: list[tuple[str, dict]], timeout_s: float, rid: int) 
     """The RELAY request header for already-built request headers (request()): built directly,
     since its body only nests headers that are msgpack-ready already."""
     return {"cmd": int(Cmd.RELAY), "rid": rid, "body": {"requests": requests, "timeout_s": timeout_s}}
+
+
+@body
+class Joined:
+    """The replies to a SPLIT as one (columns.join): `body` is one reply of the split command's type
+    over every worker's samples, `sizes[k]` of them from its k-th worker, in order."""
+
+    sizes: list[int]
+    body: dict[str, Any]
+
+
+@message(Cmd.SPLIT, Joined)
+class Split:
+    """One FETCH or RUN_MFC (`cmd`) for several workers of a node (control.NodeRelay cuts it into
+    each worker's request, columns.cut, and answers once all replied): `body` is that command's
+    body with every per-sample list of the workers' requests concatenated, `sizes[k]` samples of
+    them for `workers[k]` (a control address), `clears[k]` its released samples to drop first. A
+    worker that fails or stays silent past `timeout_s` fails the whole SPLIT, naming it."""
+
+    cmd: int
+    workers: list[str]
+    sizes: list[int]
+    body: dict[str, Any]
+    clears: list[list[int]]
+    timeout_s: float
+
+
+def split_request(cmd: int, workers: list[str], sizes: list[int], body: dict, clears: list[list[int]],
+                  timeout_s: float, rid: int) -> dict:
+    """The SPLIT request header, built directly (its body is msgpack-ready already: columns.pack)."""
+    return {"cmd": int(Cmd.SPLIT), "rid": rid, "body": {"cmd": cmd, "workers": workers, "sizes": sizes, "body": body,
+                                                       "clears": clears, "timeout_s": timeout_s}}

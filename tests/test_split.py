@@ -1,0 +1,163 @@
+"""One FETCH or RUN_MFC for a node's workers as one SPLIT (columns.py): the relay cuts it into each
+worker's own request and joins their replies. Real ControlServers and a WorkerPool over loopback
+(test_relay.Node); the columns' own rules tested directly."""
+
+import threading
+import time
+
+import pytest
+
+from realcore.system import columns
+from realcore.system.control import Gathered, wait_all
+from realcore.system.protocol import Cmd, Fetch, Fetched, MFCDone, RemoteError, RunMFC, WorkerLost, to_body
+from tests.test_relay import Node
+
+
+def serve_mfc(server, stop: threading.Event, handled: list, delay_s: float, index: int):
+    """A model worker's answers: FETCH makes `n` samples from first_id (one sequence of index+1
+    tokens each); RUN_MFC "fail" fails, any other answers an output key per id (its length the id),
+    a count and a mean (the worker's index) over len(ids) sequences, and runs `then` after it."""
+    def run(msg):
+        if msg.mfc == "fail":
+            raise RuntimeError(f"MFC failed on worker {index}")
+        return MFCDone(msg.ids, {f"{msg.mfc}_out": [[sid] for sid in msg.ids]}, {"count": len(msg.ids), "mean": float(index)},
+                       len(msg.ids), seconds=0.1 * index, then=[run(m) for m in msg.then])
+
+    while not stop.is_set():
+        try:
+            peer, rid, msg = server.requests.get(timeout=0.05)
+        except Exception:
+            continue
+        handled.append(msg)
+        time.sleep(delay_s)
+        try:
+            if isinstance(msg, Fetch):
+                ids = list(range(msg.first_id, msg.first_id + msg.n))
+                server.send_reply(peer, rid, Fetched(ids, {"prompt": [[index + 1] for _ in ids]}, [f"u{i}" for i in ids]))
+            else:
+                server.send_reply(peer, rid, run(msg))
+        except Exception as e:
+            server.send_reply(peer, rid, error=f"{type(e).__name__}: {e}")
+
+
+@pytest.fixture
+def node():
+    made = []
+    yield lambda n, **kw: made.append(Node(n, serve_fn=serve_mfc, **kw)) or made[-1]
+    for nd in made:
+        nd.close()
+
+
+def test_a_fetch_for_a_node_is_one_split_cut_per_worker(node):
+    n = node(4)
+    clears = {"w1": [7, 8]}
+    msgs = {f"w{i}": Fetch(10 + 2 * i, 2, clear=clears.get(f"w{i}", [])) for i in range(4)}
+    got = wait_all(n.pool.request_joined(msgs), 10, "fetch")
+    assert list(got) == ["w0"]  # one reply for the node, named by its first worker
+    g = got["w0"]
+    assert isinstance(g, Gathered) and g.workers == ["w0", "w1", "w2", "w3"] and g.sizes == [2, 2, 2, 2]
+    assert g.reply.ids == list(range(10, 18)) and g.reply.uids == [f"u{i}" for i in range(10, 18)]
+    assert g.reply.seqlens == {"prompt": [[1], [1], [2], [2], [3], [3], [4], [4]]}
+    assert g.owners({f"w{i}": i for i in range(4)}) == [0, 0, 1, 1, 2, 2, 3, 3]
+    # each worker got its own Fetch, with its own released samples to drop
+    assert [h[0] for h in n.handled] == [Fetch(10 + 2 * i, 2, clear=clears.get(f"w{i}", [])) for i in range(4)]
+    # the workers heard w0's relay, not the master
+    assert all(k.startswith("w0/relay#") for s in n.servers[1:] for k in s.endpoint.guard._senders)
+    assert not n.pool._pending
+
+
+def test_an_mfc_and_its_chain_are_cut_per_worker_and_joined_in_order(node):
+    n = node(3)
+    msgs = {f"w{i}": RunMFC("ref", [3 * i, 3 * i + 1][: i + 1], {"prompt": [i] * min(i + 1, 2)},
+                            then=[RunMFC("train", [3 * i, 3 * i + 1][: i + 1], {"ref_out": [i] * min(i + 1, 2)})])
+            for i in range(3)}
+    g = wait_all(n.pool.request_joined(msgs), 10, "mfc")["w0"]
+    assert g.sizes == [1, 2, 2]
+    assert g.reply.ids == [0, 3, 4, 6, 7]
+    assert g.reply.outputs == {"ref_out": [[0], [3], [4], [6], [7]]}
+    # counts summed, means weighted by each worker's sequences, the slowest worker's time
+    assert g.reply.stats == {"count": 5, "mean": (0 * 1 + 1 * 2 + 2 * 2) / 5} and g.reply.n == 5
+    assert g.reply.seconds == pytest.approx(0.2)
+    assert [t.ids for t in g.reply.then] == [[0, 3, 4, 6, 7]] and g.reply.then[0].outputs == {"train_out": [[0], [3], [4], [6], [7]]}
+    for i in range(3):  # each worker ran exactly its own request
+        assert n.handled[i] == [msgs[f"w{i}"]]
+
+
+def test_requests_that_do_not_fit_one_split_go_one_each_in_order(node):
+    n = node(3)
+    with pytest.raises(ValueError, match="w1's RunMFC does not split"):  # nothing is sent
+        n.pool.request_joined({"w0": RunMFC("a", [0], {"k": [0]}), "w1": RunMFC("b", [1], {"k": []})})
+    assert not n.pool._pending
+    msgs = {"w0": RunMFC("a", [0], {"k": [0]}), "w1": RunMFC("b", [1], {"k": [0]}), "w2": RunMFC("a", [2], {"k": [0]})}
+    got = wait_all(n.pool.request_joined(msgs), 10, "mfc")
+    assert {w: (g.workers, g.reply.ids) for w, g in got.items()} == {f"w{i}": ([f"w{i}"], [i]) for i in range(3)}
+    assert [h[0].mfc for h in n.handled] == ["a", "b", "a"]
+
+
+def test_a_failing_worker_fails_the_split_naming_it(node):
+    n = node(3)
+    msgs = {f"w{i}": RunMFC("fail" if i == 2 else "ok", [i], {"k": [0]}) for i in range(3)}
+    with pytest.raises(RemoteError, match="^w2: RuntimeError: MFC failed on worker 2"):
+        wait_all(n.pool.request_joined(msgs), 10, "mfc")
+    assert not n.pool._pending
+
+
+def test_a_silent_worker_fails_the_split_at_the_relays_deadline(node):
+    n = node(3, relay_timeout_s=0.5, delays={1: 2.0})
+    t0 = time.monotonic()
+    with pytest.raises(RemoteError, match="^w1: relay: no reply within the relay's timeout"):
+        wait_all(n.pool.request_joined({f"w{i}": Fetch(i, 1) for i in range(3)}), 10, "fetch")
+    assert time.monotonic() - t0 < 1.9
+
+
+def test_a_lost_worker_fails_the_split_it_is_in(node):
+    n = node(3, heartbeat_timeout_s=0.5, delays={2: 3.0})
+    futs = n.pool.request_joined({f"w{i}": Fetch(i, 1) for i in range(3)})
+    time.sleep(0.2)
+    n.servers[1]._close_by = 0  # w1's I/O thread stops: no more heartbeats from it
+    n.servers[1]._stop.set()
+    with pytest.raises(WorkerLost, match="^w1: no heartbeat"):
+        futs["w0"].result(10)
+
+
+# --- the columns themselves ------------------------------------------------------------------------
+
+
+def test_pack_refuses_what_cannot_travel_as_one():
+    assert columns.pack([Fetch(0, 2), Fetch(3, 1)]) is None  # ids that do not follow each other
+    assert columns.pack([Fetch(0, 2, version=1), Fetch(2, 1)]) is None
+    assert columns.pack([RunMFC("a", [0], {"k": [1]}), RunMFC("b", [1], {"k": [1]})]) is None
+    assert columns.pack([RunMFC("a", [0], {"k": [1]}), RunMFC("a", [1], {"j": [1]})]) is None
+    assert columns.pack([RunMFC("a", [0], {"k": [1, 2]})]) is None  # an owner per id, or nothing
+    assert columns.pack([Fetch(0, 1), RunMFC("a", [1], {})]) is None
+
+
+def test_cut_gives_back_each_request():
+    msgs = [RunMFC("a", [5, 6], {"k": [1, 1]}, clear=[1], then=[RunMFC("b", [5, 6], {"o": [0, 0]})]),
+            RunMFC("a", [7], {"k": [2]}, then=[RunMFC("b", [7], {"o": [1]})])]
+    cmd, sizes, body, clears = columns.pack(msgs)
+    for k, m in enumerate(msgs):
+        assert columns.cut(cmd, body, sizes, clears, k) == {key: v for key, v in to_body(m).items()
+                                                            if key != "then"} | {"then": [
+            {key: v for key, v in to_body(t).items() if key != "clear"} for t in m.then]}
+    with pytest.raises(ValueError):
+        columns.cut(cmd, body, [2, 2], clears, 0)
+
+
+def test_join_refuses_replies_that_do_not_line_up():
+    a = to_body(MFCDone([1], {"x": [[3]]}, {}, 1))
+    b = to_body(MFCDone([2], {"y": [[3]]}, {}, 1))
+    with pytest.raises(ValueError, match="different outputs keys"):
+        columns.join(int(Cmd.RUN_MFC), [a, b])
+    c = to_body(MFCDone([2, 3], {"x": [[3]]}, {}, 2))
+    with pytest.raises(ValueError, match="1 entries for 2 samples"):
+        columns.join(int(Cmd.RUN_MFC), [a, c])
+    empty = to_body(Fetched([], {}, []))  # a worker with nothing to give may name no keys
+    assert columns.join(int(Cmd.FETCH), [to_body(Fetched([1], {"p": [[2]]}, ["u"])), empty])[1]["seqlens"] == {"p": [[2]]}
+
+
+def test_merged_groups_merge_as_all_workers_at_once():
+    parts = [({"c": 1, "m": 0.5}, 2), ({"c": 2, "m": 1.0}, 1), ({"c": 4}, 3), ({"m": 0.25, "c": 0}, 4)]
+    whole = columns.merged_stats(parts)
+    halves = columns.merged_stats([(columns.merged_stats(parts[:2]), 3), (columns.merged_stats(parts[2:]), 7)])
+    assert whole == pytest.approx(halves) and whole["c"] == 7 and type(halves["c"]) is int
