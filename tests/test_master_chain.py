@@ -64,8 +64,8 @@ def test_an_mfc_split_differently_is_not_chained():
     # actor_train's cost is its longest input: a loss mask longer than the sequences for some
     # samples changes its balanced split, so it must wait and be split by its own costs.
     for sid in ids[: len(ids) // 2]:
-        owner, lens = m.buffer.samples[sid].keys["loss_mask"]
-        m.buffer.samples[sid].keys["loss_mask"] = (owner, [x * 50 for x in lens])
+        owner, tokens, n = m.buffer.samples[sid].keys["loss_mask"]
+        m.buffer.samples[sid].keys["loss_mask"] = (owner, tokens * 50, n)
     parts = _parts(m, "ref_inf", ids)
     assert parts != _parts(m, "actor_train", ids)
     assert m.chain(m.dfg.nodes["ref_inf"], ids, parts, set()) == []

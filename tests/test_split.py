@@ -8,17 +8,17 @@ import time
 import pytest
 
 from realcore.system import columns
-from realcore.system.control import Gathered, wait_all
-from realcore.system.protocol import Cmd, Fetch, Fetched, MFCDone, RemoteError, RunMFC, WorkerLost, to_body
+from realcore.system.control import Columns, Gathered, wait_all
+from realcore.system.protocol import Cmd, Fetch, Fetched, MFCDone, RemoteError, RunMFC, WorkerLost, parse, to_body
 from tests.test_relay import Node
 
 
 def serve_mfc(server, stop: threading.Event, handled: list, delay_s: float, index: int):
     """A model worker's answers: FETCH makes `n` samples from first_id (one sequence of index+1
-    tokens each); RUN_MFC "fail" fails, any other answers an output key per id (its length the id),
+    tokens each); RUN_MFC "fail_on_<index>" fails on that worker, any other answers an output key per id (its length the id),
     a count and a mean (the worker's index) over len(ids) sequences, and runs `then` after it."""
     def run(msg):
-        if msg.mfc == "fail":
+        if msg.mfc == f"fail_on_{index}":
             raise RuntimeError(f"MFC failed on worker {index}")
         return MFCDone(msg.ids, {f"{msg.mfc}_out": [[sid] for sid in msg.ids]}, {"count": len(msg.ids), "mean": float(index)},
                        len(msg.ids), seconds=0.1 * index, then=[run(m) for m in msg.then])
@@ -50,17 +50,16 @@ def node():
 
 def test_a_fetch_for_a_node_is_one_split_cut_per_worker(node):
     n = node(4)
-    clears = {"w1": [7, 8]}
-    msgs = {f"w{i}": Fetch(10 + 2 * i, 2, clear=clears.get(f"w{i}", [])) for i in range(4)}
-    got = wait_all(n.pool.request_joined(msgs), 10, "fetch")
+    workers = [f"w{i}" for i in range(4)]
+    got = wait_all(n.pool.request_columns([Columns(workers, [2, 2, 2, 2], Fetch(10, 8), [[], [7, 8], [], []])]), 10, "fetch")
     assert list(got) == ["w0"]  # one reply for the node, named by its first worker
     g = got["w0"]
-    assert isinstance(g, Gathered) and g.workers == ["w0", "w1", "w2", "w3"] and g.sizes == [2, 2, 2, 2]
+    assert isinstance(g, Gathered) and g.workers == workers and g.sizes == [2, 2, 2, 2]
     assert g.reply.ids == list(range(10, 18)) and g.reply.uids == [f"u{i}" for i in range(10, 18)]
     assert g.reply.seqlens == {"prompt": [[1], [1], [2], [2], [3], [3], [4], [4]]}
-    assert g.owners({f"w{i}": i for i in range(4)}) == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert g.owners({w: i for i, w in enumerate(workers)}) == [0, 0, 1, 1, 2, 2, 3, 3]
     # each worker got its own Fetch, with its own released samples to drop
-    assert [h[0] for h in n.handled] == [Fetch(10 + 2 * i, 2, clear=clears.get(f"w{i}", [])) for i in range(4)]
+    assert [h for h in n.handled] == [[Fetch(10 + 2 * i, 2, clear=[7, 8] if i == 1 else [])] for i in range(4)]
     # the workers heard w0's relay, not the master
     assert all(k.startswith("w0/relay#") for s in n.servers[1:] for k in s.endpoint.guard._senders)
     assert not n.pool._pending
@@ -68,37 +67,37 @@ def test_a_fetch_for_a_node_is_one_split_cut_per_worker(node):
 
 def test_an_mfc_and_its_chain_are_cut_per_worker_and_joined_in_order(node):
     n = node(3)
-    msgs = {f"w{i}": RunMFC("ref", [3 * i, 3 * i + 1][: i + 1], {"prompt": [i] * min(i + 1, 2)},
-                            then=[RunMFC("train", [3 * i, 3 * i + 1][: i + 1], {"ref_out": [i] * min(i + 1, 2)})])
-            for i in range(3)}
-    g = wait_all(n.pool.request_joined(msgs), 10, "mfc")["w0"]
+    ids, owner = [0, 3, 4, 6, 7], [0, 1, 1, 2, 2]
+    msg = RunMFC("ref", ids, {"prompt": owner}, then=[RunMFC("train", ids, {"ref_out": owner})])
+    g = wait_all(n.pool.request_columns([Columns(["w0", "w1", "w2"], [1, 2, 2], msg, [[], [5], []])]), 10, "mfc")["w0"]
     assert g.sizes == [1, 2, 2]
-    assert g.reply.ids == [0, 3, 4, 6, 7]
-    assert g.reply.outputs == {"ref_out": [[0], [3], [4], [6], [7]]}
+    assert g.reply.ids == ids and g.reply.outputs == {"ref_out": [[i] for i in ids]}
     # counts summed, means weighted by each worker's sequences, the slowest worker's time
     assert g.reply.stats == {"count": 5, "mean": (0 * 1 + 1 * 2 + 2 * 2) / 5} and g.reply.n == 5
     assert g.reply.seconds == pytest.approx(0.2)
-    assert [t.ids for t in g.reply.then] == [[0, 3, 4, 6, 7]] and g.reply.then[0].outputs == {"train_out": [[0], [3], [4], [6], [7]]}
-    for i in range(3):  # each worker ran exactly its own request
-        assert n.handled[i] == [msgs[f"w{i}"]]
+    assert [t.ids for t in g.reply.then] == [ids] and g.reply.then[0].outputs == {"train_out": [[i] for i in ids]}
+    for i, mine in enumerate([[0], [3, 4], [6, 7]]):  # each worker ran exactly its own request
+        assert n.handled[i] == [RunMFC("ref", mine, {"prompt": [i] * len(mine)}, clear=[5] if i == 1 else [],
+                                       then=[RunMFC("train", mine, {"ref_out": [i] * len(mine)})])]
 
 
-def test_requests_that_do_not_fit_one_split_go_one_each_in_order(node):
+def test_requests_that_do_not_cut_are_refused_before_anything_is_sent(node):
     n = node(3)
-    with pytest.raises(ValueError, match="w1's RunMFC does not split"):  # nothing is sent
-        n.pool.request_joined({"w0": RunMFC("a", [0], {"k": [0]}), "w1": RunMFC("b", [1], {"k": []})})
-    assert not n.pool._pending
-    msgs = {"w0": RunMFC("a", [0], {"k": [0]}), "w1": RunMFC("b", [1], {"k": [0]}), "w2": RunMFC("a", [2], {"k": [0]})}
-    got = wait_all(n.pool.request_joined(msgs), 10, "mfc")
-    assert {w: (g.workers, g.reply.ids) for w, g in got.items()} == {f"w{i}": ([f"w{i}"], [i]) for i in range(3)}
-    assert [h[0].mfc for h in n.handled] == ["a", "b", "a"]
+    good = Columns(["w0", "w1"], [1, 1], Fetch(0, 2), [[], []])
+    for bad, why in [(Columns(["w0", "w1"], [1, 2], Fetch(0, 2), [[], []]), "a Fetch of 2 samples cut into"),
+                     (Columns(["w0"], [2], RunMFC("a", [0, 1], {"k": [0]}), [[]]), r"owners of \['k'\] not one per id"),
+                     (Columns(["w0", "w1"], [1, 1], RunMFC("a", [0, 1], {}, then=[RunMFC("b", [0], {})]), [[], []]), "RunMFC b"),
+                     (Columns(["w0", "w1"], [2], Fetch(0, 2), [[], []]), "2 workers, 1 sizes")]:
+        with pytest.raises(ValueError, match=why):
+            n.pool.request_columns([good, bad])
+    assert not n.pool._pending and not any(n.handled)
 
 
 def test_a_failing_worker_fails_the_split_naming_it(node):
     n = node(3)
-    msgs = {f"w{i}": RunMFC("fail" if i == 2 else "ok", [i], {"k": [0]}) for i in range(3)}
     with pytest.raises(RemoteError, match="^w2: RuntimeError: MFC failed on worker 2"):
-        wait_all(n.pool.request_joined(msgs), 10, "mfc")
+        wait_all(n.pool.request_columns([Columns(["w0", "w1", "w2"], [1, 1, 1], RunMFC("fail_on_2", [0, 1, 2], {}),
+                                                 [[], [], []])]), 10, "mfc")
     assert not n.pool._pending
 
 
@@ -106,13 +105,13 @@ def test_a_silent_worker_fails_the_split_at_the_relays_deadline(node):
     n = node(3, relay_timeout_s=0.5, delays={1: 2.0})
     t0 = time.monotonic()
     with pytest.raises(RemoteError, match="^w1: relay: no reply within the relay's timeout"):
-        wait_all(n.pool.request_joined({f"w{i}": Fetch(i, 1) for i in range(3)}), 10, "fetch")
+        wait_all(n.pool.request_columns([Columns(["w0", "w1", "w2"], [1, 1, 1], Fetch(0, 3), [[], [], []])]), 10, "fetch")
     assert time.monotonic() - t0 < 1.9
 
 
 def test_a_lost_worker_fails_the_split_it_is_in(node):
     n = node(3, heartbeat_timeout_s=0.5, delays={2: 3.0})
-    futs = n.pool.request_joined({f"w{i}": Fetch(i, 1) for i in range(3)})
+    futs = n.pool.request_columns([Columns(["w0", "w1", "w2"], [1, 1, 1], Fetch(0, 3), [[], [], []])])
     time.sleep(0.2)
     n.servers[1]._close_by = 0  # w1's I/O thread stops: no more heartbeats from it
     n.servers[1]._stop.set()
@@ -123,25 +122,17 @@ def test_a_lost_worker_fails_the_split_it_is_in(node):
 # --- the columns themselves ------------------------------------------------------------------------
 
 
-def test_pack_refuses_what_cannot_travel_as_one():
-    assert columns.pack([Fetch(0, 2), Fetch(3, 1)]) is None  # ids that do not follow each other
-    assert columns.pack([Fetch(0, 2, version=1), Fetch(2, 1)]) is None
-    assert columns.pack([RunMFC("a", [0], {"k": [1]}), RunMFC("b", [1], {"k": [1]})]) is None
-    assert columns.pack([RunMFC("a", [0], {"k": [1]}), RunMFC("a", [1], {"j": [1]})]) is None
-    assert columns.pack([RunMFC("a", [0], {"k": [1, 2]})]) is None  # an owner per id, or nothing
-    assert columns.pack([Fetch(0, 1), RunMFC("a", [1], {})]) is None
-
-
-def test_cut_gives_back_each_request():
-    msgs = [RunMFC("a", [5, 6], {"k": [1, 1]}, clear=[1], then=[RunMFC("b", [5, 6], {"o": [0, 0]})]),
+def test_cut_gives_each_worker_its_own_request():
+    mine = [RunMFC("a", [5, 6], {"k": [1, 1]}, clear=[1], then=[RunMFC("b", [5, 6], {"o": [0, 0]})]),
             RunMFC("a", [7], {"k": [2]}, then=[RunMFC("b", [7], {"o": [1]})])]
-    cmd, sizes, body, clears = columns.pack(msgs)
-    for k, m in enumerate(msgs):
-        assert columns.cut(cmd, body, sizes, clears, k) == {key: v for key, v in to_body(m).items()
-                                                            if key != "then"} | {"then": [
-            {key: v for key, v in to_body(t).items() if key != "clear"} for t in m.then]}
+    msg = RunMFC("a", [5, 6, 7], {"k": [1, 1, 2]}, then=[RunMFC("b", [5, 6, 7], {"o": [0, 0, 1]})])
+    for k, m in enumerate(mine):
+        got = columns.cut(int(Cmd.RUN_MFC), to_body(msg), [2, 1], [[1], []], k)
+        assert parse(RunMFC, got) == m
+    assert columns.cut(int(Cmd.FETCH), to_body(Fetch(10, 5, version=3)), [2, 3], [[], [4]], 1) == \
+        {"first_id": 12, "n": 3, "version": 3, "clear": [4]}
     with pytest.raises(ValueError):
-        columns.cut(cmd, body, [2, 2], clears, 0)
+        columns.cut(int(Cmd.RUN_MFC), to_body(msg), [2, 2], [[], []], 0)
 
 
 def test_join_refuses_replies_that_do_not_line_up():

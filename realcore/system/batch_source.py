@@ -5,11 +5,13 @@ saves in a recover checkpoint, what it alone knows.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
 from realcore.api.config import ExperimentConfig
 from realcore.api.registry import dataset_keys, workflow_keys
+from realcore.system.control import Columns
 from realcore.system.protocol import Fetch, Fetched, Resolve
 
 
@@ -38,14 +40,25 @@ class DatasetSource:
 
     def fetch(self, metrics: dict) -> list[Group]:
         m, n = self.m, self.m.cfg.trainer.batch_size
-        msgs, w = {}, len(m.heads)
-        for d, head in enumerate(m.heads):
-            k = n // w + (1 if d < n % w else 0)
-            if k:
-                msgs[m.names[head]] = Fetch(first_id=m.next_id, n=k)
-                m.next_id += k
+        w = len(m.heads)
+        counts = [n // w + (1 if d < n % w else 0) for d in range(w)]
+        first = [m.next_id + k for k in itertools.accumulate(counts, initial=0)]  # replica d's first id
+        reqs = []
+        for ds in m.groups:  # one Fetch per run of adjacent replicas with samples (their ids follow on)
+            runs: list[list[int]] = []
+            for d in ds:
+                if counts[d]:
+                    if runs and runs[-1][-1] == d - 1:
+                        runs[-1].append(d)
+                    else:
+                        runs.append([d])
+            for run in runs:
+                reqs.append(Columns([m.names[m.heads[d]] for d in run], [counts[d] for d in run],
+                                    Fetch(first_id=first[run[0]], n=sum(counts[d] for d in run)),
+                                    [m.to_clear.pop(m.heads[d], []) for d in run]))
+        m.next_id += n
         groups = []
-        for g in m.wait(m.pool.request_joined(m.with_clears(msgs)), "dataset fetch").values():
+        for g in m.wait(m.pool.request_columns(reqs), "dataset fetch").values():
             r = g.reply
             m.buffer.add(g.owners(m.index_of), r.ids, r.seqlens)
             groups += [Group(sid, uid) for sid, uid in zip(r.ids, r.uids)]

@@ -14,7 +14,7 @@ class SampleMeta:
 
     def __init__(self, id: int):
         self.id = id
-        self.keys: dict[str, tuple[int, list[int]]] = {}  # key -> (owner worker, seqlens)
+        self.keys: dict[str, tuple[int, int, int]] = {}  # key -> (owner worker, tokens, sequences)
         self.done: set[str] = set()  # MFC nodes that ran on this sample
         self.running: set[str] = set()
 
@@ -28,17 +28,18 @@ class SampleBuffer:
         return len(self.samples)
 
     def add(self, owners: list[int], ids: list[int], seqlens: dict[str, list[list[int]]]) -> None:
-        """Sample ids[i] now has each key of `seqlens`, stored on worker owners[i]."""
-        # seqlens comes from a parsed reply the caller gives away: its lists are kept, not copied.
+        """Sample ids[i] now has each key of `seqlens`, stored on worker owners[i]. Kept per key: its
+        tokens (the sum of its sequence lengths, a cost) and how many sequences."""
         samples = self.samples
-        items = seqlens.items()
+        # Per key, its tokens and sequences per sample, in C loops (not per sample and key in Python).
+        items = [(key, list(map(sum, lens)), list(map(len, lens))) for key, lens in seqlens.items()]
         for i, sid in enumerate(ids):
             meta = samples.get(sid)
             if meta is None:
                 meta = samples[sid] = SampleMeta(sid)
             keys, owner = meta.keys, owners[i]
-            for key, lens in items:
-                keys[key] = (owner, lens[i])
+            for key, tokens, counts in items:
+                keys[key] = (owner, tokens[i], counts[i])
 
     def ready(self, node: MFCNode) -> list[int] | None:
         """`node.n_seqs` samples that hold all of its inputs and have not run it, or None."""
@@ -58,7 +59,8 @@ class SampleBuffer:
             self.samples[sid].running.discard(node.name)
             self.samples[sid].done.add(node.name)
 
-    def owners(self, ids: list[int], keys: tuple[str, ...]) -> dict[str, list[int]]:
+    def owners(self, ids: list[int], keys) -> dict[str, list[int]]:
+        """key -> the worker holding it, for each of `ids`."""
         metas = [self.samples[sid].keys for sid in ids]
         return {k: [m[k][0] for m in metas] for k in keys}
 
@@ -67,10 +69,15 @@ class SampleBuffer:
         have, best = self.samples[sid].keys, None
         for k in keys:  # a loop, not max(generator): called per sample and MFC
             if k in have:
-                n = sum(have[k][1])
+                n = have[k][1]
                 if best is None or n > best:
                     best = n
         return 1 if best is None else best
+
+    def sequences(self, sid: int, key: str) -> int | None:
+        """How many sequences sample `sid` has of `key` (None: it has no such key)."""
+        entry = self.samples[sid].keys.get(key)
+        return None if entry is None else entry[2]
 
     def completed(self) -> list[int]:
         """Samples every MFC has run on: ready to be released."""
@@ -81,7 +88,7 @@ class SampleBuffer:
         """worker -> the ids among `ids` it stores something of (the owners of their keys)."""
         out: dict[int, list[int]] = {}
         for sid in ids:
-            for w in {owner for owner, _ in self.samples[sid].keys.values()}:
+            for w in {entry[0] for entry in self.samples[sid].keys.values()}:
                 out.setdefault(w, []).append(sid)
         return out
 

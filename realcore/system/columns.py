@@ -1,13 +1,14 @@
 """One FETCH or RUN_MFC for several workers of a node as columns (protocol.Split), and their
 replies joined into one.
 
-The master's requests in a step differ per worker only in which samples they name; sent as one
-body per node (each per-sample list of the workers' requests concatenated, in order) and answered
-with one reply (the workers' replies concatenated the same way, their stats merged), the master
-builds, signs and parses one message per node instead of one per worker. The relay
-(control.NodeRelay) cuts the body into each worker's own request (`cut`) and joins their replies
-(`join`); the workers see the requests they always did. Plain dicts throughout: the relay never
-parses what it passes on, each worker validates its request and the master the joined reply.
+The master's requests in a step differ per worker only in which samples they name. It sends a
+node's workers one request over all their samples (every per-sample list of theirs concatenated,
+in order, with how many samples each worker gets: Master.dispatch builds it so, control.Columns)
+and gets one reply back (their replies concatenated the same way, their stats merged): it builds,
+signs and parses one message per node instead of one per worker. The relay (control.NodeRelay)
+cuts the request into each worker's own (`cut`) and joins their replies (`join`); the workers see
+the requests they always did. Plain dicts at the relay: it never parses what it passes on; each
+worker validates its request and the master the joined reply.
 """
 
 from __future__ import annotations
@@ -32,44 +33,24 @@ def merged_stats(parts: list[tuple[dict[str, Any], int]]) -> dict[str, Any]:
     return out
 
 
-def pack(msgs: list[Fetch | RunMFC]) -> tuple[int, list[int], dict, list[list[int]]] | None:
-    """(cmd, sizes, body, clears) of one Split carrying these requests (each worker's, in order), or
-    None when they cannot travel as one: different commands or MFCs, or fetches of ids that do
-    not follow each other."""
-    clears = [list(m.clear) for m in msgs]
-    if all(type(m) is Fetch for m in msgs):
-        first = msgs[0]
-        nxt = first.first_id
-        for m in msgs:
-            if m.first_id != nxt or m.version != first.version:
-                return None
-            nxt += m.n
-        return int(Cmd.FETCH), [m.n for m in msgs], {"first_id": first.first_id, "n": nxt - first.first_id,
-                                                     "version": first.version}, clears
-    if all(type(m) is RunMFC for m in msgs):
-        sizes = [len(m.ids) for m in msgs]
-        body = _pack_mfc(msgs, sizes)
-        return (int(Cmd.RUN_MFC), sizes, body, clears) if body is not None else None
-    return None
+def check(msg: Fetch | RunMFC, sizes: list[int]) -> None:
+    """ValueError unless `msg` can be cut by `sizes`: a Fetch of sum(sizes) samples, or a RunMFC
+    (and each MFC chained to it) on sum(sizes) ids with an owner per id for every input."""
+    if type(msg) is Fetch:
+        if msg.n != sum(sizes):
+            raise ValueError(f"a Fetch of {msg.n} samples cut into {sizes}")
+        return
+    if type(msg) is not RunMFC:
+        raise ValueError(f"a {type(msg).__name__} does not split")
+    _check_mfc(msg, sum(sizes), sizes)
 
 
-def _pack_mfc(msgs: list[RunMFC], sizes: list[int]) -> dict | None:
-    first = msgs[0]
-    keys = first.owners.keys()
-    ids: list[int] = []
-    owners: dict[str, list[int]] = {k: [] for k in keys}
-    for m, size in zip(msgs, sizes):
-        if m.mfc != first.mfc or len(m.ids) != size or m.owners.keys() != keys or len(m.then) != len(first.then):
-            return None
-        ids += m.ids
-        for k, v in m.owners.items():
-            if len(v) != size:
-                return None
-            owners[k] += v
-    then = [_pack_mfc([m.then[j] for m in msgs], sizes) for j in range(len(first.then))]
-    if any(t is None for t in then):
-        return None
-    return {"mfc": first.mfc, "ids": ids, "owners": owners, "then": then}
+def _check_mfc(m: RunMFC, n: int, sizes: list[int]) -> None:
+    bad = [k for k, v in m.owners.items() if len(v) != len(m.ids)]
+    if len(m.ids) != n or bad:
+        raise ValueError(f"RunMFC {m.mfc}: {len(m.ids)} ids cut into {sizes}" + (f", owners of {bad} not one per id" if bad else ""))
+    for t in m.then:
+        _check_mfc(t, n, sizes)
 
 
 def cut(cmd: int, body: dict, sizes: list[int], clears: list[list[int]], k: int) -> dict:

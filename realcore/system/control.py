@@ -9,6 +9,7 @@ single-use); a bad one is dropped and counted (realcore.system.drops, and in eac
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import queue
 import secrets
@@ -150,8 +151,20 @@ def when_all_done(replies: dict[str, Reply], fn: Callable[[BaseException | None]
 
 
 @dataclass
+class Columns:
+    """One Fetch or RunMFC for several workers (WorkerPool.request_columns, columns.py): `msg` covers
+    all their samples, `sizes[k]` of them (a Fetch's count, a RunMFC's ids, in order) for
+    `workers[k]`, which drops its released samples `clears[k]` first."""
+
+    workers: list[str]
+    sizes: list[int]
+    msg: Any
+    clears: list[list[int]]
+
+
+@dataclass
 class Gathered:
-    """Several workers' replies to one request each, as one (WorkerPool.request_joined): `reply`
+    """Several workers' replies to one request each, as one (WorkerPool.request_columns): `reply`
     covers all their samples, `sizes[k]` of them from `workers[k]`, in order."""
 
     workers: list[str]
@@ -544,50 +557,40 @@ class WorkerPool:
             self._waker.wake()
         return futs
 
-    def request_joined(self, msgs: dict[str, object]) -> dict[str, Reply]:
-        """request_many() of Fetch or RunMFC messages whose replies come back gathered: the workers of
-        one relay get theirs as one SPLIT (columns.py) when they fit together, answered as one; each
-        Reply resolves to a Gathered (one per SPLIT, named by its first worker; one per worker sent
-        to directly). The master's cost per step then grows with nodes, not workers."""
+    def request_columns(self, reqs: list[Columns]) -> dict[str, Reply]:
+        """Requests for groups of workers (columns.py), each Reply resolving to a Gathered and keyed
+        by its group's first worker: a group of one worker sent to directly is an ordinary request;
+        any other group must be workers of one relay, which gets it as one SPLIT and answers for all
+        of them. Checked before anything is sent (ValueError)."""
+        built = []
+        for r in reqs:
+            columns.check(r.msg, r.sizes)
+            leader = self.relay_of.get(r.workers[0])
+            if len(r.sizes) != len(r.workers) or len(r.clears) != len(r.workers):
+                raise ValueError(f"request_columns: {len(r.workers)} workers, {len(r.sizes)} sizes, {len(r.clears)} clears")
+            if leader is None and len(r.workers) != 1 or any(self.relay_of.get(w) != leader for w in r.workers):
+                raise ValueError(f"request_columns: {', '.join(r.workers)} are not workers of one relay")
+            built.append((r, leader, None if leader is None else to_body(r.msg)))
         futs: dict[str, Reply] = {}
         out = []
         batch = _Batch()
-        by_leader: dict[str, list[str]] = {}
-        for worker in msgs:
-            leader = self.relay_of.get(worker)
-            if leader is not None:
-                by_leader.setdefault(leader, []).append(worker)
-        splits: list[tuple[str, list[str], tuple]] = []  # (leader, its workers, columns.pack's)
-        for leader, members in by_leader.items():
-            packed = columns.pack([msgs[w] for w in members])
-            # Requests that do not fit one SPLIT (different MFCs) go as one each, still in order.
-            for group in [members] if packed is not None else [[w] for w in members]:
-                one = packed if packed is not None else columns.pack([msgs[group[0]]])
-                if one is None:
-                    raise ValueError(f"request_joined: {group[0]}'s {type(msgs[group[0]]).__name__} does not split "
-                                     "(a Fetch or RunMFC with an owner per id)")
-                splits.append((leader, group, one))
         with self._lock:
-            for worker in msgs:
-                if worker in self.relay_of:
-                    continue
-                fut = futs[worker] = Reply(batch)
-                if worker in self.lost:
-                    fut.set_exception(WorkerLost(f"{worker}: {self.lost[worker]}"))
-                    continue
-                rid = next(self._rids)
-                self._pending[rid] = (worker, fut, msgs[worker].REPLY, (worker,), False)
-                out.append((worker, rid, request(msgs[worker], rid)))
-            for leader, group, (cmd, sizes, body, clears) in splits:
-                fut = futs[group[0]] = Reply(batch)
-                lost = next((f"{w}: {self.lost[w]}" for w in (*group, leader) if w in self.lost), None)
+            for r, leader, body in built:
+                fut = futs[r.workers[0]] = Reply(batch)
+                lost = next((f"{w}: {self.lost[w]}" for w in (*r.workers, leader) if w in self.lost), None)
                 if lost:
                     fut.set_exception(WorkerLost(lost))
                     continue
                 rid = next(self._rids)
-                self._pending[rid] = (leader, fut, msgs[group[0]].REPLY, tuple(group), True)
-                out.append((leader, rid, split_request(cmd, [self.addresses[w] for w in group], sizes, body, clears,
-                                                       self.relay_timeout_s, rid)))
+                if leader is None:
+                    w = r.workers[0]
+                    msg = dataclasses.replace(r.msg, clear=r.clears[0]) if r.clears[0] else r.msg
+                    self._pending[rid] = (w, fut, msg.REPLY, (w,), False)
+                    out.append((w, rid, request(msg, rid)))
+                else:
+                    self._pending[rid] = (leader, fut, r.msg.REPLY, tuple(r.workers), True)
+                    out.append((leader, rid, split_request(int(r.msg.CMD), [self.addresses[w] for w in r.workers], r.sizes,
+                                                           body, r.clears, self.relay_timeout_s, rid)))
         if out:
             self._out.put(out)
             self._waker.wake()

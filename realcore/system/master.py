@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import gc
+import itertools
 import json
 import logging
 import os
@@ -29,7 +30,7 @@ from realcore.system import drops, keys, recover, wire
 from realcore.system.batch_source import DatasetSource, Group, StreamSource, source_keys
 from realcore.system.buffer import SampleBuffer, split_balanced
 from realcore.system.columns import merged_stats
-from realcore.system.control import Gathered, Reply, WorkerPool, wait_all, when_all_done
+from realcore.system.control import Columns, Gathered, Reply, WorkerPool, wait_all, when_all_done
 from realcore.system.ledger import Ledger
 from realcore.system.metrics import MetricsWriter, wandb_init_kwargs
 from realcore.system.name_resolve import make_name_resolver
@@ -68,6 +69,40 @@ def relay_groups(addresses: dict[str, str], size: int) -> dict[str, list[str]]:
         by_host.setdefault(address.rsplit(":", 1)[0], []).append(name)
     groups = [names[i:i + size] for names in by_host.values() for i in range(0, len(names), size)]
     return {g[0]: g for g in groups if len(g) > 1}
+
+
+def replica_groups(heads: list[int], names: list[str], relay_of: dict[str, str]) -> list[list[int]]:
+    """The data-parallel replicas (indices) whose heads one relay serves, each group in replica
+    order, groups in the order of their first replica; a head sent to directly is a group alone.
+    A step's requests to a group travel as one (WorkerPool.request_columns)."""
+    out: list[list[int]] = []
+    by_leader: dict[str, list[int]] = {}
+    for d, head in enumerate(heads):
+        leader = relay_of.get(names[head])
+        if leader is None:
+            out.append([d])
+        elif leader in by_leader:
+            by_leader[leader].append(d)
+        else:
+            by_leader[leader] = [d]
+            out.append(by_leader[leader])
+    return out
+
+
+def take(col: list, spans: list[tuple[int, int]]) -> list:
+    """The entries of `col` in the index ranges `spans` (one slice when there is one range)."""
+    return col[spans[0][0]:spans[0][1]] if len(spans) == 1 else [x for a, b in spans for x in col[a:b]]
+
+
+def spans_of(starts: list[int], ds: list[int]) -> list[tuple[int, int]]:
+    """Index ranges [starts[d], starts[d + 1]) of replicas `ds`, adjacent ones merged."""
+    spans: list[tuple[int, int]] = []
+    for d in ds:
+        if spans and spans[-1][1] == starts[d]:
+            spans[-1] = (spans[-1][0], starts[d + 1])
+        else:
+            spans.append((starts[d], starts[d + 1]))
+    return spans
 
 
 def calm_collector() -> None:
@@ -109,6 +144,7 @@ class Master:
             relays=relay_groups({n: addrs[n] for n in self.names}, cfg.system.relay_group_size),
             relay_timeout_s=cfg.system.request_timeout_s,
         )
+        self.groups = replica_groups(self.heads, self.names, self.pool.relay_of)
         self.drop_tally = drops.Tally()
         self.drop_totals: collections.Counter[str] = collections.Counter()  # "process/socket/reason" -> drops this attempt
         self.next_id = 0
@@ -201,7 +237,11 @@ class Master:
         if self.collective(node) or getattr(lookup("mfc", node.type), "generates", False):
             return []
         metas = [self.buffer.samples[sid] for sid in ids]
-        have = set.intersection(*(set(m.keys) for m in metas)) | set(node.outputs)
+        have = set(metas[0].keys)
+        for m in metas:  # the keys every sample has (a subset test per sample; rarely a new set)
+            if not m.keys.keys() >= have:
+                have &= m.keys.keys()
+        have |= set(node.outputs)
         made = set(node.outputs)
         out: list[MFCNode] = []
         for b in self.nodes:
@@ -223,19 +263,36 @@ class Master:
         chained = self.chain(node, ids, parts, busy)
         for n in (node, *chained):
             self.buffer.start(n, ids)
-        per_replica = []
-        for d, part in enumerate(parts):
+        # Who holds each input, for every id at once (in part order), then cut per part: what the
+        # chain makes is stored by the head that runs the part.
+        made, stored = set(node.outputs), set(node.inputs)
+        for b in chained:
+            stored |= set(b.inputs) - made
+            made |= set(b.outputs)
+        order = [sid for part in parts for sid in part]
+        cols = self.buffer.owners(order, stored)
+        starts = list(itertools.accumulate(map(len, parts), initial=0))
+        # One request per group of replicas (a relay's, or one replica's): the ids of its parts in
+        # order, and who holds each input of each (columns.py).
+        collective = self.collective(node)
+        groups = [[d] for d in range(len(parts))] if collective else self.groups
+        msgs = []
+        for ds in groups:
+            spans = spans_of(starts, ds)
+            ids = take(order, spans)
+            heads = [self.heads[d] for d in ds for _ in parts[d]]
             then, made = [], set(node.outputs)
-            for b in chained:  # what the chain makes is stored by the head that runs this part
-                owners = {k: [self.heads[d]] * len(part) if k in made else self.buffer.owners(part, (k,))[k] for k in b.inputs}
-                then.append(RunMFC(b.name, part, owners))
+            for b in chained:
+                then.append(RunMFC(b.name, ids, {k: heads if k in made else take(cols[k], spans) for k in b.inputs}))
                 made |= set(b.outputs)
-            per_replica.append(RunMFC(node.name, part, self.buffer.owners(part, node.inputs), then=then))
-        if self.collective(node):  # every rank of a replica; the heads' replies are the replica's
-            futs = self.pool.request_many(self.with_clears({self.names[i]: per_replica[self.mesh.dp_rank(i)]
+            msgs.append(RunMFC(node.name, ids, {k: take(cols[k], spans) for k in node.inputs}, then=then))
+        if collective:  # every rank of a replica; the heads' replies are the replica's
+            futs = self.pool.request_many(self.with_clears({self.names[i]: msgs[self.mesh.dp_rank(i)]
                                                             for i in range(self.n_workers)}))
-        else:  # heads only: one request (and reply) per relay (WorkerPool.request_joined)
-            futs = self.pool.request_joined(self.with_clears({self.names[i]: per_replica[d] for d, i in enumerate(self.heads)}))
+        else:
+            futs = self.pool.request_columns([
+                Columns([self.names[self.heads[d]] for d in ds], [len(parts[d]) for d in ds], msg,
+                        [self.to_clear.pop(self.heads[d], []) for d in ds]) for ds, msg in zip(groups, msgs)])
         return chained, futs
 
     def run_step(self, step: int, metrics: dict, writer: MetricsWriter) -> None:
@@ -319,7 +376,7 @@ class Master:
     def ledger_rows(self, groups: list[Group], trained_version: int) -> list[tuple[str, int, list[int], list[int]]]:
         rows = []
         for g in groups:
-            n = len(self.buffer.samples[g.sid].keys["input_ids"][1]) if "input_ids" in self.buffer.samples[g.sid].keys else 1
+            n = self.buffer.sequences(g.sid, "input_ids") or 1
             starts = g.version_start if g.version_start is not None else [trained_version] * n
             ends = g.version_end if g.version_end is not None else [trained_version] * n
             rows.append((g.uid, n, starts, ends))
