@@ -30,13 +30,12 @@ def _generated(m: Master, ids: list[int], lens: dict[int, int]) -> None:
     m.buffer.add([0] * len(ids), ids, {"prompt_ids": [[5]] * len(ids), "answer": [[1]] * len(ids)})
     gen = m.dfg.nodes["actor_gen"]
     m.buffer.add([1] * len(ids), ids, {k: [[lens[sid]] * 4 for sid in ids] for k in gen.outputs})
-    for sid in ids:
-        m.buffer.samples[sid].done.add("actor_gen")
+    m.buffer.finish(gen, ids)
 
 
 def _parts(m: Master, node: str, ids: list[int]) -> list[list[int]]:
     inputs = m.dfg.nodes[node].inputs
-    return split_balanced(ids, [m.buffer.tokens(sid, inputs) for sid in ids], m.mesh.dp)
+    return split_balanced(ids, m.buffer.costs(ids, inputs), m.mesh.dp)
 
 
 def test_training_rides_with_reference_logprobs_not_with_generation():
@@ -63,9 +62,8 @@ def test_an_mfc_split_differently_is_not_chained():
     _generated(m, ids, {sid: 10 + 7 * sid for sid in ids})
     # actor_train's cost is its longest input: a loss mask longer than the sequences for some
     # samples changes its balanced split, so it must wait and be split by its own costs.
-    for sid in ids[: len(ids) // 2]:
-        owner, tokens, n = m.buffer.samples[sid].keys["loss_mask"]
-        m.buffer.samples[sid].keys["loss_mask"] = (owner, tokens * 50, n)
+    half = ids[: len(ids) // 2]
+    m.buffer.add([1] * len(half), half, {"loss_mask": [[(10 + 7 * sid) * 50] * 4 for sid in half]})
     parts = _parts(m, "ref_inf", ids)
     assert parts != _parts(m, "actor_train", ids)
     assert m.chain(m.dfg.nodes["ref_inf"], ids, parts, set()) == []

@@ -236,20 +236,15 @@ class Master:
         which a chained MFC could reach before the head stored them)."""
         if self.collective(node) or getattr(lookup("mfc", node.type), "generates", False):
             return []
-        metas = [self.buffer.samples[sid] for sid in ids]
-        have = set(metas[0].keys)
-        for m in metas:  # the keys every sample has (a subset test per sample; rarely a new set)
-            if not m.keys.keys() >= have:
-                have &= m.keys.keys()
-        have |= set(node.outputs)
+        have = self.buffer.common_keys(ids) | set(node.outputs)
         made = set(node.outputs)
         out: list[MFCNode] = []
         for b in self.nodes:
             if (b is node or b.name in busy or b.n_seqs != len(ids) or self.collective(b)
                     or not set(b.inputs) <= have or not set(b.inputs) & made
-                    or any(b.name in m.done or b.name in m.running for m in metas) or self.buffer.ready(b) is not None):
+                    or self.buffer.touched(b, ids) or self.buffer.ready(b) is not None):
                 continue
-            if split_balanced(ids, [self.buffer.tokens(sid, b.inputs) for sid in ids], self.mesh.dp) != parts:
+            if split_balanced(ids, self.buffer.costs(ids, b.inputs), self.mesh.dp) != parts:
                 continue
             out.append(b)
             have |= set(b.outputs)
@@ -258,8 +253,7 @@ class Master:
 
     def dispatch(self, node: MFCNode, ids: list[int], busy) -> tuple[list[MFCNode], dict[str, Reply]]:
         """Send `node` on `ids` (and the MFCs chained to it) to its workers: (chained MFCs, replies)."""
-        costs = [self.buffer.tokens(sid, node.inputs) for sid in ids]
-        parts = split_balanced(ids, costs, self.mesh.dp)
+        parts = split_balanced(ids, self.buffer.costs(ids, node.inputs), self.mesh.dp)
         chained = self.chain(node, ids, parts, busy)
         for n in (node, *chained):
             self.buffer.start(n, ids)
