@@ -1,6 +1,7 @@
 """Master scale benchmark: the real Master driving N simulated model workers over the real wire.
 
-    python bench/master_scale.py [--workers 10 100 1000] [--steps K] [--procs P] [--quick]
+    python bench/master_scale.py [--workers 10 100 1000] [--steps K] [--procs P] [--relay-group G ...]
+                                 [--relay-fanout F ...] [--quick]
 
 For each N, P simulator processes (multiprocessing spawn) each bind N/P ROUTER sockets on
 127.0.0.1 and serve them all from ONE thread with a zmq.Poller. Each simulated worker publishes
@@ -74,6 +75,24 @@ class _SimWorker:
 
 def _plen(sid: int) -> int:
     return 12 + sid % 17  # a plausible prompt length, deterministic per sample
+
+
+def _commands(msg) -> set:
+    """The commands a message carries: its own, or those it relays (a RELAY of RELAYs: theirs)."""
+    from realcore.system.protocol import Cmd, Relay, Split
+
+    if isinstance(msg, Split):
+        return {msg.cmd}
+    if not isinstance(msg, Relay):
+        return {int(msg.CMD)}
+    out = set()
+    for _, h in msg.requests:
+        body = h.get("body") or {}
+        if h.get("cmd") == Cmd.RELAY:
+            out |= {sub.get("cmd") for _, sub in body.get("requests", [])}
+        else:
+            out.add(body.get("cmd") if h.get("cmd") == Cmd.SPLIT else h.get("cmd"))
+    return out
 
 
 def _serve(assign: list, secret: bytes, root: str, spec: dict, out_q) -> None:
@@ -167,8 +186,7 @@ def _serve(assign: list, secret: bytes, root: str, spec: dict, out_q) -> None:
                         dropped += 1
                         continue
                     counts[msg.CMD.name] = counts.get(msg.CMD.name, 0) + 1
-                    inner = ({h.get("cmd") for _, h in msg.requests} if isinstance(msg, Relay)
-                             else {msg.cmd} if isinstance(msg, Split) else {int(msg.CMD)})
+                    inner = _commands(msg)
                     if peer.sender.startswith("master#") and not inner <= {int(Ping.CMD), int(Configure.CMD), int(Exit.CMD)}:
                         from_master += 1  # a step's message from the master (a RELAY counts once)
                     if isinstance(msg, (Relay, Split)):
@@ -194,9 +212,11 @@ def _serve(assign: list, secret: bytes, root: str, spec: dict, out_q) -> None:
             for r in relays.values():
                 if r.busy():
                     r.expire(now)
-        for r in relays.values():  # the last EXIT replies of a relay's other workers, as ControlServer.close
-            while r.busy() and time.monotonic() - now < 2 and r.sock.poll(100):
-                r.on_readable()
+        grace = time.monotonic() + 5  # the last EXIT replies of a relay's other workers, as ControlServer.close
+        for r in relays.values():  # (those of another simulator process may come late on a loaded machine)
+            while r.busy() and time.monotonic() < grace:
+                if r.sock.poll(100):
+                    r.on_readable()
         out_q.put(("done", pid, len(assign), _os_threads(), counts, dropped, held_at_fetch,
                    sum(len(w.stored) for w in workers.values()), from_master))
     finally:
@@ -243,7 +263,7 @@ def _wait_msgs(q, procs, kind: str, n: int, timeout_s: float) -> list:
     return got
 
 
-def run_one(n: int, steps: int, n_procs: int, relay_group: int) -> dict:
+def run_one(n: int, steps: int, n_procs: int, relay_group: int, fanout: int = 8) -> dict:
     import multiprocessing as mp
 
     from realcore.dfg.graph import build_graph
@@ -262,7 +282,7 @@ def run_one(n: int, steps: int, n_procs: int, relay_group: int) -> dict:
             f"trainer.total_steps={steps}", f"trial_name=scale{n}", f"output_dir={tmp}/out",
             f"system.name_resolve.root={tmp}/name_resolve", f"system.startup_timeout_s={TIMEOUT_S}",
             f"system.request_timeout_s={TIMEOUT_S}", "system.shutdown_timeout_s=20",
-            f"system.relay_group_size={relay_group}",
+            f"system.relay_group_size={relay_group}", f"system.relay_fanout={fanout}",
         ])
         os.makedirs(cfg.output_dir, exist_ok=True)
         secret = wire.write_secret(os.path.join(tmp, "secret"))
@@ -334,7 +354,7 @@ def run_one(n: int, steps: int, n_procs: int, relay_group: int) -> dict:
             for c, k in d[4].items():
                 counts[c] = counts.get(c, 0) + k
         return {
-            "n": n, "group": relay_group, "mfcs": list(dfg.order()), **med, "setup": setup_ms, "peak_mb": peak_kb / 1024, "rss": rss,
+            "n": n, "group": relay_group, "fanout": fanout, "tops": len(set(master.pool.top_of.values())), "mfcs": list(dfg.order()), **med, "setup": setup_ms, "peak_mb": peak_kb / 1024, "rss": rss,
             "left": left + sum(d[7] for d in done), "held": sum(d[6] for d in done), "procs": n_procs, "sim_threads": [d[3] for d in done],
             "master_threads": master_threads, "msgs_per_step": sum(v for c, v in counts.items() if c not in NOT_STEP) / steps,
             "by_command": {c: v / steps for c, v in sorted(counts.items()) if c not in NOT_STEP},
@@ -360,6 +380,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="N in 4, 16; 2 steps (smoke test)")
     ap.add_argument("--relay-group", type=int, nargs="+", default=[8],
                     help="system.relay_group_size values to run each N with (1: the master sends to every worker)")
+    ap.add_argument("--relay-fanout", type=int, nargs="+", default=[8],
+                    help="system.relay_fanout values to run each N and group with (1: the master sends to every relay)")
     args = ap.parse_args()
     if args.quick:
         args.workers, args.steps = [4, 16], 2
@@ -371,23 +393,24 @@ def main() -> None:
     torch.set_num_threads(1)
     load_plugins([])
     t_start = time.perf_counter()
-    rows = [run_one(n, args.steps, args.procs, g) for n in args.workers for g in args.relay_group]
+    rows = [run_one(n, args.steps, args.procs, g, f) for n in args.workers for g in args.relay_group
+            for f in (args.relay_fanout if g > 1 else [1])]
 
     timed = args.steps - 1 if args.steps >= 3 else args.steps
     print(f"master scale benchmark: ppo-math (MFCs {', '.join(rows[0]['mfcs'])}), d<N>p1t1, batch_size 2N, {args.steps} steps per N "
           f"(median of {timed}), simulated workers answer instantly over tcp://127.0.0.1, pid {os.getpid()}\n")
-    print("| workers | relay group | master messages/step | step ms (wall, median) | master CPU ms/step | fetch ms "
+    print("| workers | relay group | relay fanout | master messages/step | step ms (wall, median) | master CPU ms/step | fetch ms "
           "| MFC dispatch+collect ms | release ms | log ms | Master()+configure ms | master peak RSS MB "
           "| RSS MB at step 1 / 10 / 50 / 100 | held at next fetch | left after release |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         at = " / ".join(f"{r['rss'][i - 1] / 1024:.1f}" if len(r["rss"]) >= i else "-" for i in (1, 10, 50, 100))
-        print(f"| {r['n']} | {r['group']} | {r['from_master']:.1f} | {r['step']:.1f} | {r['cpu']:.1f} | {r['fetch']:.1f} "
+        print(f"| {r['n']} | {r['group']} | {r['fanout']} | {r['from_master']:.1f} | {r['step']:.1f} | {r['cpu']:.1f} | {r['fetch']:.1f} "
               f"| {r['mfc']:.1f} | {r['release']:.1f} "
               f"| {r['log']:.1f} | {r['setup']:.1f} | {r['peak_mb']:.1f} | {at} | {r['held']} | {r['left']} |")
     print()
     for r in rows:
-        print(f"N={r['n']}, relay group {r['group']} ({r['relays']} relays): simulated workers hosted by {r['procs']} processes, 1 Python thread each "
+        print(f"N={r['n']}, relay group {r['group']} ({r['relays']} relays, {r['tops']} of them passing on the others' messages): simulated workers hosted by {r['procs']} processes, 1 Python thread each "
               f"(OS threads per process, incl. ZeroMQ's I/O + reaper and the report queue's feeder: {r['sim_threads']}); "
               f"master process OS threads {r['master_threads']}; {r['msgs_per_step']:.0f} requests/step to workers "
               f"({', '.join(f'{c} {v:g}' for c, v in r['by_command'].items())}), "

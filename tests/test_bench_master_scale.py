@@ -19,12 +19,13 @@ def test_master_scale_quick():
             if line.startswith("| ") and not line.startswith("| workers")]
     assert [r[0] for r in rows] == ["4", "16"], proc.stdout
     for r in rows:
-        assert float(r[3]) > 0 and float(r[10]) > 0, r  # step time, peak RSS
+        assert float(r[4]) > 0 and float(r[11]) > 0, r  # step time, peak RSS
         assert r[-2] == "0", r  # step 1's samples were dropped by the workers before step 2's fetch
         assert r[-1] == "0", r  # nothing left in the master's buffer, nor on the workers, after the run
-    # The master sends one RELAY per node (relay group 8: 1 relay for 4 workers, 2 for 16) for each of
-    # a step's 3 requests, and the last step's CLEAR: 3.5 per step and relay over 2 steps.
-    assert [(r[1], r[2]) for r in rows] == [("8", "3.5"), ("8", "7.0")], proc.stdout
+    # The master sends one message per node (relay group 8: 1 relay for 4 workers; 2 for 16, the
+    # second's messages passed on by the first: relay fanout 8) for each of a step's 3 requests, and
+    # the last step's CLEAR: 3.5 per step over 2 steps.
+    assert [(r[1], r[2], r[3]) for r in rows] == [("8", "8", "3.5"), ("8", "8", "3.5")], proc.stdout
     # Per step and worker: one FETCH, one RUN_MFC for actor_gen and one for ref_inf with actor_train
     # chained to it; the release rides on the next step's requests (the last step's: one CLEAR each).
     for n in (4, 16):

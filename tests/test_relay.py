@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from realcore.system.control import ControlServer, WorkerPool, wait_all
-from realcore.system.master import relay_groups
+from realcore.system.control import Columns, ControlServer, WorkerPool, wait_all
+from realcore.system.master import relay_groups, relay_tops
 from realcore.system.protocol import Clear, Fetch, Fetched, RemoteError, Status, WorkerLost
 
 SECRET = b"r" * 32
@@ -32,7 +32,8 @@ class Node:
     """`n` workers on one host: w0 relays (relay=True, as every model worker), the rest serve
     (`serve_fn`, called as serve above, each with its index)."""
 
-    def __init__(self, n: int, *, heartbeat_timeout_s: float = 5.0, relay_timeout_s: float = 30.0, delays=None, serve_fn=serve):
+    def __init__(self, n: int, *, heartbeat_timeout_s: float = 5.0, relay_timeout_s: float = 30.0, delays=None, serve_fn=serve,
+                 group: int = 8, fanout: int = 1):
         self.servers = [ControlServer("127.0.0.1", SECRET, lambda: Status("running", 1), name=f"w{i}", relay=True)
                         for i in range(n)]
         self.handled: list[list] = [[] for _ in range(n)]
@@ -42,8 +43,9 @@ class Node:
         for t in self.threads:
             t.start()
         addrs = {f"w{i}": s.address for i, s in enumerate(self.servers)}
+        relays = relay_groups(addrs, group)
         self.pool = WorkerPool(addrs, SECRET, heartbeat_interval_s=0.1, heartbeat_timeout_s=heartbeat_timeout_s,
-                               relays=relay_groups(addrs, 8), relay_timeout_s=relay_timeout_s)
+                               relays=relays, relay_timeout_s=relay_timeout_s, tops=relay_tops(list(relays), fanout))
 
     def close(self):
         for st in self.stops:
@@ -152,3 +154,46 @@ def test_heartbeats_travel_through_the_relay(node):
         time.sleep(0.05)
     assert set(n.pool.lost) == {"w2"}, n.pool.lost
     assert n.pool.request("w1", Fetch(5, 1)).result(10).ids == [5]
+
+
+def test_relays_of_relays_pass_every_message_on_in_order(node):
+    """Two relays of two workers, the second's messages passed on by the first (a top): the master
+    sends only to w0, every worker gets its requests in order with its own typed reply, a SPLIT
+    through the top is answered as one, and heartbeats come back through both levels."""
+    n = node(4, group=2, fanout=8)
+    assert n.pool.relay_of == {"w0": "w0", "w1": "w0", "w2": "w2", "w3": "w2"} and n.pool.top_of == {"w0": "w0", "w2": "w0"}
+    assert relay_tops(["a", "b", "c"], 2) == {"a": "a", "b": "a"} and relay_tops(["a", "b"], 1) == {}
+    for r in range(3):
+        got = wait_all(n.pool.request_many({f"w{i}": Fetch(100 * r + i, i) for i in range(4)}), 10, "fetch")
+        assert got == {f"w{i}": Fetched([100 * r + i], {}, [f"n={i}"]) for i in range(4)}
+    reqs = [Columns(["w0", "w1"], [1, 1], Fetch(500, 2), [[], []]), Columns(["w2", "w3"], [1, 1], Fetch(502, 2), [[], [9]])]
+    got = wait_all(n.pool.request_columns(reqs), 10, "fetch")
+    assert {w: (g.workers, g.reply.ids) for w, g in got.items()} == {"w0": (["w0", "w1"], [500, 501]), "w2": (["w2", "w3"], [502, 503])}
+    for i in range(4):
+        assert [m.first_id for m in n.handled[i] if isinstance(m, Fetch)] == [i, 100 + i, 200 + i, 500 + i]
+    assert n.handled[3][-1].clear == [9]
+    deadline = time.monotonic() + 10
+    while any(n.pool.status[f"w{i}"] is None for i in range(4)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(n.pool.status[f"w{i}"] is not None for i in range(4)), n.pool.status
+    # who heard whom: the master only w0; w2 (a relay) w0's relay and its own; w3 only w2's
+    heard = [{k.split("#")[0] for k in s.endpoint.guard._senders} for s in n.servers]
+    assert heard[0] >= {"master"} and heard[1:] == [{"w0/relay"}, {"w0/relay", "w2/relay"}, {"w2/relay"}], heard
+    assert not n.pool._pending and not n.pool._relayed
+
+
+def test_a_lost_top_fails_everything_beneath_it(node):
+    """The top (w0) stops answering while w3 is busy: the requests of both relays fail with
+    WorkerLost naming it, and later requests to them fail at once."""
+    n = node(4, group=2, fanout=8, heartbeat_timeout_s=0.5, delays={3: 3.0})
+    futs = n.pool.request_many({f"w{i}": Fetch(i, 1) for i in range(4)})
+    time.sleep(0.3)
+    n.servers[0]._close_by = 0
+    n.servers[0]._stop.set()
+    with pytest.raises(WorkerLost, match="w0: no heartbeat"):
+        futs["w0"].result(10)
+    with pytest.raises(WorkerLost, match="w3: its relay w0: no heartbeat"):
+        futs["w3"].result(1)
+    with pytest.raises(WorkerLost, match="no heartbeat"):  # its relay's top is lost (and its own pings with it)
+        n.pool.request("w3", Fetch(9, 1)).result(1)
+    assert not n.pool._pending

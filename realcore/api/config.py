@@ -374,6 +374,11 @@ class SystemConfig(_Strict):
         "in their addresses) as one message to the first of them, which forwards each and answers with all their "
         "replies, heartbeats included: the master's messages per step grow with nodes, not workers; 1: a message "
         "to every worker")
+    relay_fanout: int = Field(
+        8, ge=1, description="relays of relays: the master's messages for up to this many relays (of "
+        "relay_group_size workers each, taken in order) go as one message to the first of them, which passes each "
+        "relay its own and answers with all their replies: at 1000 workers in groups of 8, 16 messages per "
+        "request round instead of 125; 1: a message to every relay")
     request_timeout_s: float = Field(
         1800.0, gt=0, description="deadline for one MFC call, and for every other request between realcore processes "
         "(a batch from the rollout stream, tensor transfers, weight pushes, manager calls, torch.distributed "

@@ -25,6 +25,10 @@ from realcore.system.protocol import (BadBody, Cmd, Joined, Ping, Relay, Relayed
                                       parse, parse_request, relay_request, reply, request, split_request, to_body)
 
 
+_PING = Ping()
+_PING_BODY = to_body(_PING)  # built once: a heartbeat goes to every worker every interval
+
+
 class _Waker:
     """An inproc PAIR so another thread can wake the I/O thread's poller."""
 
@@ -461,7 +465,7 @@ class WorkerPool:
 
     def __init__(self, addresses: dict[str, str], secret: bytes, *, heartbeat_interval_s: float, heartbeat_timeout_s: float,
                  name: str = "master", limits: wire.Limits | None = None, relays: dict[str, list[str]] | None = None,
-                 relay_timeout_s: float = 1800.0):
+                 relay_timeout_s: float = 1800.0, tops: dict[str, str] | None = None):
         self.ctx = zmq.Context.instance()
         self.secret = secret
         self.limits = limits or wire.Limits.of()
@@ -495,6 +499,10 @@ class WorkerPool:
         self.relay_of = {w: leader for leader, members in (relays or {}).items() for w in members}
         self.relay_timeout_s = relay_timeout_s
         self._relayed: dict[int, tuple[str, dict[int, str]]] = {}  # a RELAY's rid -> (leader, {request rid: worker})
+        # Relays of relays: leader -> the leader whose relay passes on every message to it (tops).
+        # The messages of one I/O round for a top's relays go as one RELAY to it; their replies
+        # come back nested in its answer. Every message to a relay takes that path, so order holds.
+        self.top_of = dict(tops or {})
         self._reconnects: queue.Queue = queue.Queue()
         self._out: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
@@ -533,7 +541,8 @@ class WorkerPool:
         with self._lock:
             for worker, msg in msgs.items():
                 fut = futs[worker] = Reply(batch)
-                lost = self.lost.get(worker) or self.lost.get(self.relay_of.get(worker, worker))
+                leader = self.relay_of.get(worker, worker)
+                lost = self.lost.get(worker) or self.lost.get(leader) or self.lost.get(self.top_of.get(leader, leader))
                 if lost:
                     fut.set_exception(WorkerLost(f"{worker}: {lost}"))
                     continue
@@ -577,7 +586,7 @@ class WorkerPool:
         with self._lock:
             for r, leader, body in built:
                 fut = futs[r.workers[0]] = Reply(batch)
-                lost = next((f"{w}: {self.lost[w]}" for w in (*r.workers, leader) if w in self.lost), None)
+                lost = next((f"{w}: {self.lost[w]}" for w in (*r.workers, leader, self.top_of.get(leader)) if w in self.lost), None)
                 if lost:
                     fut.set_exception(WorkerLost(lost))
                     continue
@@ -613,9 +622,40 @@ class WorkerPool:
         except zmq.ZMQError as e:  # its queue is full (a worker that reads nothing) or it is gone
             drops.count(self.SOCKET, "send", f"to {worker}: {e}")
             with self._lock:
-                entries = [self._pending.pop(r, None) for r in self._relayed.pop(rid, (None, [rid]))[1]]
-            for entry in filter(None, entries):
+                entries = self._take([rid])
+            for entry in entries:
                 entry[1].set_exception(WorkerLost(f"{entry[0]}: cannot send to {worker} ({e})"))
+
+    def _take(self, rids) -> list[tuple]:
+        """The pending requests under `rids` (requests, RELAYs and RELAYs of RELAYs), removed. Under
+        the lock."""
+        out = []
+        for r in list(rids):
+            relayed = self._relayed.pop(r, None)
+            if relayed is not None:
+                out += self._take(relayed[1])
+                continue
+            entry = self._pending.pop(r, None)
+            if entry is not None:
+                out.append(entry)
+        return out
+
+    def _send_round(self, items: list[tuple[str, int, dict, float]]) -> None:
+        """Send (worker, rid, header, its timeout) items; those to a relay with a top go as one
+        RELAY per top (its timeout: theirs plus an interval, so theirs expire first)."""
+        wrapped: dict[str, list[tuple[str, int, dict, float]]] = {}
+        for item in items:
+            top = self.top_of.get(item[0])
+            if top is None:
+                self._send(item[0], item[2], item[1])
+            else:
+                wrapped.setdefault(top, []).append(item)
+        for top, subs in wrapped.items():
+            rid = next(self._rids)
+            with self._lock:
+                self._relayed[rid] = (top, {r: w for w, r, _, _ in subs})
+            timeout = max(t for *_, t in subs) + self.interval
+            self._send(top, relay_request([(self.addresses[w], h) for w, _, h, _ in subs], timeout, rid), rid)
 
     def _on_reply(self, frames) -> None:
         worker = self._by_route.get(bytes(frames[0])) if frames else None
@@ -708,6 +748,11 @@ class WorkerPool:
                 self.dropped += 1
                 drops.count(self.SOCKET, "body", f"a relay reply from {leader} answering no request of it ({rid!r:.40})")
                 continue
+            with self._lock:
+                nested = self._relayed.pop(rid, None)
+            if nested is not None:  # a top's answer: this is a relay's answer to the RELAY it passed on
+                self._on_relayed(rids[rid], nested[1], sub)
+                continue
             if rid < 0:  # a heartbeat: only a worker that answered it is alive
                 if sub.get("ok") and self._heartbeat(rids[rid], sub.get("body")):
                     self.last_reply[rids[rid]] = time.monotonic()
@@ -717,7 +762,7 @@ class WorkerPool:
             if entry is not None:
                 self._resolve(entry, sub)
         with self._lock:
-            left = [e for e in (self._pending.pop(r, None) for r in rids if r > 0) if e is not None]
+            left = self._take(rids)  # what the relay did not answer
         why = header.get("error") if not header.get("ok") else "no reply in the relay's answer"
         for worker, fut, *_ in left:
             fut.set_exception(RemoteError(f"{worker}: relayed by {leader}: {why}"))
@@ -725,13 +770,12 @@ class WorkerPool:
     def _mark_lost(self, worker: str, why: str) -> None:
         with self._lock:
             self.lost[worker] = why
-            mine = [rid for rid, (w, _, _, members, _) in self._pending.items() if w == worker or (members and worker in members)]
-            # What `worker` relays for others is lost with it.
-            for relay_rid in [r for r, (leader, _) in self._relayed.items() if leader == worker]:
-                mine += [rid for rid in self._relayed.pop(relay_rid)[1] if rid in self._pending]
-            entries = [self._pending.pop(rid) for rid in dict.fromkeys(mine)]
+            entries = self._take([rid for rid, (w, _, _, members, _) in self._pending.items()
+                                  if w == worker or (members and worker in members)])
+            # What `worker` relays for others (or passes on to other relays) is lost with it.
+            entries += self._take([r for r, (leader, _) in self._relayed.items() if leader == worker])
         for w, f, _, members, split in entries:
-            if split and worker != w:  # a member of a SPLIT its relay `w` sent
+            if split and worker != w and worker in members:  # a member of a SPLIT its relay `w` sent
                 f.set_exception(WorkerLost(f"{worker}: {why}"))
             else:
                 f.set_exception(WorkerLost(f"{w}: {why}" if w == worker else f"{w}: its relay {worker}: {why}"))
@@ -754,8 +798,7 @@ class WorkerPool:
                     self.lost.pop(name, None)
                 done.set()
             while not self._out.empty():
-                for worker, rid, header in self._out.get():
-                    self._send(worker, header, rid)
+                self._send_round([(worker, rid, header, self.relay_timeout_s) for worker, rid, header in self._out.get()])
             if self.sock in events:
                 while True:  # a NOBLOCK recv until empty: Socket.poll(0) builds a Poller per call
                     try:
@@ -767,6 +810,7 @@ class WorkerPool:
             if now >= next_ping:
                 next_ping = now + self.interval
                 relayed: dict[str, dict[int, str]] = {}  # leader -> {ping rid: worker}
+                direct = []
                 for name in self.names:
                     if name in self.lost:
                         continue
@@ -778,17 +822,18 @@ class WorkerPool:
                     rid = next(ping_ids)
                     leader = self.relay_of.get(name)
                     if leader is None:
-                        self._send(name, request(Ping(), rid), rid)
+                        direct.append((name, rid, request(_PING, rid, _PING_BODY), self.interval))
                     else:
                         relayed.setdefault(leader, {})[rid] = name
                 for leader, rids in relayed.items():  # a node's heartbeats in one RELAY, answered within the interval
-                    if leader in self.lost:
+                    if leader in self.lost or self.top_of.get(leader) in self.lost:
                         continue
                     rid = next(ping_ids)
                     with self._lock:
                         self._relayed[rid] = (leader, rids)
-                    pings = [(self.addresses[w], request(Ping(), r)) for r, w in rids.items()]
-                    self._send(leader, relay_request(pings, self.interval, rid), rid)
+                    pings = [(self.addresses[w], request(_PING, r, _PING_BODY)) for r, w in rids.items()]
+                    direct.append((leader, rid, relay_request(pings, self.interval, rid), self.interval))
+                self._send_round(direct)
 
     def close(self) -> None:
         self._stop.set()

@@ -71,6 +71,13 @@ def relay_groups(addresses: dict[str, str], size: int) -> dict[str, list[str]]:
     return {g[0]: g for g in groups if len(g) > 1}
 
 
+def relay_tops(leaders: list[str], fanout: int) -> dict[str, str]:
+    """leader -> the first leader of its run of `fanout` leaders (in order), whose relay passes on
+    every message to it (WorkerPool's tops); a leader alone in its run is sent to directly."""
+    runs = [leaders[i:i + fanout] for i in range(0, len(leaders), fanout)]
+    return {leader: run[0] for run in runs if len(run) > 1 for leader in run}
+
+
 def replica_groups(heads: list[int], names: list[str], relay_of: dict[str, str]) -> list[list[int]]:
     """The data-parallel replicas (indices) whose heads one relay serves, each group in replica
     order, groups in the order of their first replica; a head sent to directly is a group alone.
@@ -141,8 +148,8 @@ class Master:
             addrs, secret,
             heartbeat_interval_s=cfg.system.heartbeat_interval_s, heartbeat_timeout_s=cfg.system.heartbeat_timeout_s,
             name="master", limits=wire.Limits.of(cfg.system),
-            relays=relay_groups({n: addrs[n] for n in self.names}, cfg.system.relay_group_size),
-            relay_timeout_s=cfg.system.request_timeout_s,
+            relays=(relays := relay_groups({n: addrs[n] for n in self.names}, cfg.system.relay_group_size)),
+            relay_timeout_s=cfg.system.request_timeout_s, tops=relay_tops(list(relays), cfg.system.relay_fanout),
         )
         self.groups = replica_groups(self.heads, self.names, self.pool.relay_of)
         self.drop_tally = drops.Tally()
