@@ -13,8 +13,16 @@ from realcore.system.protocol import Clear, Fetch, Fetched, RemoteError, Status,
 SECRET = b"r" * 32
 
 
-def serve(server: ControlServer, stop: threading.Event, handled: list, delay_s: float = 0.0, index: int = 0):
-    """A worker loop: FETCH answers its first_id and n, CLEAR fails; every request is logged in order."""
+def answer_fetch(msg, index: int):
+    """FETCH answers its first_id and n; CLEAR fails."""
+    if isinstance(msg, Clear):
+        raise ValueError("no such samples")
+    return Fetched([msg.first_id], {}, [f"n={msg.n}"])
+
+
+def serve(server: ControlServer, stop: threading.Event, handled: list, delay_s: float, index: int, answer) -> None:
+    """A worker loop: every request logged in order, answered by answer(msg, index) after
+    `delay_s`, or with the error it raises."""
     while not stop.is_set():
         try:
             peer, rid, msg = server.requests.get(timeout=0.05)
@@ -22,23 +30,23 @@ def serve(server: ControlServer, stop: threading.Event, handled: list, delay_s: 
             continue
         handled.append(msg)
         time.sleep(delay_s)
-        if isinstance(msg, Clear):
-            server.send_reply(peer, rid, error="no such samples")
-        else:
-            server.send_reply(peer, rid, Fetched([msg.first_id], {}, [f"n={msg.n}"]))
+        try:
+            server.send_reply(peer, rid, answer(msg, index))
+        except Exception as e:
+            server.send_reply(peer, rid, error=str(e))
 
 
 class Node:
-    """`n` workers on one host: w0 relays (relay=True, as every model worker), the rest serve
-    (`serve_fn`, called as serve above, each with its index)."""
+    """`n` workers on one host (each relay=True, as every model worker: the first of each group of
+    `group` relays), serving with `answer`; relays of relays per `fanout`."""
 
-    def __init__(self, n: int, *, heartbeat_timeout_s: float = 5.0, relay_timeout_s: float = 30.0, delays=None, serve_fn=serve,
+    def __init__(self, n: int, *, heartbeat_timeout_s: float = 5.0, relay_timeout_s: float = 30.0, delays=None, answer=answer_fetch,
                  group: int = 8, fanout: int = 1):
         self.servers = [ControlServer("127.0.0.1", SECRET, lambda: Status("running", 1), name=f"w{i}", relay=True)
                         for i in range(n)]
         self.handled: list[list] = [[] for _ in range(n)]
         self.stops = [threading.Event() for _ in range(n)]
-        self.threads = [threading.Thread(target=serve_fn, args=(s, self.stops[i], self.handled[i], (delays or {}).get(i, 0.0), i),
+        self.threads = [threading.Thread(target=serve, args=(s, self.stops[i], self.handled[i], (delays or {}).get(i, 0.0), i, answer),
                                          daemon=True) for i, s in enumerate(self.servers)]
         for t in self.threads:
             t.start()
@@ -123,7 +131,7 @@ def test_a_relay_request_to_a_process_that_does_not_relay_fails():
     servers = [ControlServer("127.0.0.1", SECRET, lambda: Status("running", 1), name=f"m{i}") for i in range(2)]
     stops = [threading.Event(), threading.Event()]
     for s, st in zip(servers, stops):
-        threading.Thread(target=serve, args=(s, st, []), daemon=True).start()
+        threading.Thread(target=serve, args=(s, st, [], 0.0, 0, answer_fetch), daemon=True).start()
     pool = WorkerPool({"m0": servers[0].address, "m1": servers[1].address}, SECRET, heartbeat_interval_s=0.1,
                       heartbeat_timeout_s=5, relays={"m0": ["m0", "m1"]})
     try:

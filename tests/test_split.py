@@ -2,7 +2,6 @@
 worker's own request and joins their replies. Real ControlServers and a WorkerPool over loopback
 (test_relay.Node); the columns' own rules tested directly."""
 
-import threading
 import time
 
 import pytest
@@ -13,37 +12,24 @@ from realcore.system.protocol import Cmd, Fetch, Fetched, MFCDone, RemoteError, 
 from tests.test_relay import Node
 
 
-def serve_mfc(server, stop: threading.Event, handled: list, delay_s: float, index: int):
+def answer_mfc(msg, index: int):
     """A model worker's answers: FETCH makes `n` samples from first_id (one sequence of index+1
-    tokens each); RUN_MFC "fail_on_<index>" fails on that worker, any other answers an output key per id (its length the id),
-    a count and a mean (the worker's index) over len(ids) sequences, and runs `then` after it."""
-    def run(msg):
-        if msg.mfc == f"fail_on_{index}":
-            raise RuntimeError(f"MFC failed on worker {index}")
-        return MFCDone(msg.ids, {f"{msg.mfc}_out": [[sid] for sid in msg.ids]}, {"count": len(msg.ids), "mean": float(index)},
-                       len(msg.ids), seconds=0.1 * index, then=[run(m) for m in msg.then])
-
-    while not stop.is_set():
-        try:
-            peer, rid, msg = server.requests.get(timeout=0.05)
-        except Exception:
-            continue
-        handled.append(msg)
-        time.sleep(delay_s)
-        try:
-            if isinstance(msg, Fetch):
-                ids = list(range(msg.first_id, msg.first_id + msg.n))
-                server.send_reply(peer, rid, Fetched(ids, {"prompt": [[index + 1] for _ in ids]}, [f"u{i}" for i in ids]))
-            else:
-                server.send_reply(peer, rid, run(msg))
-        except Exception as e:
-            server.send_reply(peer, rid, error=f"{type(e).__name__}: {e}")
+    tokens each); RUN_MFC "fail_on_<index>" fails on that worker, any other answers an output key
+    per id (its length the id), a count and a mean (the worker's index) over len(ids) sequences,
+    and runs `then` after it."""
+    if isinstance(msg, Fetch):
+        ids = list(range(msg.first_id, msg.first_id + msg.n))
+        return Fetched(ids, {"prompt": [[index + 1] for _ in ids]}, [f"u{i}" for i in ids])
+    if msg.mfc == f"fail_on_{index}":
+        raise RuntimeError(f"MFC failed on worker {index}")
+    return MFCDone(msg.ids, {f"{msg.mfc}_out": [[sid] for sid in msg.ids]}, {"count": len(msg.ids), "mean": float(index)},
+                   len(msg.ids), seconds=0.1 * index, then=[answer_mfc(m, index) for m in msg.then])
 
 
 @pytest.fixture
 def node():
     made = []
-    yield lambda n, **kw: made.append(Node(n, serve_fn=serve_mfc, **kw)) or made[-1]
+    yield lambda n, **kw: made.append(Node(n, answer=answer_mfc, **kw)) or made[-1]
     for nd in made:
         nd.close()
 
@@ -95,7 +81,7 @@ def test_requests_that_do_not_cut_are_refused_before_anything_is_sent(node):
 
 def test_a_failing_worker_fails_the_split_naming_it(node):
     n = node(3)
-    with pytest.raises(RemoteError, match="^w2: RuntimeError: MFC failed on worker 2"):
+    with pytest.raises(RemoteError, match="^w2: MFC failed on worker 2"):
         wait_all(n.pool.request_columns([Columns(["w0", "w1", "w2"], [1, 1, 1], RunMFC("fail_on_2", [0, 1, 2], {}),
                                                  [[], [], []])]), 10, "mfc")
     assert not n.pool._pending
