@@ -161,7 +161,12 @@ def _serve(assign: list, secret: bytes, root: str, spec: dict, out_q) -> None:
                 return None
             raise ValueError(f"unexpected command {msg.CMD.name}")
 
-        while live and time.monotonic() < end:
+        # After the last EXIT, serve on while a relay still waits for others' replies (up to 5 s, as
+        # ControlServer.close does): a relay of relays answers only once the relays under it did.
+        grace = float("inf")
+        while (live or any(r.busy() for r in relays.values())) and time.monotonic() < min(end, grace):
+            if not live and grace == float("inf"):
+                grace = time.monotonic() + 5
             events = poller.poll(200)
             now = time.monotonic()
             if not events:
@@ -212,11 +217,6 @@ def _serve(assign: list, secret: bytes, root: str, spec: dict, out_q) -> None:
             for r in relays.values():
                 if r.busy():
                     r.expire(now)
-        grace = time.monotonic() + 5  # the last EXIT replies of a relay's other workers, as ControlServer.close
-        for r in relays.values():  # (those of another simulator process may come late on a loaded machine)
-            while r.busy() and time.monotonic() < grace:
-                if r.sock.poll(100):
-                    r.on_readable()
         out_q.put(("done", pid, len(assign), _os_threads(), counts, dropped, held_at_fetch,
                    sum(len(w.stored) for w in workers.values()), from_master))
     finally:

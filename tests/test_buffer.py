@@ -36,3 +36,12 @@ def test_samples_keep_their_keys_owners_and_costs_as_the_window_moves():
     assert len(buf) == 0 and buf.ready(A) is None
     buf.add([0], [7], {"p": [[1]]})  # an empty window starts anew, with clean columns
     assert buf.base == 7 and buf.ready(A) is None and buf.completed() == [] and buf.holders([7]) == {0: [7]}
+
+
+def test_adding_several_replies_at_once_moves_the_window_once_for_all():
+    buf = SampleBuffer([A, B])
+    buf.add([0], [10], {"p": [[1]]})
+    # the second part lies far past the window: it moves and grows before any part is written
+    buf.add_many([([1, 1], [11, 12], {"p": [[2], [3]], "x": [[4], [5]]}), ([2], [500], {"p": [[6, 6]]}), ([3], [13], {})])
+    assert buf.owners([10, 11, 12, 500], ["p"]) == {"p": [0, 1, 1, 2]} and buf.costs([10, 11, 12, 500], ["p", "x"]) == [1, 4, 5, 12]
+    assert buf.common_keys([11, 12]) == {"p", "x"} and buf.sequences(500, "p") == 2 and len(buf) == 5

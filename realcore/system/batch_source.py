@@ -57,11 +57,9 @@ class DatasetSource:
                                     Fetch(first_id=first[run[0]], n=sum(counts[d] for d in run)),
                                     [m.to_clear.pop(m.heads[d], []) for d in run]))
         m.next_id += n
-        groups = []
-        for g in m.wait(m.pool.request_columns(reqs), "dataset fetch").values():
-            r = g.reply
-            m.buffer.add(g.owners(m.index_of), r.ids, r.seqlens)
-            groups += [Group(sid, uid) for sid, uid in zip(r.ids, r.uids)]
+        got = list(m.wait(m.pool.request_columns(reqs), "dataset fetch").values())
+        m.buffer.add_many([(g.owners(m.index_of), g.reply.ids, g.reply.seqlens) for g in got])
+        groups = [Group(sid, uid) for g in got for sid, uid in zip(g.reply.ids, g.reply.uids)]
         return groups
 
     def state(self) -> dict:

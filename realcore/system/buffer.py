@@ -81,18 +81,30 @@ class SampleBuffer:
 
     def add(self, owners: list[int], ids: list[int], seqlens: dict[str, list[list[int]]]) -> None:
         """Sample ids[i] now has each key of `seqlens`, stored on worker owners[i]."""
-        if not ids:
+        self.add_many([(owners, ids, seqlens)])
+
+    def add_many(self, parts: list[tuple[list[int], list[int], dict[str, list[list[int]]]]]) -> None:
+        """add() of several (owners, ids, seqlens), one numpy assignment per key for all of them."""
+        parts = [p for p in parts if p[1]]
+        if not parts:
             return
-        slots = self._make_room(np.asarray(ids, np.int64))
-        self.live[slots] = True
-        own = np.asarray(owners, np.int64)
-        for key, lens in seqlens.items():
+        arrays = [np.asarray(ids, np.int64) for _, ids, _ in parts]
+        self._make_room(np.concatenate(arrays) if len(arrays) > 1 else arrays[0])
+        slots = [a - self.base for a in arrays]  # after the window moved, once for all
+        for sl in slots:
+            self.live[sl] = True
+        by_key: dict[str, list[int]] = {}  # key -> the parts that have it
+        for i, (_, _, seqlens) in enumerate(parts):
+            for key in seqlens:
+                by_key.setdefault(key, []).append(i)
+        for key, have in by_key.items():
             col = self.keys.get(key)
             if col is None:
                 col = self.keys[key] = _Key(self.cap)
-            col.owner[slots] = own
-            col.tokens[slots] = list(map(sum, lens))
-            col.seqs[slots] = list(map(len, lens))
+            at = np.concatenate([slots[i] for i in have]) if len(have) > 1 else slots[have[0]]
+            col.owner[at] = [o for i in have for o in parts[i][0]]
+            col.tokens[at] = [t for i in have for t in map(sum, parts[i][2][key])]
+            col.seqs[at] = [n for i in have for n in map(len, parts[i][2][key])]
 
     def _has(self, keys, slots=None) -> np.ndarray:
         """Mask (over `slots`, or every slot) of the samples holding all of `keys`."""

@@ -336,8 +336,7 @@ class Master:
             slowest = [max((r.seconds for r in rs), default=0.0) for rs in per_node]
             total = sum(slowest)
             for node, rs, s in zip(nodes, per_node, slowest):
-                for own, r in zip(owners, rs):
-                    self.buffer.add(own, r.ids, r.outputs)
+                self.buffer.add_many([(own, r.ids, r.outputs) for own, r in zip(owners, rs)])
                 self.buffer.finish(node, ids)
                 merge_stats(rs, metrics)
                 share = wall * s / total if total > 0 else wall / len(nodes)
