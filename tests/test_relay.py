@@ -8,7 +8,7 @@ import pytest
 
 from realcore.system.control import Columns, ControlServer, WorkerPool, wait_all
 from realcore.system.master import relay_groups, relay_tops
-from realcore.system.protocol import Clear, Fetch, Fetched, RemoteError, Status, WorkerLost
+from realcore.system.protocol import Clear, Fetch, Fetched, MFCDone, RemoteError, RunMFC, Status, WorkerLost
 
 SECRET = b"r" * 32
 
@@ -177,9 +177,16 @@ def test_relays_of_relays_pass_every_message_on_in_order(node):
     reqs = [Columns(["w0", "w1"], [1, 1], Fetch(500, 2), [[], []]), Columns(["w2", "w3"], [1, 1], Fetch(502, 2), [[], [9]])]
     got = wait_all(n.pool.request_columns(reqs), 10, "fetch")
     assert {w: (g.workers, g.reply.ids) for w, g in got.items()} == {"w0": (["w0", "w1"], [500, 501]), "w2": (["w2", "w3"], [502, 503])}
+    # both relays' workers in one request: one RELAY of their SPLITs to the top, answered as one
+    g = wait_all(n.pool.request_columns([Columns([f"w{i}" for i in range(4)], [1, 2, 1, 1], Fetch(600, 5),
+                                                 [[], [], [3], []])]), 10, "fetch")["w0"]
+    assert (g.workers, g.sizes, g.reply.ids) == ([f"w{i}" for i in range(4)], [1, 1, 1, 1], [600, 601, 603, 604])
+    assert [m.n for m in (n.handled[i][-1] for i in range(4))] == [1, 2, 1, 1] and n.handled[2][-1].clear == [3]
     for i in range(4):
-        assert [m.first_id for m in n.handled[i] if isinstance(m, Fetch)] == [i, 100 + i, 200 + i, 500 + i]
-    assert n.handled[3][-1].clear == [9]
+        assert [m.first_id for m in n.handled[i] if isinstance(m, Fetch)] == [i, 100 + i, 200 + i, 500 + i, [600, 601, 603, 604][i]]
+    assert n.handled[3][-2].clear == [9]
+    with pytest.raises(ValueError, match="not the workers of one relay"):
+        n.pool.request_columns([Columns(["w0", "w2", "w1"], [1, 1, 1], Fetch(0, 3), [[], [], []])])
     deadline = time.monotonic() + 10
     while any(n.pool.status[f"w{i}"] is None for i in range(4)) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -204,4 +211,25 @@ def test_a_lost_top_fails_everything_beneath_it(node):
         futs["w3"].result(1)
     with pytest.raises(WorkerLost, match="no heartbeat"):  # its relay's top is lost (and its own pings with it)
         n.pool.request("w3", Fetch(9, 1)).result(1)
+    assert not n.pool._pending
+
+
+def test_a_failure_beneath_a_top_names_the_worker(node):
+    """A worker under the second relay fails its part of a request that spans both relays: the
+    request fails with that worker's name and error (passed up through its relay and the top);
+    one that stays silent past the deadline is named too."""
+    def answer(msg, index):
+        if isinstance(msg, RunMFC) and index == 3:
+            raise RuntimeError("MFC x failed")
+        return MFCDone(msg.ids, {}, {}, 1) if isinstance(msg, RunMFC) else answer_fetch(msg, index)
+
+    n = node(4, group=2, fanout=8, answer=answer)
+    with pytest.raises(RemoteError, match="^w3: MFC x failed"):
+        wait_all(n.pool.request_columns([Columns([f"w{i}" for i in range(4)], [1, 1, 1, 1],
+                                                 RunMFC("x", [0, 1, 2, 3], {}), [[]] * 4)]), 10, "mfc")
+    assert not n.pool._pending
+    n = node(4, group=2, fanout=8, relay_timeout_s=0.5, delays={2: 2.0})
+    with pytest.raises(RemoteError, match="^w2: relay: no reply within the relay's timeout"):
+        wait_all(n.pool.request_columns([Columns([f"w{i}" for i in range(4)], [1, 1, 1, 1], Fetch(0, 4), [[]] * 4)]),
+                 10, "fetch")
     assert not n.pool._pending

@@ -183,13 +183,14 @@ class Gathered:
 class _Forwarded:
     """One RELAY (or SPLIT) being answered: who asked, and its requests' replies as they come."""
 
-    __slots__ = ("peer", "rid", "replies", "left", "deadline", "keys", "split", "addresses")
+    __slots__ = ("peer", "rid", "replies", "left", "deadline", "keys", "split", "addresses", "nested")
 
     def __init__(self, peer: wire.Peer, rid: int, n: int, deadline: float, split: int | None = None,
                  addresses: list[str] | None = None):
         self.peer, self.rid, self.replies, self.left, self.deadline = peer, rid, [None] * n, n, deadline
         self.keys: list[tuple[bytes, int]] = []
         self.split, self.addresses = split, addresses  # a SPLIT's command, and its workers
+        self.nested = False  # its replies are relays' Joined replies (a RELAY with `join`)
 
 
 class NodeRelay:
@@ -230,7 +231,13 @@ class NodeRelay:
         return route
 
     def forward(self, peer: wire.Peer, rid: int, msg: Relay) -> None:
-        self._send_all(_Forwarded(peer, rid, len(msg.requests), time.monotonic() + msg.timeout_s), msg.requests)
+        fwd = _Forwarded(peer, rid, len(msg.requests), time.monotonic() + msg.timeout_s)
+        if msg.join:  # relays' SPLITs, answered as one Joined
+            if msg.join not in (Cmd.FETCH, Cmd.RUN_MFC):
+                self.answer(peer, reply(rid, error=f"relay: a RELAY cannot join command {msg.join}"))
+                return
+            fwd.split, fwd.addresses, fwd.nested = msg.join, [a for a, _ in msg.requests], True
+        self._send_all(fwd, msg.requests)
 
     def split(self, peer: wire.Peer, rid: int, msg: Split) -> None:
         """Send each worker of a SPLIT its own request (columns.cut); answer with their replies
@@ -283,7 +290,11 @@ class NodeRelay:
             self.answer(fwd.peer, reply(fwd.rid, error=f"{failed[0]}: {failed[1].get('error')}"))
             return
         try:
-            sizes, body = columns.join(fwd.split, [r["body"] for r in fwd.replies])
+            if fwd.nested:
+                sizes = [n for r in fwd.replies for n in r["body"]["sizes"]]
+                _, body = columns.join(fwd.split, [r["body"]["body"] for r in fwd.replies])
+            else:
+                sizes, body = columns.join(fwd.split, [r["body"] for r in fwd.replies])
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             self.answer(fwd.peer, reply(fwd.rid, error=f"relay: the replies do not join: {type(e).__name__}: {e}"))
             return
@@ -492,8 +503,9 @@ class WorkerPool:
         self.lost: dict[str, str] = {}
         self.dropped = 0
         self._rids = itertools.count(1)
-        # rid -> (worker asked, its Reply, reply type, workers whose replies it gathers or None, a SPLIT?)
-        self._pending: dict[int, tuple[str, Reply, type, tuple[str, ...] | None, bool]] = {}
+        # rid -> (worker asked, its Reply, reply type, workers whose replies it gathers or None, a SPLIT?,
+        # the relays it passes through beyond the one asked)
+        self._pending: dict[int, tuple[str, Reply, type, tuple[str, ...] | None, bool, tuple[str, ...]]] = {}
         # Relays (NodeRelay): leader -> its node's workers (itself included). Every request to one of
         # them goes through its leader, so each worker still gets the master's requests in order.
         self.relay_of = {w: leader for leader, members in (relays or {}).items() for w in members}
@@ -547,20 +559,20 @@ class WorkerPool:
                     fut.set_exception(WorkerLost(f"{worker}: {lost}"))
                     continue
                 rid = next(self._rids)
-                self._pending[rid] = (worker, fut, msg.REPLY, None, False)
+                self._pending[rid] = (worker, fut, msg.REPLY, None, False, ())
                 body = bodies.get(id(msg))
                 if body is None:
                     body = bodies[id(msg)] = to_body(msg)
                 header = request(msg, rid, body)
                 leader = self.relay_of.get(worker)
                 if leader is None:
-                    out.append((worker, rid, header))
+                    out.append((worker, rid, header, True))
                 else:
                     by_leader.setdefault(leader, []).append((worker, header))
             for leader, reqs in by_leader.items():
                 rid = next(self._rids)
                 self._relayed[rid] = (leader, {h["rid"]: w for w, h in reqs})
-                out.append((leader, rid, relay_request([(self.addresses[w], h) for w, h in reqs], self.relay_timeout_s, rid)))
+                out.append((leader, rid, relay_request([(self.addresses[w], h) for w, h in reqs], self.relay_timeout_s, rid), True))
         if out:
             self._out.put(out)
             self._waker.wake()
@@ -569,37 +581,61 @@ class WorkerPool:
     def request_columns(self, reqs: list[Columns]) -> dict[str, Reply]:
         """Requests for groups of workers (columns.py), each Reply resolving to a Gathered and keyed
         by its group's first worker: a group of one worker sent to directly is an ordinary request;
-        any other group must be workers of one relay, which gets it as one SPLIT and answers for all
-        of them. Checked before anything is sent (ValueError)."""
+        the workers of one relay get theirs as one SPLIT to it; those of several relays under one
+        top (relay_fanout) as one RELAY of SPLITs to the top, which joins their answers. Checked
+        before anything is sent (ValueError)."""
         built = []
         for r in reqs:
             columns.check(r.msg, r.sizes)
-            leader = self.relay_of.get(r.workers[0])
             if len(r.sizes) != len(r.workers) or len(r.clears) != len(r.workers):
                 raise ValueError(f"request_columns: {len(r.workers)} workers, {len(r.sizes)} sizes, {len(r.clears)} clears")
-            if leader is None and len(r.workers) != 1 or any(self.relay_of.get(w) != leader for w in r.workers):
-                raise ValueError(f"request_columns: {', '.join(r.workers)} are not workers of one relay")
-            built.append((r, leader, None if leader is None else to_body(r.msg)))
+            runs: list[tuple[str | None, list[int]]] = []  # (relay, indices of its workers in r), in order
+            for k, w in enumerate(r.workers):
+                leader = self.relay_of.get(w)
+                if runs and runs[-1][0] == leader and leader is not None:
+                    runs[-1][1].append(k)
+                else:
+                    runs.append((leader, [k]))
+            leaders = [leader for leader, _ in runs]
+            tops = {self.top_of.get(leader) for leader in leaders}
+            if (None in leaders and len(r.workers) != 1 or len(set(leaders)) != len(leaders)
+                    or len(runs) > 1 and (len(tops) != 1 or None in tops)):
+                raise ValueError(f"request_columns: {', '.join(r.workers)} are not the workers of one relay, "
+                                 "nor of relays under one top")
+            built.append((r, runs, None if leaders == [None] else to_body(r.msg)))
         futs: dict[str, Reply] = {}
         out = []
         batch = _Batch()
         with self._lock:
-            for r, leader, body in built:
+            for r, runs, body in built:
                 fut = futs[r.workers[0]] = Reply(batch)
-                lost = next((f"{w}: {self.lost[w]}" for w in (*r.workers, leader, self.top_of.get(leader)) if w in self.lost), None)
+                leaders = [leader for leader, _ in runs]
+                top = self.top_of.get(leaders[0]) if len(runs) > 1 else None
+                lost = next((f"{w}: {self.lost[w]}" for w in (*r.workers, *leaders, top) if w in self.lost), None)
                 if lost:
                     fut.set_exception(WorkerLost(lost))
                     continue
                 rid = next(self._rids)
-                if leader is None:
+                cmd = int(r.msg.CMD)
+                if body is None:  # one worker, no relay
                     w = r.workers[0]
                     msg = dataclasses.replace(r.msg, clear=r.clears[0]) if r.clears[0] else r.msg
-                    self._pending[rid] = (w, fut, msg.REPLY, (w,), False)
-                    out.append((w, rid, request(msg, rid)))
-                else:
-                    self._pending[rid] = (leader, fut, r.msg.REPLY, tuple(r.workers), True)
-                    out.append((leader, rid, split_request(int(r.msg.CMD), [self.addresses[w] for w in r.workers], r.sizes,
-                                                           body, r.clears, self.relay_timeout_s, rid)))
+                    self._pending[rid] = (w, fut, msg.REPLY, (w,), False, ())
+                    out.append((w, rid, request(msg, rid), True))
+                elif top is None:  # one relay's workers: a SPLIT to it (under a top: passed on by it)
+                    self._pending[rid] = (leaders[0], fut, r.msg.REPLY, tuple(r.workers), True, ())
+                    out.append((leaders[0], rid, split_request(cmd, [self.addresses[w] for w in r.workers], r.sizes,
+                                                               body, r.clears, self.relay_timeout_s, rid), True))
+                else:  # several relays under one top: a RELAY of their SPLITs, answered as one
+                    n_of = [sum(r.sizes[k] for k in ks) for _, ks in runs]
+                    subs = []
+                    for j, (leader, ks) in enumerate(runs):
+                        sub = columns.cut(cmd, body, n_of, [[]] * len(runs), j)
+                        subs.append((self.addresses[leader], split_request(
+                            cmd, [self.addresses[r.workers[k]] for k in ks], [r.sizes[k] for k in ks], sub,
+                            [r.clears[k] for k in ks], self.relay_timeout_s, next(self._rids))))
+                    self._pending[rid] = (top, fut, r.msg.REPLY, tuple(r.workers), True, tuple(leaders))
+                    out.append((top, rid, relay_request(subs, self.relay_timeout_s + self.interval, rid, join=cmd), False))
         if out:
             self._out.put(out)
             self._waker.wake()
@@ -640,12 +676,14 @@ class WorkerPool:
                 out.append(entry)
         return out
 
-    def _send_round(self, items: list[tuple[str, int, dict, float]]) -> None:
-        """Send (worker, rid, header, its timeout) items; those to a relay with a top go as one
-        RELAY per top (its timeout: theirs plus an interval, so theirs expire first)."""
-        wrapped: dict[str, list[tuple[str, int, dict, float]]] = {}
+    def _send_round(self, items: list[tuple[str, int, dict, float, bool]]) -> None:
+        """Send (worker, rid, header, its timeout, wrap) items; those to a relay with a top (and
+        `wrap`: not addressed to the top as such) go as one RELAY per top (its timeout: theirs plus
+        an interval, so theirs expire first). A round never holds two messages for one worker, so
+        sending the wrapped ones last reorders nothing that matters."""
+        wrapped: dict[str, list[tuple[str, int, dict, float, bool]]] = {}
         for item in items:
-            top = self.top_of.get(item[0])
+            top = self.top_of.get(item[0]) if item[4] else None
             if top is None:
                 self._send(item[0], item[2], item[1])
             else:
@@ -653,9 +691,9 @@ class WorkerPool:
         for top, subs in wrapped.items():
             rid = next(self._rids)
             with self._lock:
-                self._relayed[rid] = (top, {r: w for w, r, _, _ in subs})
-            timeout = max(t for *_, t in subs) + self.interval
-            self._send(top, relay_request([(self.addresses[w], h) for w, _, h, _ in subs], timeout, rid), rid)
+                self._relayed[rid] = (top, {r: w for w, r, *_ in subs})
+            timeout = max(t for _, _, _, t, _ in subs) + self.interval
+            self._send(top, relay_request([(self.addresses[w], h) for w, _, h, *_ in subs], timeout, rid), rid)
 
     def _on_reply(self, frames) -> None:
         worker = self._by_route.get(bytes(frames[0])) if frames else None
@@ -704,14 +742,15 @@ class WorkerPool:
         return True
 
     def _resolve(self, entry: tuple, header: dict) -> None:
-        worker, fut, reply_type, members, split = entry
+        worker, fut, reply_type, members, split, via = entry
         if not header.get("ok"):
             error = str(header.get("error"))
-            if split:  # the relay names the failed worker by its address
-                at = next((w for w in members if error.startswith(self.addresses[w] + ": ")), None)
-                error = (f"{at}: {error.removeprefix(self.addresses[at] + ': ')}" if at is not None
-                         else f"{worker}: relaying for {', '.join(members)}: {error}")
-                fut.set_exception(RemoteError(error))
+            if split:  # each relay on the way names the one it heard the failure from by its address
+                at, known = None, {self.addresses[w]: w for w in (*members, *via)}
+                while (hit := next((a for a in known if error.startswith(a + ": ")), None)) is not None:
+                    at, error = known[hit], error[len(hit) + 2:]
+                fut.set_exception(RemoteError(f"{at}: {error}" if at is not None
+                                              else f"{worker}: relaying for {', '.join(members)}: {error}"))
             else:
                 fut.set_exception(RemoteError(f"{worker}: {error}"))
             return
@@ -770,11 +809,11 @@ class WorkerPool:
     def _mark_lost(self, worker: str, why: str) -> None:
         with self._lock:
             self.lost[worker] = why
-            entries = self._take([rid for rid, (w, _, _, members, _) in self._pending.items()
-                                  if w == worker or (members and worker in members)])
+            entries = self._take([rid for rid, (w, _, _, members, _, via) in self._pending.items()
+                                  if w == worker or (members and worker in members) or worker in via])
             # What `worker` relays for others (or passes on to other relays) is lost with it.
             entries += self._take([r for r, (leader, _) in self._relayed.items() if leader == worker])
-        for w, f, _, members, split in entries:
+        for w, f, _, members, split, via in entries:
             if split and worker != w and worker in members:  # a member of a SPLIT its relay `w` sent
                 f.set_exception(WorkerLost(f"{worker}: {why}"))
             else:
@@ -798,7 +837,7 @@ class WorkerPool:
                     self.lost.pop(name, None)
                 done.set()
             while not self._out.empty():
-                self._send_round([(worker, rid, header, self.relay_timeout_s) for worker, rid, header in self._out.get()])
+                self._send_round([(worker, rid, header, self.relay_timeout_s, wrap) for worker, rid, header, wrap in self._out.get()])
             if self.sock in events:
                 while True:  # a NOBLOCK recv until empty: Socket.poll(0) builds a Poller per call
                     try:
@@ -822,7 +861,7 @@ class WorkerPool:
                     rid = next(ping_ids)
                     leader = self.relay_of.get(name)
                     if leader is None:
-                        direct.append((name, rid, request(_PING, rid, _PING_BODY), self.interval))
+                        direct.append((name, rid, request(_PING, rid, _PING_BODY), self.interval, True))
                     else:
                         relayed.setdefault(leader, {})[rid] = name
                 for leader, rids in relayed.items():  # a node's heartbeats in one RELAY, answered within the interval
@@ -832,7 +871,7 @@ class WorkerPool:
                     with self._lock:
                         self._relayed[rid] = (leader, rids)
                     pings = [(self.addresses[w], request(_PING, r, _PING_BODY)) for r, w in rids.items()]
-                    direct.append((leader, rid, relay_request(pings, self.interval, rid), self.interval))
+                    direct.append((leader, rid, relay_request(pings, self.interval, rid), self.interval, True))
                 self._send_round(direct)
 
     def close(self) -> None:

@@ -78,14 +78,15 @@ def relay_tops(leaders: list[str], fanout: int) -> dict[str, str]:
     return {leader: run[0] for run in runs if len(run) > 1 for leader in run}
 
 
-def replica_groups(heads: list[int], names: list[str], relay_of: dict[str, str]) -> list[list[int]]:
-    """The data-parallel replicas (indices) whose heads one relay serves, each group in replica
-    order, groups in the order of their first replica; a head sent to directly is a group alone.
-    A step's requests to a group travel as one (WorkerPool.request_columns)."""
+def replica_groups(heads: list[int], names: list[str], relay_of: dict[str, str], top_of: dict[str, str]) -> list[list[int]]:
+    """The data-parallel replicas (indices) whose heads one relay serves (or the relays under one
+    top), each group in replica order, groups in the order of their first replica; a head sent to
+    directly is a group alone. A step's requests to a group travel as one (WorkerPool.request_columns)."""
     out: list[list[int]] = []
     by_leader: dict[str, list[int]] = {}
     for d, head in enumerate(heads):
         leader = relay_of.get(names[head])
+        leader = top_of.get(leader, leader)
         if leader is None:
             out.append([d])
         elif leader in by_leader:
@@ -151,7 +152,7 @@ class Master:
             relays=(relays := relay_groups({n: addrs[n] for n in self.names}, cfg.system.relay_group_size)),
             relay_timeout_s=cfg.system.request_timeout_s, tops=relay_tops(list(relays), cfg.system.relay_fanout),
         )
-        self.groups = replica_groups(self.heads, self.names, self.pool.relay_of)
+        self.groups = replica_groups(self.heads, self.names, self.pool.relay_of, self.pool.top_of)
         self.drop_tally = drops.Tally()
         self.drop_totals: collections.Counter[str] = collections.Counter()  # "process/socket/reason" -> drops this attempt
         self.next_id = 0

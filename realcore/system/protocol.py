@@ -400,12 +400,15 @@ class Relay:
 
     requests: list[tuple[str, dict[str, Any]]]
     timeout_s: float  # a worker silent this long gets an error reply in its place
+    # A relay of relays' SPLITs of one command (FETCH or RUN_MFC): answer with their Joined replies
+    # joined into one Joined (columns.join), or the first failure, instead of a Relayed.
+    join: int = 0
 
 
-def relay_request(requests: list[tuple[str, dict]], timeout_s: float, rid: int) -> dict:
+def relay_request(requests: list[tuple[str, dict]], timeout_s: float, rid: int, join: int = 0) -> dict:
     """The RELAY request header for already-built request headers (request()): built directly,
     since its body only nests headers that are msgpack-ready already."""
-    return {"cmd": int(Cmd.RELAY), "rid": rid, "body": {"requests": requests, "timeout_s": timeout_s}}
+    return {"cmd": int(Cmd.RELAY), "rid": rid, "body": {"requests": requests, "timeout_s": timeout_s, "join": join}}
 
 
 @body
