@@ -233,3 +233,16 @@ def test_a_failure_beneath_a_top_names_the_worker(node):
         wait_all(n.pool.request_columns([Columns([f"w{i}" for i in range(4)], [1, 1, 1, 1], Fetch(0, 4), [[]] * 4)]),
                  10, "fetch")
     assert not n.pool._pending
+
+
+def test_a_lost_relay_beneath_a_top_fails_the_request_through_it(node):
+    """The second relay (w2) stops answering while w3 is busy on a request spanning both relays:
+    the request fails with WorkerLost naming w2, without waiting for the top's deadline."""
+    n = node(4, group=2, fanout=8, heartbeat_timeout_s=0.5, delays={3: 3.0})
+    fut = n.pool.request_columns([Columns([f"w{i}" for i in range(4)], [1, 1, 1, 1], Fetch(0, 4), [[]] * 4)])["w0"]
+    time.sleep(0.3)
+    n.servers[2]._close_by = 0
+    n.servers[2]._stop.set()
+    with pytest.raises(WorkerLost, match="^w2: no heartbeat"):
+        fut.result(2.5)
+    assert not n.pool._pending
