@@ -191,8 +191,7 @@ def _serve(assign: list, secret: bytes, root: str, spec: dict, out_q) -> None:
                         dropped += 1
                         continue
                     counts[msg.CMD.name] = counts.get(msg.CMD.name, 0) + 1
-                    inner = _commands(msg)
-                    if peer.sender.startswith("master#") and not inner <= {int(Ping.CMD), int(Configure.CMD), int(Exit.CMD)}:
+                    if peer.sender.startswith("master#") and not _commands(msg) <= {int(Ping.CMD), int(Configure.CMD), int(Exit.CMD)}:
                         from_master += 1  # a step's message from the master (a RELAY counts once)
                     if isinstance(msg, (Relay, Split)):
                         if w.relay is None:

@@ -106,14 +106,14 @@ class SampleBuffer:
             col.tokens[at] = [t for i in have for t in map(sum, parts[i][2][key])]
             col.seqs[at] = [n for i in have for n in map(len, parts[i][2][key])]
 
-    def _has(self, keys, slots=None) -> np.ndarray:
-        """Mask (over `slots`, or every slot) of the samples holding all of `keys`."""
-        mask = self.live.copy() if slots is None else self.live[slots]
+    def _has(self, keys) -> np.ndarray:
+        """Mask over the slots of the samples holding all of `keys`."""
+        mask = self.live.copy()
         for k in keys:
             col = self.keys.get(k)
             if col is None:
                 return np.zeros_like(mask)
-            mask &= (col.owner >= 0) if slots is None else (col.owner[slots] >= 0)
+            mask &= col.owner >= 0
         return mask
 
     def ready(self, node: MFCNode) -> list[int] | None:

@@ -438,6 +438,7 @@ class Split:
 
 def split_request(cmd: int, workers: list[str], sizes: list[int], body: dict, clears: list[list[int]],
                   timeout_s: float, rid: int) -> dict:
-    """The SPLIT request header, built directly (its body is msgpack-ready already: columns.pack)."""
+    """The SPLIT request header, built directly (its body is msgpack-ready already: to_body of the
+    request over all the workers' samples, WorkerPool.request_columns)."""
     return {"cmd": int(Cmd.SPLIT), "rid": rid, "body": {"cmd": cmd, "workers": workers, "sizes": sizes, "body": body,
                                                        "clears": clears, "timeout_s": timeout_s}}
