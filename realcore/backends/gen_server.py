@@ -87,6 +87,7 @@ class _Generate:
     gconfig: GenerationConfig
     return_logprob: bool
     done: Callable[[Any], None]
+    adapters: frozenset[str] = frozenset()  # lora_path names asked for: checked on admission, after any pause
     restarted: bool = False  # it was in a failed decode step once and started again
 
 
@@ -306,6 +307,11 @@ class EngineLoop:
             c.done(reply)
 
     def _add(self, c: _Generate) -> None:
+        wrong = sorted(n for n in c.adapters if n != self.adapter)
+        if wrong:  # SGLang's lora_path names a loaded adapter. Checked here, not on arrival: a request
+            # that came during an adapter swap (unload, then load, while paused) waits for the new one
+            c.done(ValueError(f"generate: lora_path {wrong} is not the loaded adapter ({self.adapter})"))
+            return
         if c.rid in self.erid:
             c.done(ValueError(f"generate: request id {c.rid!r} is already running"))
             return
@@ -600,9 +606,10 @@ class Server:
         except asyncio.TimeoutError:
             raise Unavailable(f"gen_server: the engine thread did not answer within {timeout_s:g} s") from None
 
-    async def _generate_one(self, rid: str, ids: list[int], gconfig: GenerationConfig, logprob: bool) -> dict:
+    async def _generate_one(self, rid: str, ids: list[int], gconfig: GenerationConfig, logprob: bool,
+                            adapters: frozenset[str] = frozenset()) -> dict:
         try:
-            return await self._call(lambda done: _Generate(rid, ids, gconfig, logprob, done), timeout_s=None)
+            return await self._call(lambda done: _Generate(rid, ids, gconfig, logprob, done, adapters), timeout_s=None)
         except asyncio.CancelledError:  # the client went away: stop spending steps on it
             if not self.core.stopping.is_set():
                 self.core.submit(_Abort(rid, lambda _: None))
@@ -615,11 +622,9 @@ class Server:
         given = (req.rid or [None] * len(prompts)) if batch else [req.rid]
         rids = [rid if rid is not None else os.urandom(8).hex() for rid in given]
         names = req.lora_path if isinstance(req.lora_path, list) else [req.lora_path]
-        wrong = {n for n in names if n is not None and n != self.core.adapter}
-        if wrong:  # SGLang's lora_path names a loaded adapter; None = the weights as they are
-            raise ValueError(f"generate: lora_path {sorted(wrong)} is not the loaded adapter ({self.core.adapter})")
+        adapters = frozenset(n for n in names if n is not None)  # None = the weights as they are
         gconfig = req.sampling_params.gconfig(self.limits)
-        replies = await self._gather([self._generate_one(rid, ids, gconfig, req.return_logprob)
+        replies = await self._gather([self._generate_one(rid, ids, gconfig, req.return_logprob, adapters)
                                       for rid, ids in zip(rids, prompts)])
         return web.json_response(replies if batch else replies[0])
 
