@@ -145,17 +145,17 @@ def _serve(assign: list, secret: bytes, root: str, spec: dict, out_q) -> None:
                 held_at_fetch += len(w.stored)  # sync: every earlier sample was released by now
                 ids = list(range(msg.first_id, msg.first_id + msg.n))
                 w.stored.update(ids)
-                return Fetched(ids, {k: [[_plen(sid) if k != "answer" else 3] for sid in ids] for k in keys},
-                               [f"d{w.index}:{sid}" for sid in ids])
+                return Fetched(ids, {k: [_plen(sid) if k != "answer" else 3 for sid in ids] for k in keys},
+                               {k: [1] * len(ids) for k in keys}, [f"d{w.index}:{sid}" for sid in ids])
             if isinstance(msg, RunMFC):
                 node, ids = mfcs[msg.mfc], msg.ids
                 w.stored.update(ids)
-                outputs = {
-                    k: [[1 if k == "rewards" else _plen(sid) + 16 + j for j in range(group)] for sid in ids]
-                    for k in node["outputs"]
-                }
+                # sizes of `group` sequences per sample: rewards 1 token each, the rest prompt + 16 + j
+                tokens = {k: [group if k == "rewards" else group * (_plen(sid) + 16) + group * (group - 1) // 2
+                              for sid in ids] for k in node["outputs"]}
                 n = len(ids) * (1 if node["first_input"] in keys else group)
-                return MFCDone(ids, outputs, dict(node["stats"]), n, then=[handle(w, m) for m in msg.then])
+                return MFCDone(ids, tokens, {k: [group] * len(ids) for k in tokens}, dict(node["stats"]), n,
+                               then=[handle(w, m) for m in msg.then])
             if isinstance(msg, Clear):
                 w.stored.difference_update(msg.ids)
                 return None

@@ -12,6 +12,7 @@ from realcore.system.buffer import SampleBuffer, split_balanced
 from realcore.system.control import ControlServer, WorkerPool, wait_all
 from realcore.system.protocol import (Clear, Exit, Fetch, Fetched, Pause, RemoteError, Start,
                                       Status, WorkerLost, request)
+from test_buffer import sizes
 
 SECRET = b"s" * 32
 
@@ -28,7 +29,7 @@ def serve(server: ControlServer, stop: threading.Event, handled: list | None = N
         if isinstance(msg, Clear):
             server.send_reply(peer, rid, error="no such samples")
         elif isinstance(msg, Fetch):
-            server.send_reply(peer, rid, Fetched([msg.first_id], {}, [f"n={msg.n}"]))
+            server.send_reply(peer, rid, Fetched([msg.first_id], {}, {}, [f"n={msg.n}"]))
         else:
             server.send_reply(peer, rid)
 
@@ -49,7 +50,7 @@ def pair():
 
 def test_request_reply_and_remote_error(pair):
     server, pool = pair
-    assert pool.request("w0", Fetch(7, 3)).result(5) == Fetched([7], {}, ["n=3"])
+    assert pool.request("w0", Fetch(7, 3)).result(5) == Fetched([7], {}, {}, ["n=3"])
     with pytest.raises(RemoteError, match="w0: no such samples"):
         pool.request("w0", Clear([1])).result(5)
 
@@ -254,12 +255,12 @@ def test_buffer_readiness_and_balanced_split():
     nodes = [dfg.nodes[n] for n in dfg.order()]
     buf = SampleBuffer(nodes)
     n = cfg.trainer.batch_size
-    buf.add([0] * n, list(range(n)), {"prompt_ids": [[5]] * n, "answer": [[2]] * n})
+    buf.add([0] * n, list(range(n)), *sizes({"prompt_ids": [[5]] * n, "answer": [[2]] * n}))
     gen, ref = dfg.nodes["actor_gen"], dfg.nodes["ref_inf"]
     assert buf.ready(ref) is None and buf.ready(gen) == list(range(n))
     buf.start(gen, list(range(n)))
     assert buf.ready(gen) is None  # running: not handed out twice
-    buf.add([1] * n, list(range(n)), {k: [[9, 9]] * n for k in ("input_ids", "loss_mask", "behav_logprobs", "rewards")})
+    buf.add([1] * n, list(range(n)), *sizes({k: [[9, 9]] * n for k in ("input_ids", "loss_mask", "behav_logprobs", "rewards")}))
     buf.finish(gen, list(range(n)))
     assert buf.ready(ref) == list(range(n))
     assert buf.owners([0], ["input_ids", "loss_mask", "answer"]) == {"input_ids": [1], "loss_mask": [1], "answer": [0]}
@@ -287,7 +288,7 @@ def test_one_message_to_several_workers_is_serialized_once(monkeypatch):
     try:
         same, other = Fetch(7, 3), Fetch(9, 1)
         got = wait_all(pool.request_many({"w0": same, "w1": same, "w2": other}), 10, "fetch")
-        assert got == {"w0": Fetched([7], {}, ["n=3"]), "w1": Fetched([7], {}, ["n=3"]), "w2": Fetched([9], {}, ["n=1"])}
+        assert got == {"w0": Fetched([7], {}, {}, ["n=3"]), "w1": Fetched([7], {}, {}, ["n=3"]), "w2": Fetched([9], {}, {}, ["n=1"])}
         assert built == [same, other]
     finally:
         stop.set()

@@ -11,6 +11,7 @@ from realcore.system.batch_source import source_keys
 from realcore.system.buffer import SampleBuffer, split_balanced
 from realcore.system.master import Master
 from realcore.system.plugins import load_plugins
+from test_buffer import sizes
 
 
 def _master(dp: int = 2) -> Master:
@@ -27,9 +28,9 @@ def _master(dp: int = 2) -> Master:
 
 def _generated(m: Master, ids: list[int], lens: dict[int, int]) -> None:
     """Samples as after actor_gen: prompts from worker 0, generated keys on worker 1."""
-    m.buffer.add([0] * len(ids), ids, {"prompt_ids": [[5]] * len(ids), "answer": [[1]] * len(ids)})
+    m.buffer.add([0] * len(ids), ids, *sizes({"prompt_ids": [[5]] * len(ids), "answer": [[1]] * len(ids)}))
     gen = m.dfg.nodes["actor_gen"]
-    m.buffer.add([1] * len(ids), ids, {k: [[lens[sid]] * 4 for sid in ids] for k in gen.outputs})
+    m.buffer.add([1] * len(ids), ids, *sizes({k: [[lens[sid]] * 4 for sid in ids] for k in gen.outputs}))
     m.buffer.finish(gen, ids)
 
 
@@ -42,7 +43,7 @@ def test_training_rides_with_reference_logprobs_not_with_generation():
     m = _master()
     n = m.dfg.nodes["actor_gen"].n_seqs
     ids = list(range(n))
-    m.buffer.add([0] * len(ids), ids, {"prompt_ids": [[5]] * n, "answer": [[1]] * n})
+    m.buffer.add([0] * len(ids), ids, *sizes({"prompt_ids": [[5]] * n, "answer": [[1]] * n}))
     # Generation makes the responses later MFCs are balanced by: nothing is chained to it.
     assert m.chain(m.dfg.nodes["actor_gen"], ids, _parts(m, "actor_gen", ids), set()) == []
 
@@ -63,7 +64,7 @@ def test_an_mfc_split_differently_is_not_chained():
     # actor_train's cost is its longest input: a loss mask longer than the sequences for some
     # samples changes its balanced split, so it must wait and be split by its own costs.
     half = ids[: len(ids) // 2]
-    m.buffer.add([1] * len(half), half, {"loss_mask": [[(10 + 7 * sid) * 50] * 4 for sid in half]})
+    m.buffer.add([1] * len(half), half, *sizes({"loss_mask": [[(10 + 7 * sid) * 50] * 4 for sid in half]}))
     parts = _parts(m, "ref_inf", ids)
     assert parts != _parts(m, "actor_train", ids)
     assert m.chain(m.dfg.nodes["ref_inf"], ids, parts, set()) == []

@@ -17,7 +17,7 @@ def answer_fetch(msg, index: int):
     """FETCH answers its first_id and n; CLEAR fails."""
     if isinstance(msg, Clear):
         raise ValueError("no such samples")
-    return Fetched([msg.first_id], {}, [f"n={msg.n}"])
+    return Fetched([msg.first_id], {}, {}, [f"n={msg.n}"])
 
 
 def serve(server: ControlServer, stop: threading.Event, handled: list, delay_s: float, index: int, answer) -> None:
@@ -89,7 +89,7 @@ def test_requests_go_through_the_relay_in_order_with_typed_replies(node):
     relayed_before = n.servers[0].relay.endpoint.guard._senders.copy()
     for r in range(3):
         got = wait_all(n.pool.request_many({f"w{i}": Fetch(100 * r + i, i) for i in range(4)}), 10, "fetch")
-        assert got == {f"w{i}": Fetched([100 * r + i], {}, [f"n={i}"]) for i in range(4)}
+        assert got == {f"w{i}": Fetched([100 * r + i], {}, {}, [f"n={i}"]) for i in range(4)}
     with pytest.raises(RemoteError, match="w2: no such samples"):
         n.pool.request("w2", Clear([1])).result(10)
     for i in range(4):
@@ -173,7 +173,7 @@ def test_relays_of_relays_pass_every_message_on_in_order(node):
     assert relay_tops(["a", "b", "c"], 2) == {"a": "a", "b": "a"} and relay_tops(["a", "b"], 1) == {}
     for r in range(3):
         got = wait_all(n.pool.request_many({f"w{i}": Fetch(100 * r + i, i) for i in range(4)}), 10, "fetch")
-        assert got == {f"w{i}": Fetched([100 * r + i], {}, [f"n={i}"]) for i in range(4)}
+        assert got == {f"w{i}": Fetched([100 * r + i], {}, {}, [f"n={i}"]) for i in range(4)}
     reqs = [Columns(["w0", "w1"], [1, 1], Fetch(500, 2), [[], []]), Columns(["w2", "w3"], [1, 1], Fetch(502, 2), [[], [9]])]
     got = wait_all(n.pool.request_columns(reqs), 10, "fetch")
     assert {w: (g.workers, g.reply.ids) for w, g in got.items()} == {"w0": (["w0", "w1"], [500, 501]), "w2": (["w2", "w3"], [502, 503])}
@@ -221,7 +221,7 @@ def test_a_failure_beneath_a_top_names_the_worker(node):
     def answer(msg, index):
         if isinstance(msg, RunMFC) and index == 3:
             raise RuntimeError("MFC x failed")
-        return MFCDone(msg.ids, {}, {}, 1) if isinstance(msg, RunMFC) else answer_fetch(msg, index)
+        return MFCDone(msg.ids, {}, {}, {}, 1) if isinstance(msg, RunMFC) else answer_fetch(msg, index)
 
     n = node(4, group=2, fanout=8, answer=answer)
     with pytest.raises(RemoteError, match="^w3: MFC x failed"):

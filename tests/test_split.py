@@ -19,10 +19,11 @@ def answer_mfc(msg, index: int):
     and runs `then` after it."""
     if isinstance(msg, Fetch):
         ids = list(range(msg.first_id, msg.first_id + msg.n))
-        return Fetched(ids, {"prompt": [[index + 1] for _ in ids]}, [f"u{i}" for i in ids])
+        return Fetched(ids, {"prompt": [index + 1 for _ in ids]}, {"prompt": [1 for _ in ids]}, [f"u{i}" for i in ids])
     if msg.mfc == f"fail_on_{index}":
         raise RuntimeError(f"MFC failed on worker {index}")
-    return MFCDone(msg.ids, {f"{msg.mfc}_out": [[sid] for sid in msg.ids]}, {"count": len(msg.ids), "mean": float(index)},
+    key = f"{msg.mfc}_out"
+    return MFCDone(msg.ids, {key: list(msg.ids)}, {key: [1] * len(msg.ids)}, {"count": len(msg.ids), "mean": float(index)},
                    len(msg.ids), seconds=0.1 * index, then=[answer_mfc(m, index) for m in msg.then])
 
 
@@ -42,7 +43,7 @@ def test_a_fetch_for_a_node_is_one_split_cut_per_worker(node):
     g = got["w0"]
     assert isinstance(g, Gathered) and g.workers == workers and g.sizes == [2, 2, 2, 2]
     assert g.reply.ids == list(range(10, 18)) and g.reply.uids == [f"u{i}" for i in range(10, 18)]
-    assert g.reply.seqlens == {"prompt": [[1], [1], [2], [2], [3], [3], [4], [4]]}
+    assert g.reply.tokens == {"prompt": [1, 1, 2, 2, 3, 3, 4, 4]} and g.reply.seqs == {"prompt": [1] * 8}
     assert g.owners({w: i for i, w in enumerate(workers)}) == [0, 0, 1, 1, 2, 2, 3, 3]
     # each worker got its own Fetch, with its own released samples to drop
     assert [h for h in n.handled] == [[Fetch(10 + 2 * i, 2, clear=[7, 8] if i == 1 else [])] for i in range(4)]
@@ -57,11 +58,11 @@ def test_an_mfc_and_its_chain_are_cut_per_worker_and_joined_in_order(node):
     msg = RunMFC("ref", ids, {"prompt": owner}, then=[RunMFC("train", ids, {"ref_out": owner})])
     g = wait_all(n.pool.request_columns([Columns(["w0", "w1", "w2"], [1, 2, 2], msg, [[], [5], []])]), 10, "mfc")["w0"]
     assert g.sizes == [1, 2, 2]
-    assert g.reply.ids == ids and g.reply.outputs == {"ref_out": [[i] for i in ids]}
+    assert g.reply.ids == ids and g.reply.tokens == {"ref_out": ids} and g.reply.seqs == {"ref_out": [1] * 5}
     # counts summed, means weighted by each worker's sequences, the slowest worker's time
     assert g.reply.stats == {"count": 5, "mean": (0 * 1 + 1 * 2 + 2 * 2) / 5} and g.reply.n == 5
     assert g.reply.seconds == pytest.approx(0.2)
-    assert [t.ids for t in g.reply.then] == [ids] and g.reply.then[0].outputs == {"train_out": [[i] for i in ids]}
+    assert [t.ids for t in g.reply.then] == [ids] and g.reply.then[0].tokens == {"train_out": ids}
     for i, mine in enumerate([[0], [3, 4], [6, 7]]):  # each worker ran exactly its own request
         assert n.handled[i] == [RunMFC("ref", mine, {"prompt": [i] * len(mine)}, clear=[5] if i == 1 else [],
                                        then=[RunMFC("train", mine, {"ref_out": [i] * len(mine)})])]
@@ -122,15 +123,16 @@ def test_cut_gives_each_worker_its_own_request():
 
 
 def test_join_refuses_replies_that_do_not_line_up():
-    a = to_body(MFCDone([1], {"x": [[3]]}, {}, 1))
-    b = to_body(MFCDone([2], {"y": [[3]]}, {}, 1))
-    with pytest.raises(ValueError, match="different outputs keys"):
+    a = to_body(MFCDone([1], {"x": [3]}, {"x": [1]}, {}, 1))
+    b = to_body(MFCDone([2], {"y": [3]}, {"y": [1]}, {}, 1))
+    with pytest.raises(ValueError, match="different tokens keys"):
         columns.join(int(Cmd.RUN_MFC), [a, b])
-    c = to_body(MFCDone([2, 3], {"x": [[3]]}, {}, 2))
+    c = to_body(MFCDone([2, 3], {"x": [3, 4]}, {"x": [1]}, {}, 2))
     with pytest.raises(ValueError, match="1 entries for 2 samples"):
         columns.join(int(Cmd.RUN_MFC), [a, c])
-    empty = to_body(Fetched([], {}, []))  # a worker with nothing to give may name no keys
-    assert columns.join(int(Cmd.FETCH), [to_body(Fetched([1], {"p": [[2]]}, ["u"])), empty])[1]["seqlens"] == {"p": [[2]]}
+    empty = to_body(Fetched([], {}, {}, []))  # a worker with nothing to give may name no keys
+    joined = columns.join(int(Cmd.FETCH), [to_body(Fetched([1], {"p": [2]}, {"p": [1]}, ["u"])), empty])[1]
+    assert joined["tokens"] == {"p": [2]} and joined["seqs"] == {"p": [1]}
 
 
 def test_merged_groups_merge_as_all_workers_at_once():

@@ -21,6 +21,10 @@ def source_keys(cfg: ExperimentConfig) -> tuple[str, ...]:
     return workflow_keys(cfg.rollout.workflow) if cfg.mode == "async" else dataset_keys(cfg.dataset)
 
 
+def _rows(columns: dict[str, list], rows: list[int]) -> dict[str, list]:
+    return {key: [v[k] for k in rows] for key, v in columns.items()}
+
+
 @dataclass
 class Group:
     """One sample of the batch (a prompt and, once generated, its sequences), for the ledger."""
@@ -58,7 +62,7 @@ class DatasetSource:
                                     [m.to_clear.pop(m.heads[d], []) for d in run]))
         m.next_id += n
         got = list(m.wait(m.pool.request_columns(reqs), "dataset fetch").values())
-        m.buffer.add_many([(g.owners(m.index_of), g.reply.ids, g.reply.seqlens) for g in got])
+        m.buffer.add_many([(g.owners(m.index_of), g.reply.ids, g.reply.tokens, g.reply.seqs) for g in got])
         groups = [Group(sid, uid) for g in got for sid, uid in zip(g.reply.ids, g.reply.uids)]
         return groups
 
@@ -98,7 +102,7 @@ class StreamSource:
                 if len(fresh) < len(r.ids):
                     duplicates += len(r.ids) - len(fresh)
                     m.clear_on(i, [r.ids[k] for k in range(len(r.ids)) if k not in fresh])
-                m.buffer.add([i] * len(fresh), [r.ids[k] for k in fresh], {key: [v[k] for k in fresh] for key, v in r.seqlens.items()})
+                m.buffer.add([i] * len(fresh), [r.ids[k] for k in fresh], _rows(r.tokens, fresh), _rows(r.seqs, fresh))
                 for k in fresh:
                     self.trained.add(r.uids[k])
                     groups.append(Group(r.ids[k], r.uids[k], r.version_start[k], r.version_end[k]))

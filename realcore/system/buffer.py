@@ -16,27 +16,23 @@ import numpy as np
 from realcore.dfg.graph import MFCNode
 
 
-class _Key:
-    """One key's columns: the worker holding it (-1: not there), its tokens (the sum of its
-    sequence lengths, a cost) and its number of sequences."""
-
-    __slots__ = ("owner", "tokens", "seqs")
-
-    def __init__(self, cap: int):
-        self.owner = np.full(cap, -1, np.int64)
-        self.tokens = np.zeros(cap, np.int64)
-        self.seqs = np.zeros(cap, np.int64)
-
-
 class SampleBuffer:
+    """Per key (a row each, `key_row`): the worker holding it (-1: not there), its tokens (the sum
+    of its sequences' lengths: a cost) and its number of sequences; per MFC (a row each): whether
+    it ran (`done`) or runs (`running`) on the sample. Columns are slots."""
+
     def __init__(self, nodes: list[MFCNode]):
         self.nodes = nodes
         self.base = 0  # the id of slot 0
         self.cap = 0
         self.live = np.zeros(0, bool)
-        self.keys: dict[str, _Key] = {}
-        self.done: dict[str, np.ndarray] = {n.name: np.zeros(0, bool) for n in nodes}  # MFC -> ran on the slot
-        self.running: dict[str, np.ndarray] = {n.name: np.zeros(0, bool) for n in nodes}
+        self.key_row: dict[str, int] = {}
+        self.owner = np.zeros((0, 0), np.int64)
+        self.tokens = np.zeros((0, 0), np.int64)
+        self.seqs = np.zeros((0, 0), np.int64)
+        self.mfc_row = {n.name: r for r, n in enumerate(nodes)}
+        self.done = np.zeros((len(nodes), 0), bool)
+        self.running = np.zeros((len(nodes), 0), bool)
 
     def __len__(self) -> int:
         return int(self.live.sum())
@@ -46,9 +42,8 @@ class SampleBuffer:
     def _slots(self, ids) -> np.ndarray:
         return np.asarray(ids, np.int64) - self.base
 
-    def _make_room(self, ids: np.ndarray) -> np.ndarray:
-        """Slots for `ids`, the window moved (to start at the first live or new id) and grown to
-        hold them."""
+    def _make_room(self, ids: np.ndarray) -> None:
+        """Move the window (to start at the first live or new id) and grow it to hold `ids`."""
         lo, hi = int(ids.min()), int(ids.max())
         live = np.flatnonzero(self.live)
         if not len(live):
@@ -57,141 +52,142 @@ class SampleBuffer:
             first = min(lo, self.base + int(live[0])) if len(live) else lo
             last = max(hi, self.base + int(live[-1])) if len(live) else hi
             self._reshape(first, max(2 * (last - first + 1), 64))
-        return ids - self.base
 
-    def _reshape(self, base: int, cap: int) -> None:
+    def _reshape(self, base: int, cap: int, n_keys: int | None = None) -> None:
         shift = self.base - base  # old slot s is new slot s + shift (every live slot fits)
         a, b = max(0, -shift), min(self.cap, cap - shift)
 
-        def moved(old: np.ndarray, fill) -> np.ndarray:
-            new = np.full(cap, fill, old.dtype)
+        def moved(old: np.ndarray, fill, rows: int | None = None) -> np.ndarray:
+            if old.ndim == 1:
+                new = np.full(cap, fill, old.dtype)
+                if a < b:
+                    new[a + shift:b + shift] = old[a:b]
+                return new
+            new = np.full((old.shape[0] if rows is None else rows, cap), fill, old.dtype)
             if a < b:
-                new[a + shift:b + shift] = old[a:b]
+                new[:old.shape[0], a + shift:b + shift] = old[:, a:b]
             return new
 
         self.live = moved(self.live, False)
-        for k in self.keys.values():
-            k.owner, k.tokens, k.seqs = moved(k.owner, -1), moved(k.tokens, 0), moved(k.seqs, 0)
-        for cols in (self.done, self.running):
-            for name in cols:
-                cols[name] = moved(cols[name], False)
+        self.owner, self.tokens, self.seqs = (moved(self.owner, -1, n_keys), moved(self.tokens, 0, n_keys),
+                                              moved(self.seqs, 0, n_keys))
+        self.done, self.running = moved(self.done, False), moved(self.running, False)
         self.base, self.cap = base, cap
+
+    def _rows(self, keys) -> list[int]:
+        """The rows of `keys`, new keys given one (the columns grow a row each)."""
+        new = [k for k in dict.fromkeys(keys) if k not in self.key_row]
+        if new:
+            for k in new:
+                self.key_row[k] = len(self.key_row)
+            self._reshape(self.base, self.cap, len(self.key_row))
+        return [self.key_row[k] for k in keys]
 
     # --- the master's questions -------------------------------------------------------------
 
-    def add(self, owners: list[int], ids: list[int], seqlens: dict[str, list[list[int]]]) -> None:
-        """Sample ids[i] now has each key of `seqlens`, stored on worker owners[i]."""
-        self.add_many([(owners, ids, seqlens)])
+    def add(self, owners: list[int], ids: list[int], tokens: dict[str, list[int]], seqs: dict[str, list[int]]) -> None:
+        """Sample ids[i] now has each key of `tokens`, stored on worker owners[i], with tokens[key][i]
+        tokens in seqs[key][i] sequences."""
+        self.add_many([(owners, ids, tokens, seqs)])
 
-    def add_many(self, parts: list[tuple[list[int], list[int], dict[str, list[list[int]]]]]) -> None:
-        """add() of several (owners, ids, seqlens), one numpy assignment per key for all of them."""
+    def add_many(self, parts: list[tuple[list[int], list[int], dict[str, list[int]], dict[str, list[int]]]]) -> None:
+        """add() of several (owners, ids, tokens, seqs): one numpy assignment per part and column."""
         parts = [p for p in parts if p[1]]
+        for owners, ids, tokens, seqs in parts:
+            if tokens.keys() != seqs.keys() or any(len(v) != len(ids) for d in (tokens, seqs) for v in d.values()):
+                raise ValueError(f"SampleBuffer.add: tokens and seqs must name the same keys, one entry per id ({len(ids)})")
+            if len(owners) != len(ids):
+                raise ValueError(f"SampleBuffer.add: {len(owners)} owners for {len(ids)} ids")
         if not parts:
             return
-        arrays = [np.asarray(ids, np.int64) for _, ids, _ in parts]
+        arrays = [np.asarray(p[1], np.int64) for p in parts]
         self._make_room(np.concatenate(arrays) if len(arrays) > 1 else arrays[0])
-        slots = [a - self.base for a in arrays]  # after the window moved, once for all
-        for sl in slots:
-            self.live[sl] = True
-        by_key: dict[str, list[int]] = {}  # key -> the parts that have it
-        for i, (_, _, seqlens) in enumerate(parts):
-            for key in seqlens:
-                by_key.setdefault(key, []).append(i)
-        for key, have in by_key.items():
-            col = self.keys.get(key)
-            if col is None:
-                col = self.keys[key] = _Key(self.cap)
-            at = np.concatenate([slots[i] for i in have]) if len(have) > 1 else slots[have[0]]
-            col.owner[at] = [o for i in have for o in parts[i][0]]
-            col.tokens[at] = [t for i in have for t in map(sum, parts[i][2][key])]
-            col.seqs[at] = [n for i in have for n in map(len, parts[i][2][key])]
+        for (owners, _, tokens, seqs), ids in zip(parts, arrays):
+            self.live[ids - self.base] = True
+            if not tokens:
+                continue
+            at = np.ix_(self._rows(list(tokens)), ids - self.base)  # after the window moved and grew
+            self.owner[at] = np.asarray(owners, np.int64)
+            self.tokens[at] = list(tokens.values())
+            self.seqs[at] = [seqs[k] for k in tokens]
 
     def _has(self, keys) -> np.ndarray:
         """Mask over the slots of the samples holding all of `keys`."""
-        mask = self.live.copy()
-        for k in keys:
-            col = self.keys.get(k)
-            if col is None:
-                return np.zeros_like(mask)
-            mask &= col.owner >= 0
-        return mask
+        if any(k not in self.key_row for k in keys):
+            return np.zeros_like(self.live)
+        return self.live & (self.owner[[self.key_row[k] for k in keys]] >= 0).all(axis=0)
 
     def ready(self, node: MFCNode) -> list[int] | None:
         """`node.n_seqs` samples that hold all of its inputs and have not run it, or None."""
+        r = self.mfc_row[node.name]
         mask = self._has(node.inputs)
-        mask &= ~self.done[node.name]
-        mask &= ~self.running[node.name]
+        mask &= ~self.done[r]
+        mask &= ~self.running[r]
         slots = np.flatnonzero(mask)
         return (slots[: node.n_seqs] + self.base).tolist() if len(slots) >= node.n_seqs else None
 
     def start(self, node: MFCNode, ids: list[int]) -> None:
-        self.running[node.name][self._slots(ids)] = True
+        self.running[self.mfc_row[node.name], self._slots(ids)] = True
 
     def finish(self, node: MFCNode, ids: list[int]) -> None:
-        slots = self._slots(ids)
-        self.running[node.name][slots] = False
-        self.done[node.name][slots] = True
+        r, slots = self.mfc_row[node.name], self._slots(ids)
+        self.running[r, slots] = False
+        self.done[r, slots] = True
 
     def touched(self, node: MFCNode, ids: list[int]) -> bool:
         """Whether `node` ran or runs on any of `ids`."""
-        slots = self._slots(ids)
-        return bool(self.done[node.name][slots].any() or self.running[node.name][slots].any())
+        r, slots = self.mfc_row[node.name], self._slots(ids)
+        return bool(self.done[r, slots].any() or self.running[r, slots].any())
 
     def common_keys(self, ids: list[int]) -> set[str]:
         """The keys every one of `ids` holds."""
-        slots = self._slots(ids)
-        return {k for k, col in self.keys.items() if (col.owner[slots] >= 0).all()}
+        every = (self.owner[:, self._slots(ids)] >= 0).all(axis=1)
+        return {k for k, r in self.key_row.items() if every[r]}
 
     def owners(self, ids: list[int], keys) -> dict[str, list[int]]:
         """key -> the worker holding it, for each of `ids`."""
         slots = self._slots(ids)
-        return {k: self.keys[k].owner[slots].tolist() for k in keys}
+        return {k: self.owner[self.key_row[k], slots].tolist() for k in keys}
 
     def costs(self, ids: list[int], keys) -> list[int]:
         """Cost estimate of each sample for an MFC: the longest of its inputs (`keys`) it holds,
         summed over sequences; 1 if it holds none."""
-        slots = self._slots(ids)
-        best = np.full(len(slots), -1, np.int64)
-        for k in keys:
-            col = self.keys.get(k)
-            if col is not None:
-                np.maximum(best, np.where(col.owner[slots] >= 0, col.tokens[slots], -1), out=best)
+        rows = [self.key_row[k] for k in keys if k in self.key_row]
+        if not rows:
+            return [1] * len(ids)
+        at = np.ix_(rows, self._slots(ids))
+        best = np.where(self.owner[at] >= 0, self.tokens[at], -1).max(axis=0)
         return np.where(best < 0, 1, best).tolist()
 
     def sequences(self, sid: int, key: str) -> int | None:
         """How many sequences sample `sid` has of `key` (None: it has no such key)."""
-        col, slot = self.keys.get(key), sid - self.base
-        return None if col is None or col.owner[slot] < 0 else int(col.seqs[slot])
+        r, slot = self.key_row.get(key), sid - self.base
+        return None if r is None or self.owner[r, slot] < 0 else int(self.seqs[r, slot])
 
     def completed(self) -> list[int]:
         """Samples every MFC has run on: ready to be released."""
-        mask = self.live.copy()
-        for done in self.done.values():
-            mask &= done
-        return (np.flatnonzero(mask) + self.base).tolist()
+        return (np.flatnonzero(self.live & self.done.all(axis=0)) + self.base).tolist()
 
     def holders(self, ids: list[int]) -> dict[int, list[int]]:
         """worker -> the ids among `ids` it stores something of (the owners of their keys)."""
-        if not ids or not self.keys:
+        if not ids or not self.key_row:
             return {}
         slots = self._slots(ids)
-        own = np.concatenate([col.owner[slots] for col in self.keys.values()])
-        at = np.tile(slots, len(self.keys))
+        own = self.owner[:, slots]
         held = own >= 0
         # (worker, slot) pairs as one number each, each once, sorted by worker then slot
-        pairs = np.unique(own[held] * self.cap + at[held])
-        workers, starts = np.unique(pairs // self.cap, return_index=True)
-        return {int(w): (chunk + self.base).tolist()
-                for w, chunk in zip(workers, np.split(pairs % self.cap, starts[1:]))}
+        pairs = np.unique(own[held] * self.cap + np.broadcast_to(slots, own.shape)[held])
+        workers = pairs // self.cap
+        cuts = [0, *(np.flatnonzero(workers[1:] != workers[:-1]) + 1).tolist(), len(pairs)]
+        sids = (pairs % self.cap + self.base).tolist()  # one conversion, then slices per worker
+        return {w: sids[a:b] for w, a, b in zip(workers[cuts[:-1]].tolist(), cuts[:-1], cuts[1:])}
 
     def release(self, ids: list[int]) -> None:
         slots = self._slots(ids)
         self.live[slots] = False
-        for col in self.keys.values():
-            col.owner[slots] = -1
-        for cols in (self.done, self.running):
-            for arr in cols.values():
-                arr[slots] = False
+        self.owner[:, slots] = -1
+        self.done[:, slots] = False
+        self.running[:, slots] = False
 
 
 def split_balanced(ids: list[int], costs: list[int], n_parts: int) -> list[list[int]]:

@@ -88,7 +88,8 @@ def join(cmd: int, bodies: list[dict]) -> tuple[list[int], dict]:
                 if v and len(v) != size:  # optional lists (async) are empty or one entry per sample
                     raise ValueError(f"{f} has {len(v)} entries for {size} samples")
                 out[f] += v
-        out["seqlens"] = _columns(bodies, "seqlens", sizes)
+        out["tokens"] = _columns(bodies, "tokens", sizes)
+        out["seqs"] = _columns(bodies, "seqs", sizes)
         out["dropped"] = [g for b in bodies for g in b.get("dropped", [])]  # not per sample: a plain union
         return sizes, out
     if cmd == Cmd.RUN_MFC:
@@ -102,7 +103,8 @@ def _join_mfc(bodies: list[dict], sizes: list[int]) -> dict:
         raise ValueError("the workers answered different numbers of chained MFCs")
     return {
         "ids": [i for b in bodies for i in b["ids"]],
-        "outputs": _columns(bodies, "outputs", sizes),
+        "tokens": _columns(bodies, "tokens", sizes),
+        "seqs": _columns(bodies, "seqs", sizes),
         "stats": merged_stats([(b["stats"], b["n"]) for b in bodies]),
         "n": sum(b["n"] for b in bodies),
         "seconds": max(b.get("seconds", 0.0) for b in bodies),

@@ -47,11 +47,8 @@ class _Waker:
             wire.send_frames(self.send_sock, [b""], noblock=True)
 
     def drain(self) -> None:
-        while True:
-            try:
-                wire.recv_frames(self.recv_sock, noblock=True, copy=True)
-            except zmq.Again:
-                return
+        while wire.recv_waiting(self.recv_sock) is not None:
+            pass
 
     def close(self) -> None:
         self.send_sock.close(0)
@@ -301,11 +298,7 @@ class NodeRelay:
         self.answer(fwd.peer, {"rid": fwd.rid, "ok": True, "body": {"sizes": sizes, "body": body}, "error": None})
 
     def on_readable(self) -> None:
-        while True:
-            try:
-                frames = wire.recv_frames(self.sock, noblock=True, copy=True)
-            except zmq.Again:
-                return
+        while (frames := wire.recv_waiting(self.sock)) is not None:
             try:
                 _, header, tensors = self.endpoint.open(frames[1:])  # counts its own drops
             except wire.BadMessage:
@@ -439,11 +432,8 @@ class ControlServer:
                 if self.relay.busy():
                     self.relay.expire(time.monotonic())
             if self.sock in events:
-                while True:
-                    try:  # control messages are small: copied into bytes, cheaper than zero-copy frames
-                        frames = wire.recv_frames(self.sock, noblock=True, copy=True)
-                    except zmq.Again:
-                        break
+                # control messages are small: copied into bytes, cheaper than zero-copy frames
+                while (frames := wire.recv_waiting(self.sock)) is not None:
                     self._handle(frames)
         while not self._out.empty():  # replies queued just before close (e.g. to EXIT) still go out
             peer, header = self._out.get()
@@ -839,11 +829,7 @@ class WorkerPool:
             while not self._out.empty():
                 self._send_round([(worker, rid, header, self.relay_timeout_s, wrap) for worker, rid, header, wrap in self._out.get()])
             if self.sock in events:
-                while True:  # a NOBLOCK recv until empty: Socket.poll(0) builds a Poller per call
-                    try:
-                        frames = wire.recv_frames(self.sock, noblock=True, copy=True)
-                    except zmq.Again:
-                        break
+                while (frames := wire.recv_waiting(self.sock)) is not None:  # Socket.poll(0) builds a Poller per call
                     self._on_reply(frames)
             now = time.monotonic()
             if now >= next_ping:

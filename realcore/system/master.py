@@ -337,7 +337,7 @@ class Master:
             slowest = [max((r.seconds for r in rs), default=0.0) for rs in per_node]
             total = sum(slowest)
             for node, rs, s in zip(nodes, per_node, slowest):
-                self.buffer.add_many([(own, r.ids, r.outputs) for own, r in zip(owners, rs)])
+                self.buffer.add_many([(own, r.ids, r.tokens, r.seqs) for own, r in zip(owners, rs)])
                 self.buffer.finish(node, ids)
                 merge_stats(rs, metrics)
                 share = wall * s / total if total > 0 else wall / len(nodes)

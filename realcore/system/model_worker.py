@@ -45,6 +45,13 @@ def optimizer_steps(cfg: ExperimentConfig, role: str) -> int:
     return cfg.trainer.total_steps * max(per_step, default=1)
 
 
+def _add_size(reply: Fetched | MFCDone, key: str, sequences) -> None:
+    """Append a sample's `key` (its sequences, tensors) to `reply` as the master sees it: its tokens
+    and its number of sequences (protocol.MFCDone)."""
+    reply.tokens[key].append(sum(int(t.numel()) for t in sequences))
+    reply.seqs[key].append(len(sequences))
+
+
 class ModelWorker:
     def __init__(self, cfg: ExperimentConfig, index: int, world: int, secret: bytes):
         self.cfg, self.index, self.world = cfg, index, world
@@ -143,26 +150,26 @@ class ModelWorker:
             return self._take_stream(msg)
         ids = list(range(msg.first_id, msg.first_id + msg.n))
         names = sorted(dataset_keys(self.cfg.dataset))
-        seqlens: dict[str, list] = {k: [] for k in names}
-        uids = []
+        out = Fetched(ids, {k: [] for k in names}, {k: [] for k in names}, [])
         for sid in ids:
             seq, index = self.sampler.next()
             sample = self.dataset[index]
-            uids.append(f"d{self.dp_rank}:{seq}")
+            out.uids.append(f"d{self.dp_rank}:{seq}")
             for k in names:
                 self.storage.put(sid, k, sample[k])
-                seqlens[k].append([int(t.numel()) for t in sample[k]])
-        return Fetched(ids, seqlens, uids)
+                _add_size(out, k, sample[k])
+        return out
 
     def _take_stream(self, msg: Fetch) -> Fetched:
         groups, dropped = self.stream.take(msg.n, current_version=msg.version,
                                            max_head_offpolicyness=self.cfg.rollout.max_head_offpolicyness)
-        out = Fetched([], {k: [] for k in self.stream.keys}, [], dropped=dropped)
+        keys = self.stream.keys
+        out = Fetched([], {k: [] for k in keys}, {k: [] for k in keys}, [], dropped=dropped)
         for k, group in enumerate(groups):
             sid, sample = msg.first_id + k, group.sample
-            for key in self.stream.keys:
+            for key in keys:
                 self.storage.put(sid, key, sample[key])
-                out.seqlens[key].append([int(t.numel()) for t in sample[key]])
+                _add_size(out, key, sample[key])
             out.ids.append(sid)
             out.uids.append(group.uid)
             out.grants.append(group.grant)
@@ -203,7 +210,7 @@ class ModelWorker:
         out, stats = (result if isinstance(result, tuple) else (result, {}))
         if isinstance(out, dict):
             out, stats = None, out
-        outputs: dict[str, list] = {}
+        done = MFCDone(ids, {}, {}, {}, 0)
         expected = set(node.mfc_outputs())
         got = out.keys() if out is not None else set()
         if set(got) != expected:
@@ -211,14 +218,14 @@ class ModelWorker:
         if out is not None and self.head:  # other ranks of the replica computed the same outputs
             for name in expected:
                 key = node.output_remap.get(name, name)
-                outputs[key] = []
+                done.tokens[key], done.seqs[key] = [], []
                 for sid, s in zip(out.ids, out.samples):
                     self.storage.put(sid, key, s[name])
-                    outputs[key].append([int(t.numel()) for t in s[name]])
-        n = sum(len(s[node.input_remap.get(k, k)]) for s in batch.samples for k in node.inputs[:1])
+                    _add_size(done, key, s[name])
+        done.n = sum(len(s[node.input_remap.get(k, k)]) for s in batch.samples for k in node.inputs[:1])
         # An int stat is a count (the master sums it over workers); anything else is a mean.
-        stats = {k: v if isinstance(v, int) else float(v) for k, v in stats.items()}
-        return MFCDone(ids, outputs, stats, n)
+        done.stats = {k: v if isinstance(v, int) else float(v) for k, v in stats.items()}
+        return done
 
     def _gather(self, ids: list[int], keys: tuple[str, ...], owners: dict[str, list[int]]) -> list[dict]:
         """Inputs of the call: local ones from storage, the rest fetched from their owners."""

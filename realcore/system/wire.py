@@ -368,7 +368,8 @@ class Endpoint:
 # recv_multipart, Socket.poll) costs ~10-15 us per call in flag enums and copy-threshold logic,
 # more than the message itself on loopback (bench/wire.py). Same semantics otherwise.
 _SEND, _RECV, _GET = _RawSocket.send, _RawSocket.recv, _RawSocket.get
-_NOBLOCK, _SNDMORE, _RCVMORE, _POLLIN = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.RCVMORE), int(zmq.POLLIN)
+_NOBLOCK, _SNDMORE, _RCVMORE, _POLLIN, _EVENTS = (int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.RCVMORE), int(zmq.POLLIN),
+                                                  int(zmq.EVENTS))
 COPY_BELOW = 65536  # pyzmq's copy_threshold: smaller frames are copied (cheaper), larger sent zero-copy
 
 
@@ -388,6 +389,18 @@ def recv_frames(sock: zmq.Socket, *, noblock: bool = False, copy: bool = False) 
     while _GET(sock, _RCVMORE):  # the rest of a multipart message has arrived with its first frame
         frames.append(_RECV(sock, 0, copy))
     return frames
+
+
+def recv_waiting(sock: zmq.Socket) -> list[bytes] | None:
+    """The next message waiting on `sock` as bytes frames, or None when there is none: asking
+    ZMQ_EVENTS first, since a NOBLOCK recv on an empty socket raises zmq.Again (~10 us to build the
+    exception, at the end of every drain of a busy socket)."""
+    if not _GET(sock, _EVENTS) & _POLLIN:
+        return None
+    try:
+        return recv_frames(sock, noblock=True, copy=True)
+    except zmq.Again:
+        return None
 
 
 def _tensor_count(head: bytes) -> int:
