@@ -233,7 +233,7 @@ class Master:
             return False
         return not (self.alloc.gen is not None and getattr(lookup("mfc", node.type), "generates", False))
 
-    def chain(self, node: MFCNode, ids: list[int], parts: list[list[int]], busy) -> list[MFCNode]:
+    def chain(self, node: MFCNode, ids: list[int], parts: list[list[int]], busy, costs: list[int] | None = None) -> list[MFCNode]:
         """MFCs to send with `node` on the same ids, run right after it on each worker: one request
         per worker where each was one more round trip (the master's cost per worker,
         bench/master_scale.py). An MFC joins when it waits only for what `node` (or one chained
@@ -241,7 +241,8 @@ class Master:
         split as `node` is by its own token costs: so it runs where it would have run anyway.
         Not after generation (the responses it makes change every later MFC's costs), nor for
         collective (Megatron) MFCs (other ranks read a head's outputs through the data plane,
-        which a chained MFC could reach before the head stored them)."""
+        which a chained MFC could reach before the head stored them). `costs`: those `parts` were
+        split by (an MFC with the same costs splits the same way: not split again)."""
         if self.collective(node) or getattr(lookup("mfc", node.type), "generates", False):
             return []
         have = self.buffer.common_keys(ids) | set(node.outputs)
@@ -252,7 +253,8 @@ class Master:
                     or not set(b.inputs) <= have or not set(b.inputs) & made
                     or self.buffer.touched(b, ids) or self.buffer.ready(b) is not None):
                 continue
-            if split_balanced(ids, self.buffer.costs(ids, b.inputs), self.mesh.dp) != parts:
+            mine = self.buffer.costs(ids, b.inputs)
+            if mine != costs and split_balanced(ids, mine, self.mesh.dp) != parts:
                 continue
             out.append(b)
             have |= set(b.outputs)
@@ -261,8 +263,9 @@ class Master:
 
     def dispatch(self, node: MFCNode, ids: list[int], busy) -> tuple[list[MFCNode], dict[str, Reply]]:
         """Send `node` on `ids` (and the MFCs chained to it) to its workers: (chained MFCs, replies)."""
-        parts = split_balanced(ids, self.buffer.costs(ids, node.inputs), self.mesh.dp)
-        chained = self.chain(node, ids, parts, busy)
+        costs = self.buffer.costs(ids, node.inputs)
+        parts = split_balanced(ids, costs, self.mesh.dp)
+        chained = self.chain(node, ids, parts, busy, costs)
         for n in (node, *chained):
             self.buffer.start(n, ids)
         # Who holds each input, for every id at once (in part order), then cut per part: what the
