@@ -177,7 +177,7 @@ def test_relays_of_relays_pass_every_message_on_in_order(node):
     reqs = [Columns(["w0", "w1"], [1, 1], Fetch(500, 2), [[], []]), Columns(["w2", "w3"], [1, 1], Fetch(502, 2), [[], [9]])]
     got = wait_all(n.pool.request_columns(reqs), 10, "fetch")
     assert {w: (g.workers, g.reply.ids) for w, g in got.items()} == {"w0": (["w0", "w1"], [500, 501]), "w2": (["w2", "w3"], [502, 503])}
-    # both relays' workers in one request: one RELAY of their SPLITs to the top, answered as one
+    # both relays' workers in one request: one SPLIT to the top, cut there per relay, answered as one
     g = wait_all(n.pool.request_columns([Columns([f"w{i}" for i in range(4)], [1, 2, 1, 1], Fetch(600, 5),
                                                  [[], [], [3], []])]), 10, "fetch")["w0"]
     assert (g.workers, g.sizes, g.reply.ids) == ([f"w{i}" for i in range(4)], [1, 1, 1, 1], [600, 601, 603, 604])

@@ -5,10 +5,12 @@ worker's own request and joins their replies. Real ControlServers and a WorkerPo
 import time
 
 import pytest
+import zmq
 
 from realcore.system import columns
-from realcore.system.control import Columns, Gathered, wait_all
-from realcore.system.protocol import Cmd, Fetch, Fetched, MFCDone, RemoteError, RunMFC, WorkerLost, parse, to_body
+from realcore.system.control import Columns, Gathered, NodeRelay, wait_all
+from realcore.system.protocol import (Cmd, Fetch, Fetched, MFCDone, RemoteError, RunMFC, Split, WorkerLost, parse,
+                                      to_body)
 from tests.test_relay import Node
 
 
@@ -120,6 +122,29 @@ def test_cut_gives_each_worker_its_own_request():
         {"first_id": 12, "n": 3, "version": 3, "clear": [4]}
     with pytest.raises(ValueError):
         columns.cut(int(Cmd.RUN_MFC), to_body(msg), [2, 2], [[], []], 0)
+
+
+def test_a_top_cuts_its_split_into_one_split_per_relay():
+    """A relay of relays' SPLIT (with `relays`): each relay gets its run of workers, their samples
+    (ids following on) and their own clears, under the relays' deadline; counts that do not add up
+    are refused."""
+    ctx = zmq.Context()
+    top = NodeRelay(ctx, b"t" * 32, "top", lambda peer, header: None)
+    try:
+        msg = Split(int(Cmd.FETCH), ["a", "b", "c"], [1, 2, 1], to_body(Fetch(10, 4, version=2)), [[], [5], []], 9.0,
+                    relays=[("ra", 2), ("rc", 1)], relay_timeout_s=3.0)
+        subs = top._per_relay(msg)
+        assert [address for address, _ in subs] == ["ra", "rc"]
+        bodies = [parse(Split, h["body"]) for _, h in subs]
+        assert [(b.workers, b.sizes, b.clears, b.timeout_s, b.relays) for b in bodies] == [
+            (["a", "b"], [1, 2], [[], [5]], 3.0, []), (["c"], [1], [[]], 3.0, [])]
+        assert [(b.body["first_id"], b.body["n"], b.body["version"]) for b in bodies] == [(10, 3, 2), (13, 1, 2)]
+        for bad in ([("ra", 2)], [("ra", 3), ("rc", 0)]):
+            with pytest.raises(ValueError, match="relays serve"):
+                top._per_relay(Split(msg.cmd, msg.workers, msg.sizes, msg.body, msg.clears, 9.0, relays=bad))
+    finally:
+        top.sock.close(0)
+        ctx.term()
 
 
 def test_join_refuses_replies_that_do_not_line_up():

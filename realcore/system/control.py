@@ -187,7 +187,7 @@ class _Forwarded:
         self.peer, self.rid, self.replies, self.left, self.deadline = peer, rid, [None] * n, n, deadline
         self.keys: list[tuple[bytes, int]] = []
         self.split, self.addresses = split, addresses  # a SPLIT's command, and its workers
-        self.nested = False  # its replies are relays' Joined replies (a RELAY with `join`)
+        self.nested = False  # its replies are relays' Joined replies (a SPLIT with `relays`)
 
 
 class NodeRelay:
@@ -228,29 +228,44 @@ class NodeRelay:
         return route
 
     def forward(self, peer: wire.Peer, rid: int, msg: Relay) -> None:
-        fwd = _Forwarded(peer, rid, len(msg.requests), time.monotonic() + msg.timeout_s)
-        if msg.join:  # relays' SPLITs, answered as one Joined
-            if msg.join not in (Cmd.FETCH, Cmd.RUN_MFC):
-                self.answer(peer, reply(rid, error=f"relay: a RELAY cannot join command {msg.join}"))
-                return
-            fwd.split, fwd.addresses, fwd.nested = msg.join, [a for a, _ in msg.requests], True
-        self._send_all(fwd, msg.requests)
+        self._send_all(fwd=_Forwarded(peer, rid, len(msg.requests), time.monotonic() + msg.timeout_s),
+                       requests=msg.requests)
 
     def split(self, peer: wire.Peer, rid: int, msg: Split) -> None:
-        """Send each worker of a SPLIT its own request (columns.cut); answer with their replies
-        joined (columns.join), or with the first failure, naming its worker's address."""
+        """Send each worker of a SPLIT its own request (columns.cut), or, a relay of relays, each
+        relay its own SPLIT; answer with their replies joined (columns.join), or with the first
+        failure, naming its worker's (or relay's) address."""
         n = len(msg.workers)
         try:
             if msg.cmd not in (Cmd.FETCH, Cmd.RUN_MFC) or len(msg.sizes) != n or len(msg.clears) != n:
                 raise ValueError(f"command {msg.cmd} with {n} workers, {len(msg.sizes)} sizes, {len(msg.clears)} clears")
-            requests = [(address, {"cmd": msg.cmd, "rid": next(self._sub_rids),
-                                   "body": columns.cut(msg.cmd, msg.body, msg.sizes, msg.clears, k)})
-                        for k, address in enumerate(msg.workers)]
+            if msg.relays:
+                requests = self._per_relay(msg)
+                addresses = [address for address, _ in msg.relays]
+            else:
+                requests = [(address, {"cmd": msg.cmd, "rid": next(self._sub_rids),
+                                       "body": columns.cut(msg.cmd, msg.body, msg.sizes, msg.clears, k)})
+                            for k, address in enumerate(msg.workers)]
+                addresses = msg.workers
         except (KeyError, TypeError, ValueError, IndexError) as e:
             self.answer(peer, reply(rid, error=f"relay: a malformed SPLIT: {type(e).__name__}: {e}"))
             return
-        fwd = _Forwarded(peer, rid, n, time.monotonic() + msg.timeout_s, split=msg.cmd, addresses=msg.workers)
+        fwd = _Forwarded(peer, rid, len(requests), time.monotonic() + msg.timeout_s, split=msg.cmd, addresses=addresses)
+        fwd.nested = bool(msg.relays)
         self._send_all(fwd, requests)
+
+    def _per_relay(self, msg: Split) -> list[tuple[str, dict]]:
+        """A relay of relays' SPLIT cut into one SPLIT per relay (its run of `workers`)."""
+        counts = [count for _, count in msg.relays]
+        if sum(counts) != len(msg.workers) or min(counts) < 1:
+            raise ValueError(f"relays serve {counts} of {len(msg.workers)} workers")
+        starts = list(itertools.accumulate(counts, initial=0))
+        samples = [sum(msg.sizes[a:b]) for a, b in zip(starts, starts[1:])]
+        no_clears = [[] for _ in counts]  # each worker's own go in its relay's SPLIT
+        return [(address, split_request(msg.cmd, msg.workers[a:b], msg.sizes[a:b],
+                                        columns.cut(msg.cmd, msg.body, samples, no_clears, j), msg.clears[a:b],
+                                        msg.relay_timeout_s, next(self._sub_rids)))
+                for j, ((address, _), a, b) in enumerate(zip(msg.relays, starts, starts[1:]))]
 
     def _send_all(self, fwd: _Forwarded, requests: list[tuple[str, dict]]) -> None:
         for i, (address, header) in enumerate(requests):
@@ -616,16 +631,13 @@ class WorkerPool:
                     self._pending[rid] = (leaders[0], fut, r.msg.REPLY, tuple(r.workers), True, ())
                     out.append((leaders[0], rid, split_request(cmd, [self.addresses[w] for w in r.workers], r.sizes,
                                                                body, r.clears, self.relay_timeout_s, rid), True))
-                else:  # several relays under one top: a RELAY of their SPLITs, answered as one
-                    n_of = [sum(r.sizes[k] for k in ks) for _, ks in runs]
-                    subs = []
-                    for j, (leader, ks) in enumerate(runs):
-                        sub = columns.cut(cmd, body, n_of, [[]] * len(runs), j)
-                        subs.append((self.addresses[leader], split_request(
-                            cmd, [self.addresses[r.workers[k]] for k in ks], [r.sizes[k] for k in ks], sub,
-                            [r.clears[k] for k in ks], self.relay_timeout_s, next(self._rids))))
+                else:  # several relays under one top: one SPLIT to it, cut per relay there, answered as one
                     self._pending[rid] = (top, fut, r.msg.REPLY, tuple(r.workers), True, tuple(leaders))
-                    out.append((top, rid, relay_request(subs, self.relay_timeout_s + self.interval, rid, join=cmd), False))
+                    out.append((top, rid, split_request(
+                        cmd, [self.addresses[w] for w in r.workers], r.sizes, body, r.clears,
+                        self.relay_timeout_s + self.interval, rid,
+                        relays=[(self.addresses[leader], len(ks)) for leader, ks in runs],
+                        relay_timeout_s=self.relay_timeout_s), False))
         if out:
             self._out.put(out)
             self._waker.wake()

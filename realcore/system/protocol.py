@@ -407,15 +407,12 @@ class Relay:
 
     requests: list[tuple[str, dict[str, Any]]]
     timeout_s: float  # a worker silent this long gets an error reply in its place
-    # A relay of relays' SPLITs of one command (FETCH or RUN_MFC): answer with their Joined replies
-    # joined into one Joined (columns.join), or the first failure, instead of a Relayed.
-    join: int = 0
 
 
-def relay_request(requests: list[tuple[str, dict]], timeout_s: float, rid: int, join: int = 0) -> dict:
+def relay_request(requests: list[tuple[str, dict]], timeout_s: float, rid: int) -> dict:
     """The RELAY request header for already-built request headers (request()): built directly,
     since its body only nests headers that are msgpack-ready already."""
-    return {"cmd": int(Cmd.RELAY), "rid": rid, "body": {"requests": requests, "timeout_s": timeout_s, "join": join}}
+    return {"cmd": int(Cmd.RELAY), "rid": rid, "body": {"requests": requests, "timeout_s": timeout_s}}
 
 
 @body
@@ -433,7 +430,12 @@ class Split:
     each worker's request, columns.cut, and answers once all replied): `body` is that command's
     body with every per-sample list of the workers' requests concatenated, `sizes[k]` samples of
     them for `workers[k]` (a control address), `clears[k]` its released samples to drop first. A
-    worker that fails or stays silent past `timeout_s` fails the whole SPLIT, naming it."""
+    worker that fails or stays silent past `timeout_s` fails the whole SPLIT, naming it.
+
+    To a relay of relays (WorkerPool's tops): `relays` [(a relay's control address, how many of
+    `workers` it serves)], in order. The top cuts the request per relay, sends each its own SPLIT
+    (`relay_timeout_s`), and answers with their Joined replies joined into one: the master neither
+    cuts nor signs a request per relay."""
 
     cmd: int
     workers: list[str]
@@ -441,11 +443,14 @@ class Split:
     body: dict[str, Any]
     clears: list[list[int]]
     timeout_s: float
+    relays: list[tuple[str, int]] = field(default_factory=list)
+    relay_timeout_s: float = 0.0
 
 
 def split_request(cmd: int, workers: list[str], sizes: list[int], body: dict, clears: list[list[int]],
-                  timeout_s: float, rid: int) -> dict:
+                  timeout_s: float, rid: int, relays: list[tuple[str, int]] = (), relay_timeout_s: float = 0.0) -> dict:
     """The SPLIT request header, built directly (its body is msgpack-ready already: to_body of the
     request over all the workers' samples, WorkerPool.request_columns)."""
     return {"cmd": int(Cmd.SPLIT), "rid": rid, "body": {"cmd": cmd, "workers": workers, "sizes": sizes, "body": body,
-                                                       "clears": clears, "timeout_s": timeout_s}}
+                                                       "clears": clears, "timeout_s": timeout_s,
+                                                       "relays": list(relays), "relay_timeout_s": relay_timeout_s}}
