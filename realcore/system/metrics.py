@@ -80,8 +80,10 @@ class TensorBoardScalars:
             self._writer.add_event(Event(step=purge_step, file_version="brain.Event:2"))
             self._writer.add_event(Event(step=purge_step, session_log=SessionLog(status=SessionLog.START)))
 
-    def add_scalar(self, tag: str, value: float, step: int) -> None:
-        summary = self._summary(value=[self._summary.Value(tag=tag, simple_value=float(value))])
+    def add_scalars(self, values: dict[str, float], step: int) -> None:
+        """A step's scalars as one event (a summary holds many values; an event each cost the master
+        ~30 us per metric)."""
+        summary = self._summary(value=[self._summary.Value(tag=t, simple_value=float(v)) for t, v in values.items()])
         self._writer.add_event(self._event(wall_time=time.time(), step=step, summary=summary))
 
     def flush(self) -> None:
@@ -118,9 +120,7 @@ class MetricsWriter:
     def write(self, metrics: dict) -> None:
         step = metrics["step"]
         self._file.write(json.dumps(metrics, sort_keys=True) + "\n")
-        for k, v in metrics.items():
-            if k != "step" and isinstance(v, (int, float)):
-                self._tb.add_scalar(k, v, step)
+        self._tb.add_scalars({k: v for k, v in metrics.items() if k != "step" and isinstance(v, (int, float))}, step)
         self._tb.flush()
         if self._wandb is not None:
             self._log_wandb(metrics)
