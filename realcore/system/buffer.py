@@ -91,18 +91,31 @@ class SampleBuffer:
         self.add_many([(owners, ids, tokens, seqs)])
 
     def add_many(self, parts: list[tuple[list[int], list[int], dict[str, list[int]], dict[str, list[int]]]]) -> None:
-        """add() of several (owners, ids, tokens, seqs): one numpy assignment per part and column."""
-        parts = [p for p in parts if p[1]]
+        """add() of several (owners, ids, tokens, seqs): the parts with the same keys (usually all)
+        joined as Python lists first, then one numpy assignment per column."""
+        by_keys: dict[tuple[str, ...], tuple[list, list, dict, dict]] = {}
         for owners, ids, tokens, seqs in parts:
             if tokens.keys() != seqs.keys() or any(len(v) != len(ids) for d in (tokens, seqs) for v in d.values()):
                 raise ValueError(f"SampleBuffer.add: tokens and seqs must name the same keys, one entry per id ({len(ids)})")
             if len(owners) != len(ids):
                 raise ValueError(f"SampleBuffer.add: {len(owners)} owners for {len(ids)} ids")
-        if not parts:
+            if not ids:
+                continue
+            joined = by_keys.get(tuple(tokens))
+            if joined is None:
+                by_keys[tuple(tokens)] = ([*owners], [*ids], {k: [*v] for k, v in tokens.items()},
+                                          {k: [*v] for k, v in seqs.items()})
+            else:
+                joined[0].extend(owners)
+                joined[1].extend(ids)
+                for k in tokens:
+                    joined[2][k].extend(tokens[k])
+                    joined[3][k].extend(seqs[k])
+        if not by_keys:
             return
-        arrays = [np.asarray(p[1], np.int64) for p in parts]
+        arrays = [np.asarray(p[1], np.int64) for p in by_keys.values()]
         self._make_room(np.concatenate(arrays) if len(arrays) > 1 else arrays[0])
-        for (owners, _, tokens, seqs), ids in zip(parts, arrays):
+        for (owners, _, tokens, seqs), ids in zip(by_keys.values(), arrays):
             self.live[ids - self.base] = True
             if not tokens:
                 continue
