@@ -128,7 +128,7 @@ def bench_transfer(sock, ep: wire.Endpoint, nbytes: int, reps: int) -> float:
     rates = []
     for i in range(reps + 1):  # the first is warm-up
         t0 = time.perf_counter()
-        wire.send(sock, {"op": "tensor"}, [x], endpoint=ep, to=PEER)
+        wire.send(sock, {"op": "tensor"}, [x], endpoint=ep, to=PEER, zero_copy=True)  # as the data plane
         _, h, _ = wire.recv(sock, endpoint=ep, timeout_s=TIMEOUT_S, what="tensor ack")
         dt = time.perf_counter() - t0
         assert h == {"op": "ack", "nbytes": nbytes}

@@ -57,7 +57,7 @@ def test_no_tensors_and_reserved_key():
 
 
 def test_tensor_is_zero_copy_view_of_frame():
-    frames = wire.encode({}, [torch.arange(4, dtype=torch.int64)], SECRET)
+    frames = wire.encode({}, [torch.arange(4, dtype=torch.int64)], SECRET, zero_copy=True)
     frames = [bytearray(f) for f in frames]  # writable buffers, as zmq frames are
     _, (t,) = wire.decode(frames, SECRET)
     t[0] = 42
@@ -67,7 +67,7 @@ def test_tensor_is_zero_copy_view_of_frame():
 @pytest.mark.parametrize("case", ["tamper_header", "tamper_tensor", "tamper_mac", "wrong_secret",
                                   "drop_tensor", "only_one", "empty", "garbage", "swap_boundary"])
 def test_bad_messages(case):
-    frames = [bytes(f) for f in wire.encode({"op": "x"}, [torch.arange(8), torch.ones(2)], SECRET)]
+    frames = [bytes(f) for f in wire.encode({"op": "x"}, [torch.arange(8), torch.ones(2)], SECRET, zero_copy=True)]
     secret = SECRET
     if case == "tamper_header":
         frames[0] = frames[0][:-1] + bytes([frames[0][-1] ^ 1])
@@ -91,10 +91,12 @@ def test_bad_messages(case):
         wire.decode(frames, secret)
 
 
-def test_a_changed_byte_anywhere_is_rejected():
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["one_frame", "zero_copy"])
+def test_a_changed_byte_anywhere_is_rejected(zero_copy):
     """Every single-byte change in every frame (header, each tensor, the MAC itself) is refused."""
     frames = [bytes(f) for f in wire.encode({"op": "x", "n": 3}, [torch.arange(5), torch.ones(3, dtype=torch.bfloat16)],
-                                            SECRET)]
+                                            SECRET, zero_copy=zero_copy)]
+    assert len(frames) == (4 if zero_copy else 1)
     wire.decode(frames, SECRET)  # the untouched message passes
     for i, frame in enumerate(frames):
         for j in range(len(frame)):
@@ -104,13 +106,15 @@ def test_a_changed_byte_anywhere_is_rejected():
                 wire.decode(changed, SECRET)
 
 
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["one_frame", "zero_copy"])
 @pytest.mark.parametrize("tensors", [[], [torch.arange(3)]], ids=["control", "tensor"])
-def test_a_changed_byte_anywhere_in_a_sealed_message_is_rejected(tensors):
-    """Endpoint.open (whose messages without tensors take a shorter path than decode): every
-    single-byte change of every frame is refused, whether frames come as bytes or as buffers."""
+def test_a_changed_byte_anywhere_in_a_sealed_message_is_rejected(tensors, zero_copy):
+    """Endpoint.open, both forms: every single-byte change of every frame is refused, whether
+    frames come as bytes or as buffers."""
     a = wire.Endpoint(SECRET, "a", socket="t")
-    frames = [bytes(f) for f in a.seal({"op": "x", "ids": [1, 2]}, tensors, to="B")]
-    assert wire.decode(frames, SECRET)[0]["op"] == "x"  # the short path's frames are the codec's
+    frames = [bytes(f) for f in a.seal({"op": "x", "ids": [1, 2]}, tensors, to="B", zero_copy=zero_copy)]
+    assert len(frames) == (2 + len(tensors) if zero_copy else 1)
+    assert wire.decode(frames, SECRET)[0]["op"] == "x"  # the endpoint's frames are the codec's
     for kind in (bytes, bytearray):
         b = wire.Endpoint(SECRET, "b", socket="t", address="B")
         for i, frame in enumerate(frames):
@@ -121,6 +125,43 @@ def test_a_changed_byte_anywhere_in_a_sealed_message_is_rejected(tensors):
                     b.open(changed)
         _, header, got = b.open([kind(f) for f in frames])  # the untouched message passes, once
         assert header == {"op": "x", "ids": [1, 2]} and [t.tolist() for t in got] == [t.tolist() for t in tensors]
+
+
+def _signed1(body: bytes) -> list:
+    """A one-frame message with a valid MAC around any body."""
+    import blake3
+
+    return [body + blake3.blake3(body, key=wire._mac1_key(SECRET)).digest()]
+
+
+def test_one_frame_roundtrip_and_malformed_bodies():
+    """The one-frame form: tensors come back equal (aligned copies); a body whose lengths do not
+    add up is refused even under a valid MAC; the two forms' MACs are not interchangeable."""
+    ts = [torch.arange(3, dtype=torch.int8), torch.ones(2, 3, dtype=torch.bfloat16), torch.zeros(0, dtype=torch.int64),
+          torch.arange(5, dtype=torch.float64)]
+    (frame,) = wire.encode({"op": "x"}, ts, SECRET)
+    header, got = wire.decode([frame], SECRET)
+    assert header == {"op": "x"} and all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(got, ts))
+    assert all(t.data_ptr() % 8 == 0 for t in got if t.numel())
+    head = msgpack.packb({"_t": [["int64", [4]]]})
+    pad = bytes(-(4 + len(head)) % 8)  # the tensor starts 8-byte aligned
+    cases = {
+        "header past the end": (10**6).to_bytes(4, "big") + head,
+        "tensor past the end": len(head).to_bytes(4, "big") + head + pad + bytes(16),
+        "bytes after": len(head).to_bytes(4, "big") + head + pad + bytes(32) + b"x",
+        "not msgpack": (3).to_bytes(4, "big") + b"\xc1\xc1\xc1",
+    }
+    for what, body in cases.items():
+        with pytest.raises(wire.BadMessage, match="malformed"):
+            wire.decode(_signed1(body), SECRET)
+    wire.decode(_signed1(len(head).to_bytes(4, "big") + head + pad + bytes(32)), SECRET)  # lengths add up: passes
+    with pytest.raises(wire.BadMessage, match="malformed"):
+        wire.decode([b"short"], SECRET)
+    multi = wire.encode({"op": "x"}, [torch.arange(3)], SECRET, zero_copy=True)
+    with pytest.raises(wire.BadMessage, match="mac"):
+        wire.decode([b"".join(bytes(f) for f in multi)], SECRET)  # zero-copy frames joined into one
+    with pytest.raises(wire.BadMessage, match="mac"):
+        wire.decode([frame[:40], frame[40:-32], frame[-32:]], SECRET)  # one frame cut into three
 
 
 def _signed(frames):
@@ -337,9 +378,12 @@ def test_limits_default_to_the_config():
 
 def test_sender_refuses_frames_over_the_limits():
     client = _ep("big", max_message_bytes=1000, max_control_message_bytes=500)
-    client.seal({}, [torch.zeros(250)], to="x")  # 1000 bytes: at the limit
+    client.seal({}, [torch.zeros(250)], to="x", zero_copy=True)  # a frame of 1000 bytes: at the limit
     with pytest.raises(ValueError, match=r"tensor 1 \(float32 \[251\]\) is 1004 bytes, over system.max_message_bytes = 1000"):
-        client.seal({}, [torch.zeros(2), torch.zeros(251)], to="x")
+        client.seal({}, [torch.zeros(2), torch.zeros(251)], to="x", zero_copy=True)
+    (frame,) = client.seal({}, [torch.zeros(200)], to="x")  # one frame: tensors, header and MAC together
+    with pytest.raises(ValueError, match=rf"a message of {len(frame) + 200} bytes is over system.max_message_bytes = 1000"):
+        client.seal({}, [torch.zeros(250)], to="x")
     with pytest.raises(ValueError, match="over system.max_control_message_bytes = 500"):
         client.seal({"ids": list(range(1000))}, to="x")
 
@@ -383,7 +427,7 @@ def test_a_large_message_is_maced_on_several_threads_with_the_same_digest():
     import blake3
 
     big = torch.arange(wire.MAC_THREADS_FROM // 8 + 1, dtype=torch.int64)
-    frames = wire.encode({"op": "x"}, [big], SECRET)
+    frames = wire.encode({"op": "x"}, [big], SECRET, zero_copy=True)
     one = blake3.blake3(key=wire._mac_key(SECRET), max_threads=1)
     for f in frames[:-1]:
         buf = memoryview(f)

@@ -299,7 +299,7 @@ def push_weights(
         sock.connect(address)
         try:
             header = {"version": str(version), "names": names, **({"lora": lora} if lora is not None else {})}
-            wire.send(sock, header, tensors, endpoint=endpoint, to=address)
+            wire.send(sock, header, tensors, endpoint=endpoint, to=address, zero_copy=True)
         except zmq.Again:
             raise ConnectionError(f"push_weights: no connection to {address} within {connect_timeout_s:g} s") from None
         poller = zmq.Poller()

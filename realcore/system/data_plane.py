@@ -88,7 +88,8 @@ class DataServer:
             return
         try:
             layout, tensors = _pack(self.storage, items)
-            wire.send(self.sock, {"rid": rid, "layout": layout}, tensors, endpoint=self.endpoint, to=peer)
+            wire.send(self.sock, {"rid": rid, "layout": layout}, tensors, endpoint=self.endpoint, to=peer,
+                      zero_copy=True)  # to a DEALER that talks to this server only
         except KeyError as e:
             wire.send(self.sock, {"rid": rid, "error": str(e)}, endpoint=self.endpoint, to=peer)
 

@@ -1,18 +1,31 @@
 """The wire format of every ZeroMQ message in realcore (no pickle anywhere).
 
-A message is a list of frames:
+A message is one frame by default:
 
-    [header, tensor_0, ..., tensor_{n-1}, mac]
+    [u32 header length | header | tensor_0 | ... | tensor_{n-1} | mac]   (each tensor 8-byte aligned)
+
+or, when its sender asks for `zero_copy` (bulk tensors to a socket that hears from one peer):
+
+    [header] [tensor_0] ... [tensor_{n-1}] [mac]   (one frame each)
 
 - header: a msgpack map. Any msgpack-able dict, plus two reserved keys: ``_t`` = a list of
-  ``[dtype name, shape]``, one per tensor frame, and ``_e`` = the envelope ``[sender, seq, to,
-  ts]`` (below).
-- tensor_i: the raw bytes of a contiguous CPU tensor, sent zero-copy and received zero-copy
-  (the received tensor is a view of the ZeroMQ frame's memory).
-- mac: BLAKE3 in keyed mode (a MAC; the key is derived from the run's secret), over every
-  preceding frame, each fed as its 8-byte length then its bytes, so frame boundaries are
-  authenticated too. BLAKE3 rather than HMAC-SHA256: it hashes at ~3.8 GB/s on one core here
-  against 1.6 for HMAC-SHA256 and ~1.5-2 for a memcpy, and a payload is hashed on both sides.
+  ``[dtype name, shape]``, one per tensor, and ``_e`` = the envelope ``[sender, seq, to, ts]``
+  (below).
+- tensor_i: the raw bytes of a contiguous CPU tensor. In the zero-copy form they are sent and
+  received without a copy (the received tensor is a view of the ZeroMQ frame's memory); in the
+  one-frame form they are copied in and out (fine for the small tensors it carries).
+- mac: BLAKE3 in keyed mode (a MAC; the key is derived from the run's secret). One frame: over
+  everything before it. Zero-copy: over every preceding frame, each fed as its 8-byte length then
+  its bytes, so frame boundaries are authenticated too; the two forms use different keys. BLAKE3
+  rather than HMAC-SHA256: it hashes at ~3.8 GB/s on one core here against 1.6 for HMAC-SHA256 and
+  ~1.5-2 for a memcpy, and a payload is hashed on both sides.
+
+Why one frame by default: libzmq (4.3.5 and master) can abort the process
+(``Assertion failed: !_more (src/fq.cpp:80)``) or hand over a frame of another peer's message
+when a socket that fair-queues several peers (a ROUTER, or a DEALER connected to several) sees one
+peer's connection end while it is between the frames of another peer's message: its pipe list is
+reordered under the message being read. A message of one frame is never read "between frames".
+So a multi-frame message may only go to a socket that hears from one peer (a DEALER per peer).
 
 The MAC proves a message came from the run, not that it is new: every socket owner therefore sends
 and receives through an `Endpoint`, which seals each message with an envelope inside the MAC:
@@ -59,6 +72,8 @@ if TYPE_CHECKING:
 
 MAC_SIZE = 32  # bytes of a BLAKE3 digest
 _MAC_CONTEXT = "realcore 2026-11 wire frames MAC"  # BLAKE3 key derivation: a key for this use only
+_MAC1_CONTEXT = "realcore 2026-11 wire one-frame MAC"  # the one-frame form's key (never the other's)
+_ALIGN = 8  # tensors in a one frame message start at multiples of this (their dtype's alignment)
 _META_KEY = "_t"
 _ENVELOPE_KEY = "_e"
 # The replay window (as IPsec's, RFC 4303 section 3.4.3): a sequence number up to this far below
@@ -91,6 +106,11 @@ def _buffer(frame) -> memoryview:
 @functools.lru_cache(maxsize=8)
 def _mac_key(secret: bytes) -> bytes:
     return blake3.blake3(secret, derive_key_context=_MAC_CONTEXT).digest()
+
+
+@functools.lru_cache(maxsize=8)
+def _mac1_key(secret: bytes) -> bytes:
+    return blake3.blake3(secret, derive_key_context=_MAC1_CONTEXT).digest()
 
 
 # From this many bytes a MAC is computed on all cores (BLAKE3 splits its input over threads; same
@@ -134,16 +154,30 @@ def _pack(header: dict) -> bytes:
         raise ValueError(f"wire: header is not msgpack-able: {e}") from e
 
 
-def _encode(header: dict, tensors, secret: bytes) -> list:
+def _encode(header: dict, tensors, secret: bytes, zero_copy: bool = False) -> list:
     tensors = list(tensors)
-    if not tensors:  # a control message: one msgpack and one BLAKE3 call (its per-message cost)
-        head = _pack({**header, _META_KEY: []})
-        return [head, _mac1(_mac_key(secret), head)]
     meta = [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in tensors]
     bufs = [_tensor_buffer(t) for t in tensors]
-    frames = [_pack({**header, _META_KEY: meta}), *bufs]
-    frames.append(mac(frames, secret))
-    return frames
+    head = _pack({**header, _META_KEY: meta})
+    if not bufs and not zero_copy:  # a control message: the fewest calls (its per-message cost)
+        body = len(head).to_bytes(4, "big") + head
+        return [body + blake3.blake3(body, key=_mac1_key(secret)).digest()]
+    if zero_copy:
+        frames = [head, *bufs]
+        frames.append(mac(frames, secret))
+        return frames
+    parts = [len(head).to_bytes(4, "big"), head]
+    pos = 4 + len(head)
+    for b in bufs:
+        if pad := -pos % _ALIGN:
+            parts.append(bytes(pad))
+        parts.append(b)
+        pos += pad + b.nbytes
+    h = blake3.blake3(key=_mac1_key(secret), max_threads=blake3.blake3.AUTO if pos >= MAC_THREADS_FROM else 1)
+    for p in parts:
+        h.update(p)
+    parts.append(h.digest())
+    return [b"".join(parts)]  # the one copy of the tensors
 
 
 def _check_header(header: dict) -> None:
@@ -153,22 +187,18 @@ def _check_header(header: dict) -> None:
         raise ValueError(f"wire: header key {_META_KEY if _META_KEY in header else _ENVELOPE_KEY!r} is reserved")
 
 
-def _mac1(key: bytes, head: bytes) -> bytes:
-    """mac() of the one frame `head` (a message without tensors) in one BLAKE3 call."""
-    return blake3.blake3(len(head).to_bytes(8, "big") + head, key=key).digest()
-
-
-def encode(header: dict, tensors, secret: bytes) -> list:
-    """Frames for one message without an envelope: [msgpack header, raw tensor buffers..., HMAC].
-    The codec only; processes send through an Endpoint (replay protection)."""
+def encode(header: dict, tensors, secret: bytes, *, zero_copy: bool = False) -> list:
+    """Frames for one message without an envelope: one frame, or with `zero_copy` [msgpack header,
+    raw tensor buffers..., MAC] (see the module docstring for when that is safe). The codec only;
+    processes send through an Endpoint (replay protection)."""
     _check_header(header)
-    return _encode(header, tensors, secret)
+    return _encode(header, tensors, secret, zero_copy)
 
 
-def _parse_meta(meta, n_frames: int) -> list[tuple[torch.dtype, list[int]]]:
+def _parse_meta(meta, n_frames: int | None) -> list[tuple[torch.dtype, list[int]]]:
     if not isinstance(meta, list):
         raise BadMessage("malformed", f"tensor metadata {_META_KEY!r} is missing or not a list")
-    if len(meta) != n_frames:
+    if n_frames is not None and len(meta) != n_frames:
         raise BadMessage("malformed", f"metadata lists {len(meta)} tensors but {n_frames} tensor frames came")
     out = []
     for i, m in enumerate(meta):
@@ -184,20 +214,18 @@ def _parse_meta(meta, n_frames: int) -> list[tuple[torch.dtype, list[int]]]:
 
 
 def decode(frames, secret: bytes) -> tuple[dict, list[torch.Tensor]]:
-    """Authenticate and parse frames from encode(); tensors are views of the frames' memory.
+    """Authenticate and parse frames from encode(); the tensors of a zero-copy message are views
+    of its frames' memory, those of a one-frame message copies.
     A sealed message's envelope stays in the header under ``_e`` (Endpoint.open checks it)."""
     if type(frames) is not list:
         frames = list(frames)
+    if len(frames) == 1:
+        f = frames[0]
+        return _decode_one(f if type(f) is bytes else _buffer(f), secret)
     if len(frames) < 2:
-        raise BadMessage("malformed", f"truncated: {len(frames)} frame(s), need at least header and mac")
-    if len(frames) == 2:  # a control message: its MAC in one BLAKE3 call over bytes (its per-message cost)
-        head, tag = frames
-        if type(head) is not bytes:
-            head = bytes(_buffer(head))
-        ok = hmac.compare_digest(_mac1(_mac_key(secret), head), tag if type(tag) is bytes else bytes(_buffer(tag)))
-    else:
-        head = _buffer(frames[0])
-        ok = hmac.compare_digest(mac(frames[:-1], secret), bytes(_buffer(frames[-1])))
+        raise BadMessage("malformed", "no frames")
+    head = _buffer(frames[0])
+    ok = hmac.compare_digest(mac(frames[:-1], secret), bytes(_buffer(frames[-1])))
     if not ok:
         raise BadMessage("mac", "HMAC mismatch (wrong secret, tampered or truncated message)")
     try:
@@ -223,6 +251,46 @@ def decode(frames, secret: bytes) -> tuple[dict, list[torch.Tensor]]:
             continue
         # frombuffer as uint8 then view: no copy, and it works for every dtype incl. bfloat16.
         tensors.append(torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shape))
+    return header, tensors
+
+
+def _decode_one(f, secret: bytes) -> tuple[dict, list[torch.Tensor]]:
+    """decode() of the one-frame form: [u32 header length | header | aligned tensors | mac].
+    `f`: bytes (a control message, sliced as bytes: cheaper at its size) or a memoryview."""
+    if len(f) < 4 + MAC_SIZE:
+        raise BadMessage("malformed", f"truncated: a frame of {len(f)} bytes")
+    end = len(f) - MAC_SIZE
+    if end < MAC_THREADS_FROM:
+        h = blake3.blake3(f[:end], key=_mac1_key(secret))
+    else:
+        h = blake3.blake3(f[:end], key=_mac1_key(secret), max_threads=blake3.blake3.AUTO)
+    if not hmac.compare_digest(h.digest(), f[end:]):
+        raise BadMessage("mac", "MAC mismatch (wrong secret, tampered or truncated message)")
+    pos = 4 + int.from_bytes(f[:4], "big")
+    if pos > end:
+        raise BadMessage("malformed", f"header length {pos - 4} runs past the frame ({end - 4} bytes)")
+    try:
+        header = msgpack.unpackb(f[4:pos], raw=False, strict_map_key=False)  # authenticated already
+    except Exception as e:  # msgpack raises several unrelated types on bad input
+        raise BadMessage("malformed", f"header is not valid msgpack: {e!r}") from e
+    if not isinstance(header, dict):
+        raise BadMessage("malformed", f"header is a {type(header).__name__}, not a map")
+    specs = _parse_meta(header.pop(_META_KEY, None), None)
+    tensors = []
+    if specs:
+        import torch
+
+        for i, (dtype, shape) in enumerate(specs):
+            pos += -pos % _ALIGN
+            nbytes = math.prod(shape) * dtype.itemsize
+            if pos + nbytes > end:
+                raise BadMessage("malformed", f"tensor {i} ({dtype} {shape}) runs past the frame")
+            # A copy: writable, aligned, and it does not keep the whole frame alive.
+            t = torch.frombuffer(bytearray(f[pos:pos + nbytes]), dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+            tensors.append(t.view(dtype).reshape(shape))
+            pos += nbytes
+    if pos != end:
+        raise BadMessage("malformed", f"{end - pos} bytes after the header and tensors")
     return header, tensors
 
 
@@ -316,9 +384,11 @@ class Endpoint:
         self._seq = itertools.count(1)  # next() is atomic under the GIL
         self.guard = ReplayGuard(time.time() - self.limits.clock_skew_s)
 
-    def seal(self, header: dict, tensors=(), *, to: str | Peer) -> list:
+    def seal(self, header: dict, tensors=(), *, to: str | Peer, zero_copy: bool = False) -> list:
         """Frames for `header` + `tensors` to `to` (a bound address, or the Peer a reply answers;
-        on a ROUTER the frames start with its routing identity)."""
+        on a ROUTER the frames start with its routing identity). One frame unless `zero_copy`:
+        then the tensors go in frames of their own, uncopied, which only a socket that hears
+        from one peer may receive (the module docstring says why)."""
         _check_header(header)
         tensors = list(tensors)
         lim = self.limits
@@ -328,10 +398,15 @@ class Endpoint:
             if nbytes > lim.max_message_bytes:
                 raise ValueError(f"wire: tensor {i} ({str(t.dtype).removeprefix('torch.')} {list(t.shape)}) is "
                                  f"{nbytes} bytes, over system.max_message_bytes = {lim.max_message_bytes}: raise that key")
-        frames = _encode({**header, _ENVELOPE_KEY: envelope}, tensors, self.secret)
-        if len(frames[0]) > lim.max_control_message_bytes:
-            raise ValueError(f"wire: a message header of {len(frames[0])} bytes is over "
+        frames = _encode({**header, _ENVELOPE_KEY: envelope}, tensors, self.secret, zero_copy)
+        size = len(frames[0])
+        head = size if zero_copy else int.from_bytes(frames[0][:4], "big")
+        if head > lim.max_control_message_bytes or (not tensors and size > lim.max_control_message_bytes):
+            raise ValueError(f"wire: a message header of {max(head, size if not tensors else 0)} bytes is over "
                              f"system.max_control_message_bytes = {lim.max_control_message_bytes}: raise that key")
+        if not zero_copy and size > lim.max_message_bytes:
+            raise ValueError(f"wire: a message of {size} bytes is over system.max_message_bytes = "
+                             f"{lim.max_message_bytes}: raise that key")
         if isinstance(to, Peer) and to.routing_id is not None:
             frames.insert(0, to.routing_id)
         return frames
@@ -431,9 +506,11 @@ def readable(sock: zmq.Socket, timeout_ms: int) -> bool:
     return bool(zmq_poll([(sock, _POLLIN)], timeout_ms))
 
 
-def send(sock: zmq.Socket, header: dict, tensors=(), *, endpoint: Endpoint, to: str | Peer) -> None:
-    """Send one message sealed by `endpoint` to `to` (a bound address, or the Peer to answer)."""
-    send_frames(sock, endpoint.seal(header, tensors, to=to))
+def send(sock: zmq.Socket, header: dict, tensors=(), *, endpoint: Endpoint, to: str | Peer,
+         zero_copy: bool = False) -> None:
+    """Send one message sealed by `endpoint` to `to` (a bound address, or the Peer to answer);
+    `zero_copy` as in Endpoint.seal."""
+    send_frames(sock, endpoint.seal(header, tensors, to=to, zero_copy=zero_copy))
 
 
 def recv(
