@@ -79,14 +79,14 @@ def _raw_peer(addr: str, cpus=None) -> None:
 
 
 def bench_raw_ping(ctx, cpus=None) -> list[float]:
-    """Round-trip times (s) of two raw frames of a control message's size: the same ZeroMQ calls
+    """Round-trip times (s) of one raw frame of a control message's size: the same ZeroMQ calls
     as the wire (wire.send_frames / recv_frames), without msgpack, envelope or MAC."""
     sock = ctx.socket(zmq.DEALER)
     port = sock.bind_to_random_port("tcp://127.0.0.1")
     sock.setsockopt(zmq.RCVTIMEO, int(TIMEOUT_S * 1000))
     peer = mp.get_context("spawn").Process(target=_raw_peer, args=(f"tcp://127.0.0.1:{port}", cpus), daemon=True)
     peer.start()
-    frames, times = [b"h" * 120, b"m" * 32], []  # a ping's header and MAC sizes
+    frames, times = [b"h" * 156], []  # a ping's size: length, header and MAC in one frame
     try:
         for i in range(N_PING_WARMUP + N_PING):
             t0 = time.perf_counter()

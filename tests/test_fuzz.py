@@ -122,8 +122,11 @@ def malformed(real: list[list[bytes]], rng: random.Random) -> list[list[bytes]]:
                 m[f][rng.randrange(len(m[f]))] ^= 1 << rng.randrange(8)
             out.append([bytes(x) for x in m])
         elif kind == 3 and real:  # a real message without its MAC, or without its header
-            m = rng.choice(real)
-            out.append(m[:-1] if rng.random() < 0.5 else m[1:])
+            m, first = rng.choice(real), rng.random() < 0.5
+            if len(m) == 1:  # the one-frame form: the same parts cut off its one frame
+                out.append([m[0][:-32] if first else m[0][4 + int.from_bytes(m[0][:4], "big"):]])
+            else:
+                out.append(m[:-1] if first else m[1:])
         elif kind == 4:  # many frames, huge declared tensor
             head = msgpack.packb({"_t": [["float32", [2**40, 2**40]]]})
             out.append([head, b"x" * 16, *[b"" for _ in range(rng.randint(1, 200))], rng.randbytes(32)])
