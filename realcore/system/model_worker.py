@@ -187,7 +187,8 @@ class ModelWorker:
         if self.evaluator is None:
             self.evaluator = Evaluator(self.cfg, self.no_model.tokenizer)
         if self.alloc.gen is not None:
-            servers = server_addresses(self.cfg, self.alloc.gen.dp, "http")
+            # The step-0 evaluation can come before a server has published its address.
+            servers = server_addresses(self.cfg, self.alloc.gen.dp, "http", timeout_s=self.cfg.system.startup_timeout_s)
             return Evaluated(self.evaluator.run(msg.version, servers=servers))
         return Evaluated(self.evaluator.run(msg.version, model=self.engines["actor"]))
 

@@ -12,6 +12,7 @@ before any rollout starts (the servers restarted with the initial weights).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -26,10 +27,12 @@ log = logging.getLogger("realcore.weight_sync")
 RETRY_PUSH_S = 30.0  # a catch-up push the manager still reports as missing after this is sent again
 
 
-def server_addresses(cfg, n_servers: int, kind: str) -> list[str]:
-    """Every generation server's `http` or in-memory `weights` address, as it published them."""
+def server_addresses(cfg, n_servers: int, kind: str, *, timeout_s: float | None = None) -> list[str]:
+    """Every generation server's `http` or in-memory `weights` address, as it published them;
+    with `timeout_s`, waiting up to that long for servers that are still starting."""
     resolver = make_name_resolver(cfg.system.name_resolve)
-    return [json.loads(resolver.get(keys.gen_server(cfg, i)))[kind] for i in range(n_servers)]
+    get = resolver.get if timeout_s is None else functools.partial(resolver.wait, timeout_s=timeout_s)
+    return [json.loads(get(keys.gen_server(cfg, i)))[kind] for i in range(n_servers)]
 
 
 class DiskWeights:
