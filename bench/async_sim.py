@@ -16,8 +16,12 @@ Runs, for each number of servers S (M trainers, default 1):
   then all training it (generation waits for the longest response of each process's share);
 - async: `sim-async` with S servers and M trainers (local.d{S}p1t1+d{M}p1t1), for each eta
   (rollout.max_head_offpolicyness).
-Trained samples/s = samples per step x (steps - 1) / the time of steps 2..N (the first step fills
-the pipeline and is left out), from the master's metrics.jsonl.
+Trained samples/s = samples per step x steps / their time, over the `--steps` steps that follow a
+run's warm-up, from the master's metrics.jsonl: the steady state of a long run. Warm-up: the first
+step of a sync run; the first eta + 1 steps of an async run (admission lets up to eta + 1 batches
+ahead of the trainer, and the pipeline is that deep only once the trainer has taken as many; until
+then the trainer waits for the first long responses). The "all steps" column counts steps 2..N
+of the same run, warm-up included.
 
 Ideal bound of an async run, from the cost model's parameters (not measured):
 min(generation alone, training alone) with its resources, in samples/s, where
@@ -52,9 +56,20 @@ sys.path.insert(0, REPO)
 from bench.sim_costs import ENV, SimCosts  # noqa: E402
 
 
-def run(experiment: str, args, out: str, costs: SimCosts, extra: list[str]) -> list[dict]:
+def warmup(args, eta: int | None) -> int:
+    """Steps left out at the start of a run: 1 (sync, eta None) or eta + 1 (async), or --warmup."""
+    if args.warmup is not None:
+        return args.warmup
+    return 1 if eta is None else eta + 1
+
+
+def warmup_text(args) -> str:
+    return f"{args.warmup} steps" if args.warmup is not None else "sync 1 step, async eta + 1"
+
+
+def run(experiment: str, args, out: str, costs: SimCosts, extra: list[str], warmup_steps: int) -> list[dict]:
     cmd = [sys.executable, "-m", "realcore.launch", f"hydra.searchpath=[file://{REPO}/bench/experiments]",
-           f"experiment={experiment}", f"trainer.total_steps={args.steps}", f"trainer.batch_size={args.batch_size}",
+           f"experiment={experiment}", f"trainer.total_steps={warmup_steps + args.steps}", f"trainer.batch_size={args.batch_size}",
            f"generation.n_samples={args.n_samples}", f"generation.max_new_tokens={args.max_new_tokens}",
            f"generation.max_batch_size={args.max_batch}", f"output_dir={out}", f"system.name_resolve.root={out}/nr",
            f"trial_name=t{os.getpid()}", *extra]
@@ -65,13 +80,13 @@ def run(experiment: str, args, out: str, costs: SimCosts, extra: list[str]) -> l
     return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
 
 
-def throughput(metrics: list[dict], samples: int) -> float:
-    steady = metrics[1:] or metrics
+def throughput(metrics: list[dict], samples: int, warmup: int) -> float:
+    steady = metrics[warmup:] or metrics
     return samples * len(steady) / sum(m["time/step_s"] for m in steady)
 
 
-def mean(metrics: list[dict], key: str) -> float:
-    steady = metrics[1:] or metrics
+def mean(metrics: list[dict], key: str, warmup: int) -> float:
+    steady = metrics[warmup:] or metrics
     return sum(m.get(key, 0.0) for m in steady) / len(steady)
 
 
@@ -104,7 +119,9 @@ def main() -> None:
     p.add_argument("--servers", default="1,2,4", help="numbers of generation servers, comma-separated")
     p.add_argument("--trainers", type=int, default=1, help="training processes (data parallel) of async runs")
     p.add_argument("--etas", default="0,1,2,4,8", help="max_head_offpolicyness values, comma-separated")
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=8, help="measured steps per run, after its warm-up")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="steps left out at the start of each run (default: 1 for sync, eta + 1 for async)")
     p.add_argument("--batch-size", type=int, default=16, help="prompts per step")
     p.add_argument("--n-samples", type=int, default=4, help="responses per prompt")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -121,7 +138,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="smoke run: eta 2, 1 server, 2 steps, tiny sizes")
     args = p.parse_args()
     if args.quick:
-        args.servers, args.etas, args.steps, args.batch_size, args.max_new_tokens = "1", "2", 2, 2, 16
+        args.servers, args.etas, args.steps, args.batch_size, args.max_new_tokens = "1", "2", 1, 2, 16
         args.decode_step_ms, args.len_median = 2.0, 4.0
     servers = [int(s) for s in args.servers.split(",")]
     etas = [int(e) for e in args.etas.split(",")]
@@ -139,8 +156,8 @@ def main() -> None:
           f"{costs.prefill_s_per_token * 1e6:g} us/token, training {costs.train_s_per_token * 1e6:.0f} + log-probs "
           f"{costs.logp_s_per_token * 1e6:.0f} us/token; response length lognormal(median {costs.len_median:g}, sigma "
           f"{costs.len_sigma:g}) capped at {args.max_new_tokens}: mean {mean_len:.1f}; mean prompt {prompt_len:.1f} "
-          f"tokens. {args.batch_size} prompts x {args.n_samples} samples per step, {args.steps} steps per run "
-          f"(first left out), {args.trainers} trainer(s).\n", flush=True)
+          f"tokens. {args.batch_size} prompts x {args.n_samples} samples per step, {args.steps} measured steps per run "
+          f"after its warm-up ({warmup_text(args)}), {args.trainers} trainer(s).\n", flush=True)
     rows = []
     t_start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="async_sim-") as tmp:
@@ -148,34 +165,37 @@ def main() -> None:
         for s in servers:
             world = s + args.trainers
             out = os.path.join(tmp, f"sync-{world}")
-            sync = run("sim-sync", args, out, costs, [f"allocation_mode=d{world}p1t1"])
-            sync_tp = throughput(sync, samples)
-            rows.append([f"sync, {world} processes (d{world}p1t1)", f"{sync_tp:.2f}", "", "", "1.00x",
-                         f"{mean(sync, 'time/actor_gen_s'):.2f} (generate)", "", "", "",
+            w = warmup(args, None)
+            sync = run("sim-sync", args, out, costs, [f"allocation_mode=d{world}p1t1"], w)
+            sync_tp = throughput(sync, samples, w)
+            rows.append([f"sync, {world} processes (d{world}p1t1)", f"{sync_tp:.2f}", f"{throughput(sync, samples, 1):.2f}",
+                         "", "", "1.00x", f"{mean(sync, 'time/actor_gen_s', w):.2f} (generate)", "", "", "",
                          f"{trained_tokens_per_sample(out) - prompt_len:.1f}"])
             for eta in etas:
                 out = os.path.join(tmp, f"async-{s}-{eta}")
+                w = warmup(args, eta)
                 asyn = run("sim-async", args, out, costs,
                            [f"allocation_mode=local.d{s}p1t1+d{args.trainers}p1t1", f"rollout.max_head_offpolicyness={eta}",
-                            f"rollout.max_concurrent_rollouts={max(1, round(args.concurrency * s * args.max_batch / args.n_samples))}"])
-                tp = throughput(asyn, samples)
+                            f"rollout.max_concurrent_rollouts={max(1, round(args.concurrency * s * args.max_batch / args.n_samples))}"], w)
+                tp = throughput(asyn, samples, w)
                 busy, batch, refill = server_usage(out, s)
                 trained_len = trained_tokens_per_sample(out)
                 ideal = min(bound(costs, args, s, args.trainers, prompt_len, trained_len))
                 rows.append([f"async, {s} server{'s' if s > 1 else ''} + {args.trainers} trainer, eta {eta}", f"{tp:.2f}",
-                             f"{ideal:.2f}", f"{tp / ideal:.0%}", f"{tp / sync_tp:.2f}x",
-                             f"{mean(asyn, 'time/stream_wait_s'):.2f}", f"{mean(asyn, 'time/weight_update_s'):.2f}",
-                             f"{mean(asyn, 'staleness/dropped'):.1f}", f"{busy:.0%}, {batch:.1f}, {refill:.2f} s",
+                             f"{throughput(asyn, samples, 1):.2f}", f"{ideal:.2f}", f"{tp / ideal:.0%}", f"{tp / sync_tp:.2f}x",
+                             f"{mean(asyn, 'time/stream_wait_s', w):.2f}", f"{mean(asyn, 'time/weight_update_s', w):.2f}",
+                             f"{mean(asyn, 'staleness/dropped', w):.1f}", f"{busy:.0%}, {batch:.1f}, {refill:.2f} s",
                              f"{trained_len - prompt_len:.1f}"])
                 print(f"  [{time.monotonic() - t_start:.0f} s] {rows[-1][0]}: {tp:.2f} samples/s", file=sys.stderr, flush=True)
-    print("| setting | trained samples/s | ideal bound | fraction of bound | vs sync | stream wait s/step | "
+    print("| setting | trained samples/s | all steps | ideal bound | fraction of bound | vs sync | stream wait s/step | "
           "weight update s/step | stale samples dropped /step | servers: busy, mean batch, refill | trained response len |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for cells in rows:
         print("| " + " | ".join(cells) + " |")
     gen1, train1 = bound(costs, args, 1, args.trainers, prompt_len)
     print(f"\nideal bound = min(generation alone, training alone): one server alone {gen1:.2f} samples/s, "
-          f"{args.trainers} trainer alone {train1:.2f} samples/s. Per-step columns are means over steps 2..N; "
+          f"{args.trainers} trainer alone {train1:.2f} samples/s. Rates and per-step columns are over the measured "
+          f"steps (after the warm-up), 'all steps' over steps 2..N; "
           f"'busy' is the time servers spend in (simulated) decode and prefill over the run, 'mean batch' their "
           f"mean running batch (max {args.max_batch}), 'refill' the time from an interruption (a weight update's "
           f"pause) until a server's batch was back to its size; 'trained response len' the mean response tokens "

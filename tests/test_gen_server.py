@@ -308,6 +308,39 @@ def test_interrupted_generation_logprobs_match_each_segments_weights(server, mod
     torch.testing.assert_close(got[s:], forward("B", PROMPT, traj.output_ids)[s:], atol=1e-4, rtol=0)
 
 
+def test_updates_with_abort_all_requests_interrupt_without_a_pause(server, models, forward):
+    """abort_all_requests (disk and memory): no pause; the running request ends at the update with
+    A's tokens, and its resubmission runs on B with B's KV cache, so each segment's log-probs are
+    exactly one model's (a token of the new weights on the old KV cache would match neither)."""
+    params = {"temperature": 1.0, "ignore_eos": True, "max_new_tokens": 400}
+    state_a = read_hf_weights(models["A"])
+
+    async def interrupted(client, update):
+        before = await client.server_info()
+        job = asyncio.ensure_future(generate_resumable(client, PROMPT, params, rid=f"abort-all-{before['decode_steps']}"))
+        await wait_until(client, lambda i: i["decode_steps"] >= before["decode_steps"] + 30)
+        await update()
+        return await job
+
+    async def fn(client):
+        disk = await interrupted(client, lambda: client.update_weights_from_disk(models["B"], "1", abort_all_requests=True))
+        info = await client.server_info()
+        memory = await interrupted(client, lambda: asyncio.to_thread(
+            push_weights, server["weights"], SECRET, "2", state_a, 10, abort_all_requests=True))
+        await restore_a(client, models)
+        return disk, memory, info
+
+    disk, memory, info = drive(server, fn)
+    assert info["paused"] is None
+    for traj, (old, new), (v0, v1) in ((disk, "AB", (0, 1)), (memory, "BA", (1, 2))):
+        assert traj.n_segments == 2 and len(traj.output_ids) == 400 and (traj.version_start, traj.version_end) == (v0, v1)
+        s = traj.output_versions.index(v1)
+        assert 30 <= s < 400
+        got = torch.tensor(traj.output_logprobs)
+        torch.testing.assert_close(got[:s], forward(old, PROMPT, traj.output_ids)[:s], atol=1e-4, rtol=0)
+        torch.testing.assert_close(got[s:], forward(new, PROMPT, traj.output_ids)[s:], atol=1e-4, rtol=0)
+
+
 def test_weight_updates_from_disk_and_memory(server, models):
     params = {**GREEDY, "max_new_tokens": 40}
     state_b = read_hf_weights(models["B"])

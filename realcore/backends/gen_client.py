@@ -107,15 +107,22 @@ class GenClient:
         data = await self._request("POST", "/generate", body, self.timeout_s)
         return parse_generate_reply(data, return_logprob=return_logprob)
 
-    async def update_weights_from_disk(self, path: str, version) -> None:
+    async def update_weights_from_disk(self, path: str, version, *, abort_all_requests: bool = False) -> None:
         """Load the HF weights in `path` (a directory the server can read); tag them `version`.
-        A LoRA adapter folder (adapter_config.json) is loaded as adapter `lora_name` instead."""
+        A LoRA adapter folder (adapter_config.json) is loaded as adapter `lora_name` instead.
+        `abort_all_requests` (SGLang's field): running requests end with their output so far as the
+        weights change, without a pause (the built-in server reads the files while it decodes)."""
         from realcore.backends.lora import LORA_NAME, is_adapter_dir
 
         if is_adapter_dir(path):
+            if abort_all_requests:
+                raise ValueError(f"update_weights_from_disk({path!r}): abort_all_requests with a LoRA adapter; "
+                                 "pause the server instead")
             await self.load_lora_adapter(self.lora_name or LORA_NAME, path, version)
             return
         body = {"model_path": path, "weight_version": str(version)}
+        if abort_all_requests:
+            body["abort_all_requests"] = True
         data = await self._request("POST", "/update_weights_from_disk", body, self.timeout_s)
         if not data.get("success"):
             raise RuntimeError(f"update_weights_from_disk({path!r}) failed: {data.get('message')}")
@@ -275,11 +282,14 @@ async def generate_resumable(
 def push_weights(
     address: str, secret: bytes, version: str, state_dict: dict[str, torch.Tensor], timeout_s: float,
     connect_timeout_s: float = CONTROL_TIMEOUT_S, limits: wire.Limits | None = None, lora: dict | None = None,
+    abort_all_requests: bool = False,
 ) -> None:
     """Send weights to a built-in server's in-memory update socket (`on_ready(...)["weights"]`)
     and wait until they are applied. The tensors must stay unchanged until this returns (zero-copy).
     `lora` ({"name", "config": adapter_config.json's fields}): the tensors are a LoRA adapter (PEFT's
-    names), which the server loads as /load_lora_adapter would.
+    names), which the server loads as /load_lora_adapter would. `abort_all_requests`: the server's
+    running requests end (output so far, old version) as the weights change, so it decodes while
+    the tensors travel instead of waiting paused.
 
     A server that is gone fails fast instead of at `timeout_s`: ConnectionError when no connection
     is made within `connect_timeout_s`, or when the connection drops before the reply (a socket
@@ -298,7 +308,8 @@ def push_weights(
     try:
         sock.connect(address)
         try:
-            header = {"version": str(version), "names": names, **({"lora": lora} if lora is not None else {})}
+            header = {"version": str(version), "names": names, **({"lora": lora} if lora is not None else {}),
+                      **({"abort_all_requests": True} if abort_all_requests else {})}
             wire.send(sock, header, tensors, endpoint=endpoint, to=address, zero_copy=True)
         except zmq.Again:
             raise ConnectionError(f"push_weights: no connection to {address} within {connect_timeout_s:g} s") from None

@@ -25,6 +25,9 @@ prompt + output so far with the weights current then; `in_place` stops decoding 
 cache (a weight update is refused while it holds requests). Requests that arrive while paused
 wait for continue. A weight update without a pause is applied between two decode steps; running
 requests then continue on their old KV cache, and their reply carries the new version (as SGLang).
+With `abort_all_requests` (SGLang's field of /update_weights_from_disk) the server reads the files
+while it decodes, then, in one engine step, ends every request (partial output, old version) and
+swaps the weights: the interruption of a pause -> load -> continue without the idle load.
 
 OpenAI's API (docs/openai.md): /v1/chat/completions and /v1/completions run each choice as one
 /generate request (so pause, abort and weight updates act on them alike) and answer in OpenAI's
@@ -114,6 +117,7 @@ class _Weights:
     version: str | None
     done: Callable[[Any], None]
     partial: bool = False  # one bucket of a broadcast update: not every parameter
+    abort_all: bool = False  # SGLang's abort_all_requests: every request ends (partial output) just before
 
 
 @dataclass
@@ -125,6 +129,7 @@ class _Adapter:
     tensors: dict[str, torch.Tensor] | None
     version: str | None
     done: Callable[[Any], None]
+    abort_all: bool = False
 
 
 @dataclass
@@ -339,6 +344,13 @@ class EngineLoop:
             h.done(generate_reply(h, empty, len(h.input_ids), self.weight_version, self.tokenizer))
         c.done({})
 
+    def _abort_for_update(self, c: _Weights | _Adapter) -> None:
+        """abort_all_requests: every request ends now with its output so far, tagged with the old
+        version, in the same engine-thread step as the update, so no token of the new weights
+        joins an old KV cache and a request sent after the abort runs on the new weights."""
+        if c.abort_all:
+            self._abort(_Abort(None, lambda _: None))
+
     def _pause(self, c: _Pause) -> None:
         self.paused = c.mode
         if c.mode == "abort":
@@ -355,6 +367,7 @@ class EngineLoop:
         c.done({})
 
     def _weights(self, c: _Weights) -> None:
+        self._abort_for_update(c)
         if self.paused == "in_place" and self.engine.has_unfinished():
             c.done(ValueError("weight update refused: an in_place pause holds requests (continue or abort them first)"))
             return
@@ -380,6 +393,7 @@ class EngineLoop:
     def _adapter(self, c: _Adapter) -> None:
         """Merge adapter `c` into the weights (W = base + scale * B @ A, realcore.backends.lora),
         first restoring any weight a previous adapter changed; or (unload) restore them all."""
+        self._abort_for_update(c)
         if self.paused == "in_place" and self.engine.has_unfinished():
             c.done(ValueError("adapter update refused: an in_place pause holds requests (continue or abort them first)"))
             return
@@ -423,7 +437,9 @@ class EngineLoop:
 
 class WeightsReceiver:
     """A ROUTER socket on its own thread: authenticated {"version", "names"} + one tensor frame per
-    name -> a weight update queued to the engine thread; replies {"ok": true} once applied."""
+    name -> a weight update queued to the engine thread; replies {"ok": true} once applied. With
+    "abort_all_requests": true the running requests end just before the update (as SGLang's field
+    of that name on /update_weights_from_disk), so the server decodes until the tensors are here."""
 
     def __init__(self, core: EngineLoop, host: str, secret: bytes, limits: wire.Limits | None = None):
         self.core, self.secret = core, secret
@@ -459,15 +475,17 @@ class WeightsReceiver:
             if not result.done():
                 result.set_result(value)
 
-        adapter = header.get("lora")
+        adapter, abort_all = header.get("lora"), header.get("abort_all_requests", False)
+        if not isinstance(abort_all, bool):
+            return {"ok": False, "error": "weights: abort_all_requests must be a bool"}
         try:
             if adapter is not None:  # a LoRA adapter's tensors, loaded as /load_lora_adapter would
                 if not isinstance(adapter, dict) or not isinstance(adapter.get("name"), str):
                     return {"ok": False, "error": "weights: lora needs a name (str) and a config"}
                 config = lora.check_config(adapter.get("config"))
-                self.core.submit(_Adapter(adapter["name"], config, dict(zip(names, tensors)), version, done))
+                self.core.submit(_Adapter(adapter["name"], config, dict(zip(names, tensors)), version, done, abort_all))
             else:
-                self.core.submit(_Weights(dict(zip(names, tensors)), version, done))
+                self.core.submit(_Weights(dict(zip(names, tensors)), version, done, abort_all=abort_all))
             outcome = result.result(timeout=CONTROL_TIMEOUT_S)
         except (RuntimeError, TimeoutError, ValueError) as e:
             outcome = e
@@ -681,7 +699,7 @@ class Server:
             body = http_schemas.parse(http_schemas.UpdateWeightsFromDiskRequest, await self._read(request),
                                       request.path)
             tensors = await asyncio.to_thread(read_hf_weights, body.model_path)  # off the engine thread: decoding goes on
-            await self._call(lambda done: _Weights(tensors, body.weight_version, done))
+            await self._call(lambda done: _Weights(tensors, body.weight_version, done, abort_all=body.abort_all_requests))
         except ValueError as e:  # SGLang's shape for a refused update
             wire.count_dropped("http", "body", f"{request.path}: {one_line(e)[:200]}")
             return web.json_response({"success": False, "message": one_line(e)}, status=400)

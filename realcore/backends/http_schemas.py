@@ -148,6 +148,7 @@ class BatchGenerateRequest(_Body):
 class UpdateWeightsFromDiskRequest(_Body):
     model_path: str = Field(min_length=1, max_length=4096, description="an HF directory of *.safetensors")
     weight_version: str | None = Field(None, min_length=1, max_length=MAX_RID_CHARS, description="the version the reply carries")
+    abort_all_requests: bool = Field(False, description="end every request (partial output) as the weights change")
 
 
 class LoadLoRAAdapterRequest(_Body):

@@ -5,7 +5,9 @@ Rollout workers ask ALLOCATE before a rollout (the grant names the prompt, by se
 and say FINISH after it; the master says UPDATE_WEIGHTS after each training step. A weight update
 pauses every ready server with `abort` (running requests return their partial output; rollout
 workers resubmit prefix + output, which the servers hold until they continue), loads the new
-weights, and continues.
+weights, and continues. A built-in server gets a disk update in one call instead
+(`abort_all_requests`): it reads the files while it decodes, then aborts and swaps in one engine
+step, so it is not idle while it reads.
 
 Servers come and go: a monitor thread follows each server's published address and health. A
 server that stops answering for `system.heartbeat_timeout_s` leaves the routing; one that
@@ -212,6 +214,9 @@ class GServerManager:
         # Each server goes through its steps back to back, on its own: its batch is empty only for
         # its own pause + load + continue, not until the slowest server has loaded.
         async def from_disk(c):
+            if self.engine == "local" and self.cfg.actor.lora is None:  # the built-in server: no idle load
+                await c.update_weights_from_disk(msg.path, msg.version, abort_all_requests=True)
+                return msg.version
             await c.pause("abort")
             try:
                 await c.update_weights_from_disk(msg.path, msg.version)

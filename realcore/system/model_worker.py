@@ -274,8 +274,10 @@ class ModelWorker:
             failed = []
             for address in msg.servers if self.index == 0 else []:
                 try:  # a server that died is caught up after its restart; the others get the weights now
+                    # Not paused: the server decodes while the tensors travel, then ends its running
+                    # requests (rollout workers resubmit them) and swaps in one step.
                     push_weights(address, self.control.secret, str(msg.version), state, self.cfg.system.request_timeout_s,
-                                 limits=wire.Limits.of(self.cfg.system), lora=adapter)
+                                 limits=wire.Limits.of(self.cfg.system), lora=adapter, abort_all_requests=True)
                 except (ConnectionError, TimeoutError) as e:
                     log.warning("weights not pushed to %s: %s", address, e)
                     failed.append(address)

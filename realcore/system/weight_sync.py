@@ -3,8 +3,10 @@ load (disk: what SGLang and vLLM read), as tensors pushed over the authenticated
 built-in servers' update sockets (memory), or broadcast by trainer rank 0 over a weight-update
 group, NCCL on GPUs and gloo on CPU (nccl: SGLang's /update_weights_from_distributed, which the
 built-in server speaks too; docs/weight-update.md). With a gserver manager (async mode) the
-manager pauses and resumes generation around the update; without one (sync mode) the servers are
-idle and rank 0 of the trainer tells them itself.
+running requests are interrupted (abort: they return their output so far and are resubmitted):
+a built-in server decodes until the new weights are read or received, then aborts and swaps in
+one step (`abort_all_requests`); SGLang and vLLM servers are paused, updated and continued by the
+manager. Without a manager (sync mode) the servers are idle and rank 0 of the trainer tells them.
 
 None keeps recovery state: after a restart the master publishes the current version again
 before any rollout starts (the servers restarted with the initial weights).
@@ -60,6 +62,8 @@ class DiskWeights:
 
 class MemoryWeights:
     ADDRESS = "weights"  # which of a server's published addresses the trainer sends to
+    # A built-in server ends its requests as a push lands (abort_all_requests): no pause before it.
+    PAUSE_FIRST = False
 
     def __init__(self, master):
         self.m = master
@@ -80,7 +84,8 @@ class MemoryWeights:
         if not m.async_mode:
             self.push(version, servers)
             return None
-        m.call_manager(Pause(), "pause")
+        if self.PAUSE_FIRST:
+            m.call_manager(Pause(), "pause")
         self.push(version, servers)
         return m.call_manager(UpdateWeights(version), "update weights")
 
@@ -102,6 +107,7 @@ class CollectiveWeights(MemoryWeights):
     next update a group of all again (realcore.system.weight_broadcast)."""
 
     ADDRESS = "http"
+    PAUSE_FIRST = True  # SGLang's servers are paused (abort) before the broadcast, as before
 
     def message(self, version: int, servers: list[str]):
         return BroadcastWeights(version, servers)
