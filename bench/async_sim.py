@@ -184,18 +184,19 @@ def main() -> None:
                 rows.append([f"async, {s} server{'s' if s > 1 else ''} + {args.trainers} trainer, eta {eta}", f"{tp:.2f}",
                              f"{throughput(asyn, samples, 1):.2f}", f"{ideal:.2f}", f"{tp / ideal:.0%}", f"{tp / sync_tp:.2f}x",
                              f"{mean(asyn, 'time/stream_wait_s', w):.2f}", f"{mean(asyn, 'time/weight_update_s', w):.2f}",
-                             f"{mean(asyn, 'staleness/dropped', w):.1f}", f"{busy:.0%}, {batch:.1f}, {refill:.2f} s",
+                             f"{mean(asyn, 'staleness/dropped', w):.1f} / {mean(asyn, 'rollout/stale_cancelled', w):.1f}", f"{busy:.0%}, {batch:.1f}, {refill:.2f} s",
                              f"{trained_len - prompt_len:.1f}"])
                 print(f"  [{time.monotonic() - t_start:.0f} s] {rows[-1][0]}: {tp:.2f} samples/s", file=sys.stderr, flush=True)
     print("| setting | trained samples/s | all steps | ideal bound | fraction of bound | vs sync | stream wait s/step | "
-          "weight update s/step | stale samples dropped /step | servers: busy, mean batch, refill | trained response len |")
+          "weight update s/step | stale groups /step: dropped at take / cancelled | servers: busy, mean batch, refill | trained response len |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for cells in rows:
         print("| " + " | ".join(cells) + " |")
     gen1, train1 = bound(costs, args, 1, args.trainers, prompt_len)
     print(f"\nideal bound = min(generation alone, training alone): one server alone {gen1:.2f} samples/s, "
           f"{args.trainers} trainer alone {train1:.2f} samples/s. Rates and per-step columns are over the measured "
-          f"steps (after the warm-up), 'all steps' over steps 2..N; "
+          f"steps (after the warm-up), 'all steps' over steps 2..N; 'cancelled': groups a weight update made certain "
+          f"to be dropped, stopped there by their rollout worker; "
           f"'busy' is the time servers spend in (simulated) decode and prefill over the run, 'mean batch' their "
           f"mean running batch (max {args.max_batch}), 'refill' the time from an interruption (a weight update's "
           f"pause) until a server's batch was back to its size; 'trained response len' the mean response tokens "

@@ -35,6 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 KINDS = ("gen_server", "rollout_worker", "gserver_manager", "model_worker", "master")
 ROLLOUT_SIDE = ("gen_server", "rollout_worker", "gserver_manager")
+BLAME_TIMEOUT_S = 120.0  # a kill the launcher has not recorded by then went unseen
 BATCH, ETA = 4, 1
 
 
@@ -81,6 +82,26 @@ def running(pid: int) -> bool:
         return False
 
 
+def restart_records(out: str) -> list[dict]:
+    try:
+        with open(os.path.join(out, "restarts.jsonl")) as f:
+            return [json.loads(line) for line in f]
+    except FileNotFoundError:
+        return []
+
+
+def blamed(out: str, since: int, name: str) -> dict | None:
+    """After a kill of `name`: {} once restarts.jsonl (from record `since` on) names it; the record
+    of a whole-run restart for another process if that came first (the kill then hit a process
+    the launcher was already stopping, which nobody records); None while neither."""
+    for r in restart_records(out)[since:]:
+        if r["who"] == name:
+            return {}
+        if r["action"] != "restart in place":
+            return r
+    return None
+
+
 def wait_for(cond, proc, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -115,9 +136,21 @@ def trial(out: str, steps: int, cache: str, rng: random.Random, kinds=KINDS, tim
             if not running(now[name]):
                 missed = f"{kind}: {name} was no longer running at step {rows(out)}"
                 break
+            seen = len(restart_records(out))
             os.kill(now[name], signal.SIGKILL)
             kills.append(name)
             at = rows(out)
+            # pids.json and metrics.jsonl describe an attempt until the next one starts: a kill that
+            # lands while the run is already restarting for another reason hits a dying process.
+            wait_for(lambda: blamed(out, seen, name) is not None, proc, min(timeout_s, BLAME_TIMEOUT_S))
+            other = blamed(out, seen, name)
+            if other is None:
+                missed = f"{kind}: {name} was killed, and restarts.jsonl did not name it within {BLAME_TIMEOUT_S:g} s"
+                break
+            if other:
+                missed = (f"{kind}: {name} was killed while the run restarted for {other['who']} "
+                          f"({other['action']}: {other['why']})")
+                break
             if kind in ROLLOUT_SIDE:  # training goes on: same trainer processes after more progress
                 wait_for(lambda: rows(out) > at, proc, timeout_s)
                 after = pids(out)

@@ -341,6 +341,42 @@ def test_updates_with_abort_all_requests_interrupt_without_a_pause(server, model
         torch.testing.assert_close(got[s:], forward(new, PROMPT, traj.output_ids)[s:], atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("eta", [0, 1])
+def test_rollout_worker_stops_a_rollout_the_update_makes_too_stale(server, models, eta):
+    """The rollout worker's client against a real server: a request aborted by the update to
+    version 1 started at version 0, so with eta 0 it can no longer be trained and is not
+    resubmitted (StaleRollout); with eta 1 it resumes and finishes."""
+    from types import SimpleNamespace
+
+    from realcore.system.rollout_worker import RoutedClient, StaleRollout
+
+    params = {"temperature": 1.0, "ignore_eos": True, "max_new_tokens": 300}
+
+    async def fn(client):
+        async def watched(_server, call):
+            return await call
+
+        stub = SimpleNamespace(cfg=SimpleNamespace(rollout=SimpleNamespace(request_retries=0, max_head_offpolicyness=eta)),
+                               engine="local", client=lambda _server: client, watched=watched)
+        routed = RoutedClient(stub, 0, server["http"])
+        before = await client.server_info()
+        job = asyncio.ensure_future(generate_resumable(routed, PROMPT, params, rid=f"doomed-{eta}"))
+        await wait_until(client, lambda i: i["decode_steps"] >= before["decode_steps"] + 30)
+        await client.update_weights_from_disk(models["B"], "1", abort_all_requests=True)
+        try:
+            return await job, routed.stale
+        except StaleRollout as e:
+            return e, routed.stale
+        finally:
+            await restore_a(client, models)
+
+    got, stale = drive(server, fn)
+    if eta == 0:
+        assert isinstance(got, Exception) and stale, got
+    else:
+        assert not stale and got.n_segments == 2 and len(got.output_ids) == 300 and (got.version_start, got.version_end) == (0, 1)
+
+
 def test_weight_updates_from_disk_and_memory(server, models):
     params = {**GREEDY, "max_new_tokens": 40}
     state_b = read_hf_weights(models["B"])

@@ -248,7 +248,7 @@ def test_async_loses_nothing_when_each_process_type_is_killed(tmp_path, cache):
     assert r["trainer_kept"]  # rollout-side kills did not restart the trainer
     assert r["restarts"] == {"gen_server: restart in place": 1, "rollout_worker: restart in place": 1,
                              "gserver_manager: restart in place": 1, "model_worker: restart run": 1,
-                             "master: restart run": 1}, r["restarts"]
+                             "master: restart run": 1}, (r["restarts"], r["missed"])
 
 
 ASYNC = ["experiment=async-ppo-math", "eval.freq_steps=null", "model=tiny", "dataset=tiny-arith", "allocation_mode=local.d1p1t1+d1p1t1",

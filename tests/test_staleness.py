@@ -3,7 +3,7 @@
 import pytest
 
 from realcore.system.protocol import ManagerState
-from realcore.system.staleness import Admission, admit, is_stale
+from realcore.system.staleness import Admission, admit, doomed, is_stale
 
 
 class Ctl:
@@ -168,6 +168,23 @@ def test_journal_replay_rebuilds_the_same_state(tmp_path):
             assert replayed.restored and replayed.state == live.a.state and replayed.weights_path == live.a.weights_path
             replayed.close()
             live.a._journal.write("\n")  # the torn line ends; the live journal goes on
+
+
+@pytest.mark.parametrize("eta", [0, 1, 2, 4])
+def test_a_rollout_is_doomed_exactly_when_its_drop_at_take_is_certain(eta):
+    """The trainer takes a group at a version >= any a server showed, and > the version of a reply
+    that a weight update aborted. Doomed only when even that lowest version drops it."""
+    for first in range(0, 6):
+        for seen in range(first, first + eta + 3):
+            for aborted in (False, True):
+                lowest_take = seen + (1 if aborted else 0)
+                assert doomed(first, seen, aborted=aborted, max_head_offpolicyness=eta) == \
+                    is_stale(first, current_version=lowest_take, max_head_offpolicyness=eta)
+                # never doomed while some version it may be taken at keeps it
+                if not is_stale(first, current_version=lowest_take, max_head_offpolicyness=eta):
+                    assert not doomed(first, seen, aborted=aborted, max_head_offpolicyness=eta)
+    assert not doomed(3, 3 + eta, aborted=False, max_head_offpolicyness=eta)
+    assert doomed(3, 3 + eta, aborted=True, max_head_offpolicyness=eta)
 
 
 def test_concurrency_cap():

@@ -11,7 +11,10 @@ Failures stay small: a request to a server that stops answering (an error, or no
 for `system.heartbeat_timeout_s`) runs again on another server; an agent episode that fails is
 retried `rollout.episode_retries` times, then its group is dropped and counted; a manager that
 restarts is found again at its new address and told what this worker is still running. An episode
-whose workflow returns None is rejected (counted in rollout/rejected_episodes, nothing trained). Messages
+whose workflow returns None is rejected (counted in rollout/rejected_episodes, nothing trained). A
+rollout that a weight update leaves certain to be dropped as too stale at take
+(staleness.doomed) is not resubmitted: its requests stop and it is counted in
+rollout/stale_cancelled, so the servers spend no more decode steps on it. Messages
 this worker dropped (realcore.system.drops) ride along in its FINISH counters to the master's metrics.
 
 Versions: SGLang's and the built-in server's replies carry the weight version that produced them;
@@ -43,6 +46,7 @@ from realcore.system.name_resolve import make_name_resolver
 from realcore.system.protocol import (Allocate, AskServerVersion, Finish, Register, RemoteError, Reroute, parse,
                                       request)
 from realcore.system.sampler import EpochSampler
+from realcore.system.staleness import doomed
 from realcore.system.stream import Group, StreamPusher
 
 log = logging.getLogger("realcore.rollout_worker")
@@ -122,6 +126,10 @@ class ServerLost(RuntimeError):
     """A generation server failed a request or stopped answering."""
 
 
+class StaleRollout(RuntimeError):
+    """The rollout can no longer be trained (staleness.doomed): its requests stop."""
+
+
 class RoutedClient:
     """The agent's generation client for one rollout: SGLang's `generate` on the server the
     manager chose, moved to another server (by the manager) when that one fails or goes silent.
@@ -129,9 +137,13 @@ class RoutedClient:
 
     def __init__(self, worker: "RolloutWorker", seq: int, server: str):
         self.worker, self.seq, self.server = worker, seq, server
+        self.first_version: int | None = None  # the oldest version of any reply: the group's version_start
+        self.stale = False  # doomed: every later request raises StaleRollout
 
     async def generate(self, input_ids, sampling_params, *, rid: str, return_logprob: bool = True):
         w = self.worker
+        if self.stale:
+            raise StaleRollout(f"rollout {self.seq}: too stale to be trained")
         for attempt in itertools.count():
             try:
                 reply = await w.watched(self.server, w.client(self.server).generate(
@@ -144,6 +156,16 @@ class RoutedClient:
                 self.server = await w.reroute(self.seq, self.server, error=" ".join(str(e).split())[:500])
         if reply.finish_reason == "abort" and w.engine == "vllm":
             await w.ask_version(self.server)  # a weight update interrupted it: learn the new version before it resumes
+        from realcore.backends.gen_client import version_number
+
+        version = version_number(reply.weight_version)
+        self.first_version = version if self.first_version is None else min(self.first_version, version)
+        if doomed(self.first_version, version, aborted=reply.finish_reason == "abort",
+                  max_head_offpolicyness=w.cfg.rollout.max_head_offpolicyness):
+            self.stale = True
+            if reply.finish_reason == "abort":  # do not resubmit what would be dropped at take
+                raise StaleRollout(f"rollout {self.seq}: too stale to be trained (started at version "
+                                   f"{self.first_version}, servers past {version})")
         return reply
 
     def __getattr__(self, name):  # anything else (abort, server_info, ...) goes to the current server
@@ -289,8 +311,12 @@ class RolloutWorker:
             engine = ServerEngine(client, self.tokenizer, self.cfg.generation, reward_fn, rid=f"r{self.index}-{seq}-{attempt}")
             try:
                 result = await self.workflow(engine, data)
+                if client.stale:  # a workflow that caught StaleRollout: what it returns is dropped at take
+                    return "stale", client.server
                 return (None if result is None else check_trajectories(result, self.keys)), client.server
             except Exception as e:  # a user workflow may raise anything: it must not take the worker down
+                if client.stale:
+                    return "stale", client.server
                 log.warning("rollout %d: episode failed (attempt %d of %d): %s: %s", seq, attempt + 1,
                             self.cfg.rollout.episode_retries + 1, type(e).__name__, e)
         return "failed", client.server
@@ -306,6 +332,8 @@ class RolloutWorker:
                                "failed (see the warnings above): a bug in the workflow, not bad luck; stopping")
         if group == "failed":
             accepted, counters["rollout/failed_episodes"] = False, 1
+        elif group == "stale":
+            accepted, counters["rollout/stale_cancelled"] = False, 1
         elif group is None:
             accepted, counters["rollout/rejected_episodes"] = False, 1
         else:

@@ -37,6 +37,16 @@ def is_stale(version_start: int, *, current_version: int, max_head_offpolicyness
     return current_version - version_start > max_head_offpolicyness
 
 
+def doomed(first_version: int, reply_version: int, *, aborted: bool, max_head_offpolicyness: int) -> bool:
+    """Will a rollout whose first token came from `first_version` be dropped as stale, whatever
+    happens next? The trainer takes it at a version no older than any a server has shown (the
+    servers only get versions the trainer published), and one newer than a reply aborted by a
+    weight update (that update is under way). So once that lower bound is past the bound, the
+    stream's drop is certain: the rollout worker stops generating it (`rollout/stale_cancelled`)."""
+    now_at_least = reply_version + (1 if aborted else 0)
+    return is_stale(first_version, current_version=now_at_least, max_head_offpolicyness=max_head_offpolicyness)
+
+
 class Admission:
     """The manager's state machine. Every change is an event applied by `apply` (also when the
     journal is replayed), so the live path and the recovery path are the same code."""

@@ -400,9 +400,10 @@ class Endpoint:
                                  f"{nbytes} bytes, over system.max_message_bytes = {lim.max_message_bytes}: raise that key")
         frames = _encode({**header, _ENVELOPE_KEY: envelope}, tensors, self.secret, zero_copy)
         size = len(frames[0])
-        head = size if zero_copy else int.from_bytes(frames[0][:4], "big")
-        if head > lim.max_control_message_bytes or (not tensors and size > lim.max_control_message_bytes):
-            raise ValueError(f"wire: a message header of {max(head, size if not tensors else 0)} bytes is over "
+        # The header's bytes (without tensors: the whole frame) count against the control limit.
+        control = size if zero_copy or not tensors else int.from_bytes(frames[0][:4], "big")
+        if control > lim.max_control_message_bytes:
+            raise ValueError(f"wire: a message header of {control} bytes is over "
                              f"system.max_control_message_bytes = {lim.max_control_message_bytes}: raise that key")
         if not zero_copy and size > lim.max_message_bytes:
             raise ValueError(f"wire: a message of {size} bytes is over system.max_message_bytes = "
