@@ -10,9 +10,13 @@ the trainer (its fp32 state dict, as the torch engine holds it). Per method:
   servers load them; memory: push to every server's update socket; broadcast: the bucketed
   broadcast (rollout.weight_bucket_mb, default 512) through /update_weights_from_distributed, its
   group already built (the first update's group build is the "group join s" column).
-- "interrupt-to-resume s": what generation waits in an async run: /pause_generation (abort) while
-  the servers generate (4 requests each), the update (disk: the load only, the file is written
-  before the pause), /continue_generation.
+- "interrupt-to-resume s": what generation waits: /pause_generation (abort) while the servers
+  generate (4 requests each), the update (disk: the load only, the file is written before the
+  pause), /continue_generation: how SGLang, vLLM and `nccl` updates go in an async run. The "no
+  pause" rows are how an async run updates built-in servers (`abort_all_requests`): the servers
+  read or receive the weights while generating, then abort and swap in one engine step; their
+  interrupt is that step's duration (the server's `last_weight_update_s`), their "update s" the
+  whole update while the servers generate.
 - "in flight at pause": output tokens the pause's abort returned with the partial replies. None is
   lost: an async run's rollout workers resubmit prompt + partial output after the update
   (`generate_resumable`, as AReaL's interruptible generation), so what interruption costs is the
@@ -127,6 +131,19 @@ def interrupted(urls: list[str], update) -> tuple[float, int, int]:
     return t1 - t0, sum(partial), sum(len(Load.PROMPT) + n for n in partial)
 
 
+def interrupted_no_pause(urls: list[str], update) -> tuple[float, float, int, int]:
+    """(seconds of the whole `update()`, the longest engine-thread stall of a server (abort + swap,
+    from its server info), output tokens the abort returned, tokens to prefill again), with the
+    servers generating: the async path of built-in servers (abort_all_requests, no pause)."""
+    with Load(urls) as load:
+        t0 = time.perf_counter()
+        update()
+        t1 = time.perf_counter()
+    stall = max(i["last_weight_update_s"] for i in asyncio.run(on_all(urls, lambda c: c.server_info())))
+    partial = [n for t, n in load.aborted if t0 <= t <= t1]
+    return t1 - t0, stall, sum(partial), sum(len(Load.PROMPT) + n for n in partial)
+
+
 def versions(urls: list[str]) -> list[str]:
     return [i["weight_version"] for i in asyncio.run(on_all(urls, lambda c: c.server_info()))]
 
@@ -169,6 +186,18 @@ def bench(path: str, n_servers: int, repeats: int, bucket_mb: float) -> tuple[li
         assert versions(urls) == [str(version)] * n_servers
         rows.append(_row("disk (safetensors)", upd, intr))
 
+        def disk_no_pause(out, v):
+            asyncio.run(on_all(urls, lambda c: c.update_weights_from_disk(out, v, abort_all_requests=True)))
+
+        runs = []
+        for _ in range(repeats):
+            version += 1
+            out = write(version)
+            runs.append(interrupted_no_pause(urls, lambda: disk_no_pause(out, version)))
+        assert versions(urls) == [str(version)] * n_servers
+        rows.append(_row("disk, no pause (abort_all_requests: async runs)", [r[0] for r in runs], [r[1:] for r in runs],
+                         "update s: the load while generating; interrupt: the engine's abort + swap"))
+
         # memory: pushed over the authenticated wire to every server's update socket
         def push(v):
             for _, a in servers:
@@ -184,6 +213,18 @@ def bench(path: str, n_servers: int, repeats: int, bucket_mb: float) -> tuple[li
             intr.append(interrupted(urls, lambda: push(version)))
         assert versions(urls) == [str(version)] * n_servers
         rows.append(_row("memory (MAC'd wire)", upd, intr))
+
+        def push_no_pause(v):
+            for _, a in servers:
+                push_weights(a["weights"], SECRET, str(v), state, TIMEOUT_S, abort_all_requests=True)
+
+        runs = []
+        for _ in range(repeats):
+            version += 1
+            runs.append(interrupted_no_pause(urls, lambda: push_no_pause(version)))
+        assert versions(urls) == [str(version)] * n_servers
+        rows.append(_row("memory, no pause (abort_all_requests: async runs)", [r[0] for r in runs], [r[1:] for r in runs],
+                         "update s: the pushes while generating; interrupt: the engine's abort + swap"))
 
         # broadcast: rollout.weight_update=nccl's protocol over gloo
         cfg = SimpleNamespace(

@@ -106,9 +106,10 @@ def test_weight_update_bench_quick():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = table_rows(proc.stdout, skip="| method", key=lambda first: first.split(" (")[0])
-    assert set(rows) == {"disk", "memory", "broadcast"}, proc.stdout
-    for update_s, resume_s, partial, prefill, _ in rows.values():
-        assert float(update_s) >= 0 and float(resume_s) > 0
+    assert set(rows) == {"disk", "memory", "broadcast", "disk, no pause", "memory, no pause"}, proc.stdout
+    for method, (update_s, resume_s, partial, prefill, _) in rows.items():
+        # a no-pause update stalls the engine only for its swap: under 5 ms for the tiny model
+        assert float(update_s) >= 0 and (float(resume_s) > 0 or "no pause" in method)
         # the pause interrupted running requests; resuming them prefills their prompts on top
         assert 0 < int(partial) < int(prefill), rows
     assert re.match(r"group join [\d.]+ s", rows["broadcast"][4]), rows

@@ -47,6 +47,7 @@ import os
 import queue
 import signal
 import threading
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable
@@ -367,6 +368,7 @@ class EngineLoop:
         c.done({})
 
     def _weights(self, c: _Weights) -> None:
+        t0 = time.perf_counter()
         self._abort_for_update(c)
         if self.paused == "in_place" and self.engine.has_unfinished():
             c.done(ValueError("weight update refused: an in_place pause holds requests (continue or abort them first)"))
@@ -376,6 +378,8 @@ class EngineLoop:
         except ValueError as e:
             c.done(e)
             return
+        # What an update costs the engine thread (no decoding meanwhile): the abort and the swap.
+        self.stats["last_weight_update_s"] = time.perf_counter() - t0
         self.adapter, self.lora_base = None, {}  # new weights are the new base (an adapter merged in stays)
         if c.version is not None:
             self._set_version(str(c.version))
