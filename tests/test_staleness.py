@@ -247,3 +247,35 @@ def test_dynamic_filtering_and_trajectory_layout():
 
 def torch_equal(a, b):
     return len(a) == len(b) and all((x == y).all() for x, y in zip(a, b))
+
+
+def test_a_server_caught_up_during_an_update_ends_at_the_newest_version():
+    """The manager catches up a server that came back (disk); if the trainer publishes while the
+    server loads, it loads again: it must not stay a version behind (the CI flake of
+    test_async_run_with_lora_other_paths: a server caught up to v2 while v3 went out)."""
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    from realcore.system.gserver_manager import GServerManager, Server
+
+    m = object.__new__(GServerManager)  # only what _catch_up uses: no sockets, no monitor thread
+    m.cfg = SimpleNamespace(rollout=SimpleNamespace(weight_update="disk"))
+    m.lock = threading.Lock()
+    m.admission = Admission(4, 1, 8)
+    m.admission.restore(ManagerState(), None)
+    m.admission.set_version(2, "/w/v2")
+    loads = []
+
+    class Client:
+        async def weight_version(self):
+            return "0"  # restarted with the initial weights
+
+        async def update_weights_from_disk(self, path, version):
+            loads.append((path, version))
+            if len(loads) == 1:  # the trainer publishes v3 while the server loads v2
+                m.admission.set_version(3, "/w/v3")
+
+    s = Server(0, "http://x", healthy=True)
+    asyncio.run(m._catch_up(s, Client()))
+    assert loads == [("/w/v2", 2), ("/w/v3", 3)] and s.holds == 3

@@ -52,6 +52,7 @@ log = logging.getLogger("realcore.gserver_manager")
 DROPS_READ_S = 10.0  # how often the built-in servers' dropped-message counts are read
 FAILURES_TO_RESTART = 8  # failed requests in a row that make a server broken, if spread over
 FAILING_INTERVALS = 5  # this many system.heartbeat_interval_s (the monitor's health checks)
+CATCH_UP_ROUNDS = 3  # loads of a catching-up server, if the trainer keeps publishing while it loads
 
 
 @dataclass
@@ -306,7 +307,7 @@ class GServerManager:
                 self._mark(s, ok, now)
             version = self.admission.state.version
             for s in [s for s in servers if s.healthy and s.holds != version]:
-                await self._catch_up(s, clients[s.index], version)
+                await self._catch_up(s, clients[s.index])
             if self.engine == "local" and now - self._drops_read >= DROPS_READ_S:
                 self._drops_read = now
                 healthy = [s for s in servers if s.healthy]
@@ -361,8 +362,10 @@ class GServerManager:
         else:
             log.error("%s (%s) %s; not a process of this node: out of the routing for good", name, s.url, s.broken)
 
-    async def _catch_up(self, s: Server, client, version: int) -> None:
-        """Bring a healthy server that does not hold `version` onto it (see the module docstring)."""
+    async def _catch_up(self, s: Server, client) -> None:
+        """Bring a healthy server that does not hold the current version onto it (see the module
+        docstring). The trainer may publish again while it loads: then it loads again, so that a
+        server that came back during an update does not stay a version behind."""
         from realcore.backends.gen_client import version_number
 
         holds = None
@@ -370,15 +373,18 @@ class GServerManager:
             holds = version_number(await client.weight_version())
         except Exception:  # vLLM reports no version: unknown
             pass
-        path = self.admission.weights_path
-        if holds != version and version > 0 and path is not None and self.cfg.rollout.weight_update == "disk":
+        for _ in range(CATCH_UP_ROUNDS):
+            with self.lock:  # a version and its folder, read together
+                version, path = self.admission.state.version, self.admission.weights_path
+            if holds == version or version == 0 or path is None or self.cfg.rollout.weight_update != "disk":
+                break
             try:
                 await client.update_weights_from_disk(path, version)
-                holds = version
-                log.info("server %d caught up to version %d from %s", s.index, version, path)
             except Exception as e:
                 log.warning("server %d: loading %s failed (%s); trying again", s.index, path, e)
                 return
+            holds = version
+            log.info("server %d caught up to version %d from %s", s.index, version, path)
         if holds is None and version == 0:
             holds = 0  # a server that started from the initial weights
         with self.lock:
