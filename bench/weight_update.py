@@ -139,8 +139,14 @@ def interrupted_no_pause(urls: list[str], update) -> tuple[float, float, int, in
         t0 = time.perf_counter()
         update()
         t1 = time.perf_counter()
+        # The aborted replies reach the load's thread just after the update returns: wait for them
+        # (the load's own aborts at the end of this block come later and are not counted).
+        while not any(t >= t0 for t, _ in load.aborted) and time.perf_counter() < t1 + 5.0:
+            time.sleep(0.01)
+        time.sleep(0.1)  # the other requests' and servers' replies
+        t2 = time.perf_counter()
     stall = max(i["last_weight_update_s"] for i in asyncio.run(on_all(urls, lambda c: c.server_info())))
-    partial = [n for t, n in load.aborted if t0 <= t <= t1]
+    partial = [n for t, n in load.aborted if t0 <= t <= t2]
     return t1 - t0, stall, sum(partial), sum(len(Load.PROMPT) + n for n in partial)
 
 
