@@ -27,6 +27,7 @@ the version it sent (checked). `--quick`: tiny model, 1 repeat (the smoke test's
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import shutil
@@ -177,8 +178,19 @@ def bench(path: str, n_servers: int, repeats: int, bucket_mb: float) -> tuple[li
             model.save_pretrained(out, safe_serialization=True)
             return out
 
-        def disk_load(out, v):
-            asyncio.run(on_all(urls, lambda c: c.update_weights_from_disk(out, v)))
+        def disk_load(out, v, abort_all=False):
+            asyncio.run(on_all(urls, lambda c: c.update_weights_from_disk(out, v, abort_all_requests=abort_all)))
+
+        def no_pause_row(method: str, prepare, note: str) -> None:
+            """`prepare(v)()` `repeats` times while the servers generate (`prepare` runs before)."""
+            nonlocal version
+            runs = []
+            for _ in range(repeats):
+                version += 1
+                runs.append(interrupted_no_pause(urls, prepare(version)))
+            assert versions(urls) == [str(version)] * n_servers
+            rows.append(_row(f"{method}, no pause (abort_all_requests: async runs)", [r[0] for r in runs],
+                             [r[1:] for r in runs], f"update s: {note} while generating; interrupt: the engine's abort + swap"))
 
         upd, intr = [], []
         for _ in range(repeats):
@@ -192,22 +204,12 @@ def bench(path: str, n_servers: int, repeats: int, bucket_mb: float) -> tuple[li
         assert versions(urls) == [str(version)] * n_servers
         rows.append(_row("disk (safetensors)", upd, intr))
 
-        def disk_no_pause(out, v):
-            asyncio.run(on_all(urls, lambda c: c.update_weights_from_disk(out, v, abort_all_requests=True)))
-
-        runs = []
-        for _ in range(repeats):
-            version += 1
-            out = write(version)
-            runs.append(interrupted_no_pause(urls, lambda: disk_no_pause(out, version)))
-        assert versions(urls) == [str(version)] * n_servers
-        rows.append(_row("disk, no pause (abort_all_requests: async runs)", [r[0] for r in runs], [r[1:] for r in runs],
-                         "update s: the load while generating; interrupt: the engine's abort + swap"))
+        no_pause_row("disk", lambda v: functools.partial(disk_load, write(v), v, True), "the load")
 
         # memory: pushed over the authenticated wire to every server's update socket
-        def push(v):
+        def push(v, abort_all=False):
             for _, a in servers:
-                push_weights(a["weights"], SECRET, str(v), state, TIMEOUT_S)
+                push_weights(a["weights"], SECRET, str(v), state, TIMEOUT_S, abort_all_requests=abort_all)
 
         upd, intr = [], []
         for _ in range(repeats):
@@ -220,17 +222,7 @@ def bench(path: str, n_servers: int, repeats: int, bucket_mb: float) -> tuple[li
         assert versions(urls) == [str(version)] * n_servers
         rows.append(_row("memory (MAC'd wire)", upd, intr))
 
-        def push_no_pause(v):
-            for _, a in servers:
-                push_weights(a["weights"], SECRET, str(v), state, TIMEOUT_S, abort_all_requests=True)
-
-        runs = []
-        for _ in range(repeats):
-            version += 1
-            runs.append(interrupted_no_pause(urls, lambda: push_no_pause(version)))
-        assert versions(urls) == [str(version)] * n_servers
-        rows.append(_row("memory, no pause (abort_all_requests: async runs)", [r[0] for r in runs], [r[1:] for r in runs],
-                         "update s: the pushes while generating; interrupt: the engine's abort + swap"))
+        no_pause_row("memory", lambda v: functools.partial(push, v, True), "the pushes")
 
         # broadcast: rollout.weight_update=nccl's protocol over gloo
         cfg = SimpleNamespace(
