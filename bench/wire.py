@@ -5,8 +5,8 @@
 Prints a markdown table: small-message round trip (wire.send/recv with msgpack + MAC) over tcp
 loopback and the same with raw frames (the same ZeroMQ calls without msgpack, envelope or MAC: the
 floor the wire's own work adds to), tensor transfer at 1 MB and 64 MB (sender -> peer, timed until
-the peer's application ack arrives),
-beside a single-process memcpy, the wire MAC (keyed BLAKE3) and HMAC-SHA256 alone for the same
+the peer's application ack arrives) and the same sizes as raw ZeroMQ frames (zero-copy on both
+sides, no msgpack, no MAC: what the tcp transport alone allows), beside a single-process memcpy, the wire MAC (keyed BLAKE3) and HMAC-SHA256 alone for the same
 sizes.
 """
 
@@ -72,15 +72,21 @@ def _raw_peer(addr: str, cpus=None) -> None:
             frames = wire.recv_frames(sock, copy=True)
             if frames == [b"stop"]:
                 return
+            if frames == [b"tensor"]:  # then the payload in a message of its own, received zero-copy as the wire's tensors
+                payload = sock.recv(copy=False)
+                wire.send_frames(sock, [b"%d" % len(payload.buffer)])
+                continue
             wire.send_frames(sock, frames)
     finally:
         sock.close(linger=1000)
         ctx.term()
 
 
-def bench_raw_ping(ctx, cpus=None) -> list[float]:
+def bench_raw(ctx, cpus=None, transfers: bool = True) -> tuple[list[float], dict[str, float]]:
     """Round-trip times (s) of one raw frame of a control message's size: the same ZeroMQ calls
-    as the wire (wire.send_frames / recv_frames), without msgpack, envelope or MAC."""
+    as the wire (wire.send_frames / recv_frames), without msgpack, envelope or MAC; and {label:
+    median GB/s} of each SIZES payload sent zero-copy and received zero-copy until the peer's ack,
+    without msgpack or MAC: what ZeroMQ's tcp alone allows."""
     sock = ctx.socket(zmq.DEALER)
     port = sock.bind_to_random_port("tcp://127.0.0.1")
     sock.setsockopt(zmq.RCVTIMEO, int(TIMEOUT_S * 1000))
@@ -94,13 +100,26 @@ def bench_raw_ping(ctx, cpus=None) -> list[float]:
             wire.recv_frames(sock, copy=True)
             if i >= N_PING_WARMUP:
                 times.append(time.perf_counter() - t0)
+        rates = {}
+        for label, (nbytes, reps) in (SIZES.items() if transfers else ()):
+            x = torch.ones(nbytes, dtype=torch.uint8)
+            got = []
+            for i in range(reps + 1):  # the first is warm-up
+                t0 = time.perf_counter()
+                wire.send_frames(sock, [b"tensor"])
+                sock.send(x.numpy(), copy=False)
+                ack = wire.recv_frames(sock, copy=True)
+                assert ack == [b"%d" % nbytes], ack
+                if i:
+                    got.append(nbytes / (time.perf_counter() - t0) / 1e9)
+            rates[label] = statistics.median(got)
         sock.send_multipart([b"stop"])
     finally:
         peer.join(timeout=10)
         if peer.is_alive():
             peer.kill()
         sock.close(linger=0)
-    return times
+    return times, rates
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -160,8 +179,8 @@ def bench_local(nbytes: int, reps: int) -> tuple[float, float, float]:
 
 
 def run_pair(secret: bytes, cpus=None, transfers: bool = True):
-    """(control round trips, raw round trips, {label: GB/s}) between this process and a peer, both
-    on `cpus` (None: wherever the scheduler puts them)."""
+    """(control round trips, raw round trips, {label: GB/s}, {label: raw GB/s}) between this
+    process and a peer, both on `cpus` (None: wherever the scheduler puts them)."""
     before = os.sched_getaffinity(0)
     _pin(cpus)
     ctx = zmq.Context()
@@ -181,11 +200,11 @@ def run_pair(secret: bytes, cpus=None, transfers: bool = True):
             peer.kill()
         sock.close(linger=0)
     try:
-        raw = bench_raw_ping(ctx, cpus)
+        raw, raw_xfer = bench_raw(ctx, cpus, transfers)
     finally:
         ctx.term()
         os.sched_setaffinity(0, before)
-    return rtt, raw, xfer
+    return rtt, raw, xfer, raw_xfer
 
 
 def main() -> None:
@@ -195,11 +214,11 @@ def main() -> None:
     torch.set_num_threads(1)
     secret = os.urandom(32)
     t_start = time.perf_counter()
-    rtt, raw, xfer = run_pair(secret)
+    rtt, raw, xfer, raw_xfer = run_pair(secret)
     # Both processes (and their ZeroMQ I/O threads) on one core: no wake-up of an idle core per
     # message, whose cost on this VM varies from run to run more than the wire's own work.
     one = {min(os.sched_getaffinity(0))}
-    rtt1, raw1, _ = run_pair(secret, one, transfers=False)
+    rtt1, raw1, _, _ = run_pair(secret, one, transfers=False)
     local = {label: bench_local(n, reps) for label, (n, reps) in SIZES.items()}
 
     us = [t * 1e6 for t in rtt]
@@ -217,6 +236,8 @@ def main() -> None:
     for label in SIZES:
         pre, fresh, mac, sha = local[label]
         print(f"| tensor {label} over tcp, sender -> ack (median) | {xfer[label]:.2f} GB/s |")
+        print(f"| raw {label} over tcp, zero-copy both sides, no msgpack, no MAC (ZeroMQ's ceiling) "
+              f"| {raw_xfer[label]:.2f} GB/s |")
         print(f"| memcpy {label}, copy_ into preallocated | {pre:.2f} GB/s |")
         print(f"| memcpy {label}, copy_ into fresh tensor | {fresh:.2f} GB/s |")
         print(f"| wire MAC (keyed BLAKE3) {label}, one side (paid by sender and receiver) | {mac:.2f} GB/s |")

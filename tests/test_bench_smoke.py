@@ -126,7 +126,8 @@ def test_wire_bench_quick():
     raw = [v for k, v in rows.items() if k.startswith("raw frames round trip")]
     assert len(raw) == 2 and all(re.fullmatch(r"\d+ us", v) for v in raw), rows  # both processes anywhere, on one core
     assert re.fullmatch(r"\d+ us", next(v for k, v in rows.items() if k.startswith("control round trip, median, both"))), rows
-    for name in ("tensor 1 MB over tcp, sender -> ack (median)", "wire MAC (keyed BLAKE3) 1 MB, one side (paid by sender and receiver)"):
+    for name in ("tensor 1 MB over tcp, sender -> ack (median)", "wire MAC (keyed BLAKE3) 1 MB, one side (paid by sender and receiver)",
+                 "raw 1 MB over tcp, zero-copy both sides, no msgpack, no MAC (ZeroMQ's ceiling)"):
         assert re.fullmatch(r"[\d.]+ GB/s", rows[name]) and float(rows[name].split()[0]) > 0, rows
 
 
@@ -151,6 +152,9 @@ def test_generation_bench_quick_bf16_and_logprob_rows():
     assert int(fp32[0]) == 32 * 16 and float(fp32[3]) < 1e-4, fp32
     bf16 = rows["log-probs, built-in engine, bf16"]
     assert bf16[3].startswith("skipped") or float(bf16[3]) < 0.1, bf16
+    # The floor row: the float32 engine on bf16-rounded weights differs from float32 (it rounded).
+    floor = rows["log-probs, float32 engine, decoder linears' weights rounded to bf16 (floor of bf16 weights)"]
+    assert int(floor[0]) == 32 * 16 and 0 < float(floor[3]) < 0.1, floor
 
 
 @pytest.mark.timeout(240)
