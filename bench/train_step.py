@@ -12,7 +12,10 @@ the entropy it reports). The plain loop is what a user would write by hand on th
 micro-batches and the same attention kernel (sequences concatenated, varlen attention by their
 boundaries): forward, log-softmax and gather, the clipped surrogate, backward, AdamW; no entropy,
 no gradient clipping, no scheduler, no statistics. "vs plain" = the row's tokens/s over the plain
-loop's in the same dtype (single-process rows only). Each layout runs in fresh processes: one
+loop's in the same dtype (single-process rows only). On a CPU the torch engine's float32 linears
+multiply through oneDNN (realcore/backends/onednn_linear.py), the plain loop's through torch's
+default BLAS; the "plain-onednn" row is the plain loop with the engine's linears, so that the
+engine's own overhead shows against it. Each layout runs in fresh processes: one
 warm-up step, then the median of K timed steps. Prints a markdown table: seconds per step, trained
 tokens per second (the whole mesh), the peak resident memory of the largest process, and (torch,
 fsdp) the bytes of parameters plus optimizer state that one rank holds (its shards under FSDP).
@@ -41,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-LAYOUTS = [("plain", "d1", "float32"), ("torch", "d1", "float32"), ("megatron", "d1", "float32"), ("torch", "d2", "float32"),
+LAYOUTS = [("plain", "d1", "float32"), ("plain-onednn", "d1", "float32"), ("torch", "d1", "float32"), ("megatron", "d1", "float32"), ("torch", "d2", "float32"),
            ("fsdp", "d2", "float32"), ("megatron", "d2", "float32"), ("megatron", "d1t2", "float32"),
            ("megatron", "d1p2", "float32"), ("plain", "d1", "bfloat16"), ("torch", "d1", "bfloat16"), ("fsdp", "d2", "bfloat16"),
            ("megatron", "d1", "bfloat16")]
@@ -78,13 +81,16 @@ def _batch(n: int, length: int, vocab: int) -> dict:
 class _PlainLoop:
     """The hand-written loop the engines are measured against (see the module docstring)."""
 
-    def __init__(self, path: str, dtype: str, lr: float):
+    def __init__(self, path: str, dtype: str, lr: float, onednn: bool = False):
         from transformers import AutoModelForCausalLM
 
+        from realcore.backends.onednn_linear import use_onednn
         from realcore.backends.varlen_attention import use_packed_attention
 
         self.model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32)
         use_packed_attention(self.model)
+        if onednn:  # the torch engine's linears (realcore/backends/onednn_linear.py): its overhead alone
+            use_onednn(self.model)
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
         self.bf16 = dtype == "bfloat16"
@@ -130,11 +136,11 @@ def _worker(rank, world, port, backend, mesh, dtype, args, out):
     from realcore.api.config import OptimizerConfig, RoleConfig
 
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    role = RoleConfig(backend="torch" if backend == "plain" else backend, trainable=True, max_tokens_per_mb=args.mb_tokens, dtype=dtype,
+    role = RoleConfig(backend="torch" if backend.startswith("plain") else backend, trainable=True, max_tokens_per_mb=args.mb_tokens, dtype=dtype,
                       optimizer=OptimizerConfig(lr=1e-5, weight_decay=0.0))
     dims = parse_mesh(mesh)
-    if backend == "plain":
-        engine = _PlainLoop(args.path, dtype, role.optimizer.lr)
+    if backend.startswith("plain"):
+        engine = _PlainLoop(args.path, dtype, role.optimizer.lr, onednn=backend == "plain-onednn")
     elif backend == "torch":
         from realcore.backends.torch_engine import TorchEngine
 
@@ -156,7 +162,7 @@ def _worker(rank, world, port, backend, mesh, dtype, args, out):
     for step in range(args.steps + 1):
         torch.distributed.barrier()
         t0 = time.perf_counter()
-        if backend == "plain":
+        if backend.startswith("plain"):
             engine.train_batch(shard, args.mb_tokens)
         else:
             engine.train_batch(shard, loss_fn, _n_tokens)
@@ -165,7 +171,7 @@ def _worker(rank, world, port, backend, mesh, dtype, args, out):
             times.append(time.perf_counter() - t0)
     rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024], dtype=torch.float64)
     torch.distributed.all_reduce(rss, op=torch.distributed.ReduceOp.MAX)
-    state = torch.tensor([_state_bytes(engine) / 2**20 if backend not in ("megatron", "plain") else 0.0],
+    state = torch.tensor([_state_bytes(engine) / 2**20 if backend not in ("megatron", "plain", "plain-onednn") else 0.0],
                          dtype=torch.float64)
     torch.distributed.all_reduce(state, op=torch.distributed.ReduceOp.MAX)
     if rank == 0:
@@ -199,7 +205,7 @@ def main() -> None:
     p.add_argument("--len", type=int, default=128)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--mb-tokens", type=int, default=1024)
-    p.add_argument("--backends", default="plain,torch,fsdp,megatron", help="comma-separated: the layouts of these run")
+    p.add_argument("--backends", default="plain,plain-onednn,torch,fsdp,megatron", help="comma-separated: the layouts of these run")
     p.add_argument("--layouts", default=None, help="comma-separated backend:mesh:dtype rows to run (default: all)")
     p.add_argument("--quick", action="store_true", help="tiny model, 8 x 32 tokens, 2 steps")
     args = p.parse_args()
@@ -240,7 +246,7 @@ def main() -> None:
                 print(f"| {backend} | {mesh} | {parse_mesh(mesh).world_size} | n/a: {e} | | | | | {dtype} |", flush=True)
                 continue
         r = run(backend, mesh, dtype, args)
-        state = f"{r['state_mb']:.1f}" if backend not in ("megatron", "plain") else "-"
+        state = f"{r['state_mb']:.1f}" if backend not in ("megatron", "plain", "plain-onednn") else "-"
         rate, world = tokens / r["s"], parse_mesh(mesh).world_size
         if backend == "plain":
             plain[dtype] = rate

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from realcore.api.config import GenerationConfig, ModelConfig, TinyModelConfig
-from realcore.backends import generation, precision
+from realcore.backends import onednn_linear, precision
 from realcore.backends.generation import GenerationEngine
 from realcore.backends.models import load_model, load_tokenizer, prepare_model
 import test_generation
@@ -165,7 +165,7 @@ def test_weight_updates_reach_every_parameter(model_tok, dtype):
     engine = GenerationEngine(copy.deepcopy(model), tok, seed=4, dtype=dtype)
     if dtype == "float32" and torch.backends.mkldnn.is_available():  # every linear (the head too) runs through oneDNN
         linears = [m for m in engine.model.modules() if type(m) is torch.nn.Linear]
-        assert linears and all(m.forward.func is generation._onednn_linear for m in linears)
+        assert linears and all(m.forward.func is onednn_linear.linear for m in linears)
     before = engine.generate(prompts, gconfig)
     engine.load_weights({n: t.clone() for n, t in new.state_dict().items()})
     engine.next_rid = 0  # the same samplers as the fresh engine's

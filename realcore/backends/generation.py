@@ -18,8 +18,9 @@ row's output independent of its batch-mates. Prefill runs the new requests left-
 an HF `DynamicCache` and copies each row's keys/values into its slot.
 
 Precision (`dtype`, given when the engine owns its model: a generation server): "float32", whose
-linear layers then multiply through oneDNN rather than torch's default BLAS (`_linears_to_onednn`:
-the same float32 products, up to summation order, ~1.6x the tokens/s on an AMD CPU), or
+linear layers then multiply through oneDNN rather than torch's default BLAS
+(realcore.backends.onednn_linear: the same float32 products up to summation order, ~1.6x the
+tokens/s on an AMD CPU), or
 "bfloat16" where the device has bf16 instructions
 (realcore.backends.precision): the decoder's linear layers then hold and multiply bf16 weights
 (~2x faster matmuls and half the memory traffic on an avx512_bf16 CPU), while the residual stream,
@@ -39,7 +40,6 @@ vocabulary; the behaviour log-probs must be that same quantity for PPO's importa
 from __future__ import annotations
 
 import collections
-import functools
 import glob
 import os
 from dataclasses import dataclass, field
@@ -53,6 +53,7 @@ from transformers.cache_utils import DynamicLayer
 from realcore.api.config import GenerationConfig
 from realcore.api.engine import GenerationResult
 from realcore.backends.kv_cache import ATTENTION, SlotKVCache, register_attention
+from realcore.backends.onednn_linear import use_onednn
 from realcore.backends.precision import compute_dtype
 
 
@@ -81,8 +82,8 @@ class GenerationEngine:
     def __init__(self, model, tokenizer, *, seed: int = 0, dtype: str | None = None):
         """`dtype` (GenerationConfig.dtype) given: the engine owns `model` (a generation server) and
         changes it in place: "bfloat16" converts its decoder linears, "float32" runs its float32
-        linears through oneDNN (`_linears_to_onednn`). None: `model` is shared (a trainer's, which
-        generates in sync mode) and left as it is."""
+        linears through oneDNN (realcore.backends.onednn_linear). None: `model` is shared (a
+        trainer's, which generates in sync mode, and routes its linears itself) and left as it is."""
         self.device = next(model.parameters()).device
         self._head: _Bf16Head | None = None
         if dtype not in (None, "float32", "bfloat16"):
@@ -96,7 +97,7 @@ class GenerationEngine:
             _linears_to_bf16(model.get_decoder())
             self._head = _Bf16Head.attach(model.get_output_embeddings())
         elif dtype == "float32":
-            _linears_to_onednn(model)
+            use_onednn(model)
         self.dtype = model.dtype  # of activations and the KV cache (float32 unless the model is bf16)
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -367,25 +368,6 @@ class _Bf16Head:
             logits = logits + b
             exact = exact + b[idx]
         return logits.scatter_(-1, idx, exact)
-
-
-def _onednn_linear(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, linear.weight, linear.bias, "none", [], "")
-
-
-def _linears_to_onednn(model: torch.nn.Module) -> None:
-    """Every float32 CPU nn.Linear of `model` (the output projection too) multiplies through
-    oneDNN's linear, as vLLM's CPU backend does, instead of torch's default BLAS (MKL): on an AMD
-    EPYC with AVX-512, MKL's float32 GEMM ran at about half oneDNN's speed for a decode step's
-    shapes (docs/generation-engine.md), on Intel they were level. Inference only (no autograd
-    formula). The module, its parameters and their names stay (weight updates by name, tied
-    embeddings): only its `forward` changes. Left as they are where oneDNN is unavailable."""
-    op = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
-    if op is None or not torch.backends.mkldnn.is_available():
-        return
-    for m in model.modules():
-        if type(m) is torch.nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32:
-            m.forward = functools.partial(_onednn_linear, m)  # an instance attribute, as _Bf16Head
 
 
 def _linears_to_bf16(module: torch.nn.Module) -> None:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from realcore.api.config import RoleConfig
 from realcore.api.engine import Engine, GenerationResult, LossFn, LossWeightFn
-from realcore.backends import lora
+from realcore.backends import lora, onednn_linear
 from realcore.backends.batching import (cu_seqlens, lr_factor, reduce_weighted, split_by_budget, token_logprobs,
                                         train_batch)
 from realcore.backends.precision import compute_dtype
@@ -74,6 +74,7 @@ class TorchEngine(Engine):
         """Hook: place the model on the device and wrap it for training (FSDPEngine shards it). Here:
         replicated, with HF gradient checkpointing (every decoder layer recomputed in backward) when asked."""
         self.model.to(self.device)
+        onednn_linear.use_onednn(self.model)  # float32 on a CPU: oneDNN's GEMMs, not MKL's (module docstring)
         if self.role.gradient_checkpointing:
             self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 

@@ -1,0 +1,67 @@
+"""Float32 CPU linears through oneDNN (realcore/backends/onednn_linear.py): the same outputs and
+gradients as torch's own F.linear (up to summation order), and F.linear itself where oneDNN would
+compute something else (autocast)."""
+
+import copy
+
+import pytest
+import torch
+
+from realcore.backends import onednn_linear
+
+pytestmark = pytest.mark.skipif(not onednn_linear.available(), reason="no oneDNN in this torch build")
+torch.set_num_threads(1)
+
+
+def _mlp(bias: bool) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(24, 40, bias=bias), torch.nn.SiLU(), torch.nn.Linear(40, 16, bias=bias))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_outputs_and_every_gradient_match_torch_linear(bias):
+    ref = _mlp(bias)
+    ours = copy.deepcopy(ref)
+    assert onednn_linear.use_onednn(ours) == 2
+    x = torch.randn(3, 7, 24)  # (batch, tokens, features): the leading dims are flattened and restored
+    x_ref, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y_ref, y_ours = ref(x_ref), ours(x_ours)
+    torch.testing.assert_close(y_ours, y_ref, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(y_ref)
+    y_ref.backward(g)
+    y_ours.backward(g)
+    torch.testing.assert_close(x_ours.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
+    for (name, p_ref), p_ours in zip(ref.named_parameters(), ours.parameters()):
+        assert p_ours.grad is not None, name
+        torch.testing.assert_close(p_ours.grad, p_ref.grad, rtol=1e-5, atol=1e-5, msg=name)
+    # It really ran through oneDNN's autograd function (bit-identical results do not tell here).
+    assert type(y_ours.grad_fn).__name__ == "_LinearBackward" and type(y_ref.grad_fn).__name__ != "_LinearBackward"
+
+
+def test_a_frozen_weight_gets_no_gradient_and_the_input_does():
+    layer = torch.nn.Linear(8, 5)
+    layer.requires_grad_(False)
+    onednn_linear.use_onednn(layer)
+    x = torch.randn(4, 8, requires_grad=True)
+    layer(x).sum().backward()
+    assert layer.weight.grad is None and x.grad is not None
+    torch.testing.assert_close(x.grad, layer.weight.sum(0).expand(4, 8))
+
+
+def test_autocast_and_non_float32_inputs_take_torch_linear():
+    layer = torch.nn.Linear(8, 5)
+    onednn_linear.use_onednn(layer)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer(torch.randn(2, 8)).dtype == torch.bfloat16  # autocast's bf16, as without oneDNN
+    layer16 = torch.nn.Linear(8, 5).to(torch.bfloat16)
+    assert onednn_linear.use_onednn(layer16) == 0  # not float32: left alone
+
+
+def test_state_dict_and_names_are_unchanged():
+    ref = _mlp(True)
+    ours = copy.deepcopy(ref)
+    onednn_linear.use_onednn(ours)
+    assert list(ours.state_dict()) == list(ref.state_dict())
+    with torch.no_grad():
+        ours[0].weight.mul_(2)  # an in-place weight update reaches the oneDNN path
+    torch.testing.assert_close(ours[0](torch.ones(1, 24)), torch.nn.functional.linear(torch.ones(1, 24), ours[0].weight, ours[0].bias))
