@@ -33,6 +33,7 @@ def load(argv: list[str]):
     from realcore.api.registry import make_workflow
     from realcore.backends.generation import GenerationEngine
     from realcore.backends.models import check_model_dir, load_model, load_tokenizer, prepare_model
+    from realcore.backends.onednn_linear import use_onednn
     from realcore.launch.config_loader import import_user_modules, load_config
     from realcore.workflows.evaluate import eval_rows
 
@@ -52,8 +53,10 @@ def load(argv: list[str]):
     tokenizer = load_tokenizer(cfg.model.path)
     rows = eval_rows(cfg, tokenizer)
     # The built-in engine alone (no optimizer, no process group): what the generate MFC's
-    # TorchEngine.generate runs, seeded as the actor's.
-    policy = GenerationEngine(load_model(cfg.model.path), tokenizer, seed=cfg.seed)
+    # TorchEngine.generate runs, seeded as the actor's, its linears routed as the trainer's.
+    model = load_model(cfg.model.path)
+    use_onednn(model)
+    policy = GenerationEngine(model, tokenizer, seed=cfg.seed)
     return cfg, policy, episode, rows
 
 
