@@ -48,6 +48,15 @@ def test_a_frozen_weight_gets_no_gradient_and_the_input_does():
     torch.testing.assert_close(x.grad, layer.weight.sum(0).expand(4, 8))
 
 
+def test_an_empty_input_gets_empty_output_and_gradients():
+    layer = torch.nn.Linear(8, 5)
+    onednn_linear.use_onednn(layer)
+    x = torch.randn(0, 8, requires_grad=True)
+    y = layer(x)
+    y.sum().backward()  # oneDNN itself refuses zero-row gradient GEMMs: F.linear takes them
+    assert y.shape == (0, 5) and x.grad.shape == (0, 8) and torch.equal(layer.weight.grad, torch.zeros(5, 8))
+
+
 def test_autocast_and_non_float32_inputs_take_torch_linear():
     layer = torch.nn.Linear(8, 5)
     onednn_linear.use_onednn(layer)

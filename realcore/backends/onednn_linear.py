@@ -12,7 +12,8 @@ through oneDNN as well.
 (an instance attribute: the module, its parameters and their names stay, so state dicts, weight
 updates by name, tied embeddings and PEFT's wrapping work as before). Each call still takes
 torch's own `F.linear` when oneDNN would not compute the same thing: under autocast (bf16 compute
-is asked for), or for a tensor that is not a float32 CPU tensor.
+is asked for), for a tensor that is not a float32 CPU tensor, or an empty input (oneDNN refuses
+the gradient GEMMs of zero rows).
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def _fits(t: torch.Tensor) -> bool:
 def linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """`module(x)` through oneDNN where it computes what F.linear would, else F.linear."""
     w, b = module.weight, module.bias
-    if (torch.is_autocast_enabled("cpu") or not _fits(x) or not _fits(w) or (b is not None and not _fits(b))
+    if (torch.is_autocast_enabled("cpu") or not _fits(x) or x.numel() == 0  # oneDNN refuses an empty gradient GEMM
+            or not _fits(w) or (b is not None and not _fits(b))
             or type(w) is not torch.nn.Parameter and type(w) is not torch.Tensor):  # a DTensor, a subclass
         return F.linear(x, w, b)
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):
