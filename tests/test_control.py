@@ -248,6 +248,36 @@ def reconnect_churn(seconds: float, n_workers: int) -> int:
     return n
 
 
+def test_a_reply_sent_while_or_after_the_server_closes_is_dropped_not_a_crash():
+    """A worker loop that answers while another thread closes its server (shutdown, or the churn
+    below) used to send on the closed waker socket: ZMQError, or a segfault in libzmq (CI)."""
+    code = """if True:
+        import threading
+        from realcore.system.control import ControlServer
+        from realcore.system.protocol import Status
+        from realcore.system.wire import Peer
+        for _ in range(20):
+            server = ControlServer("127.0.0.1", b"s" * 32, status=lambda: Status("running", 1), name="w")
+            go, errors = threading.Event(), []
+            def answer():
+                go.wait()
+                try:
+                    for rid in range(2000):
+                        server.send_reply(Peer("x", b"x"), rid)
+                except Exception as e:
+                    errors.append(e)
+            t = threading.Thread(target=answer)
+            t.start()
+            go.set()
+            server.close(relay_grace_s=0.0)
+            t.join()
+            assert not errors, errors
+        print("ok")
+    """
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split()[-1] == "ok", done.stderr[-2000:]
+
+
 def test_reconnects_under_load_do_not_abort_the_pool():
     """libzmq aborts (Assertion failed: !_more, src/fq.cpp) a ROUTER that hears from several peers
     when a connection ends while it is between the frames of a message: replies of several frames

@@ -41,17 +41,23 @@ class _Waker:
         self.send_sock = ctx.socket(zmq.PAIR)
         self.send_sock.connect(addr)
         self._lock = threading.Lock()
+        self._closed = False
 
     def wake(self) -> None:
+        """A no-op once closed: another thread (a worker loop answering late) must not touch a
+        closed socket, which libzmq answers with an error or a segfault."""
         with self._lock:
-            wire.send_frames(self.send_sock, [b""], noblock=True)
+            if not self._closed:
+                wire.send_frames(self.send_sock, [b""], noblock=True)
 
     def drain(self) -> None:
         while wire.recv_waiting(self.recv_sock) is not None:
             pass
 
     def close(self) -> None:
-        self.send_sock.close(0)
+        with self._lock:
+            self._closed = True
+            self.send_sock.close(0)
         self.recv_sock.close(0)
 
 
