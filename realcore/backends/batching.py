@@ -8,9 +8,9 @@ import math
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from realcore.api.config import OptimizerConfig
+from realcore.backends.logprobs import logprobs_and_entropy
 
 
 def lr_factor(step: int, opt: OptimizerConfig, total_steps: int) -> float:
@@ -104,14 +104,13 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, starts: torch.Tensor
     """Per-token log p(x[t] | x[:t]) and entropy of the temperature-scaled distribution, aligned
     with `ids` (realcore.api.data); 0 where `starts` marks the first token of a sequence.
     logits: (T, V), ids: (T,), starts: (T,) bool."""
-    logp = F.log_softmax(logits[:-1].float() / temperature, dim=-1)  # (T-1, V) predicts ids[1:]
-    lp = torch.cat([logp.new_zeros(1), logp.gather(-1, ids[1:, None]).squeeze(-1)])  # (T,)
+    # Row t predicts ids[t + 1]; the last row's label is a dummy (its result is dropped).
+    lp, ent = logprobs_and_entropy(logits, torch.roll(ids, -1), temperature, with_entropy)
     # Position `start` would be predicted by the previous sequence's last token: not a real token.
-    lp = torch.where(starts, torch.zeros_like(lp), lp)
-    if not with_entropy:
-        return lp, None
-    ent = torch.cat([logp.new_zeros(1), -(logp.exp() * logp).sum(-1)])
-    return lp, torch.where(starts, torch.zeros_like(ent), ent)
+    lp = torch.where(starts, 0.0, torch.cat([lp.new_zeros(1), lp[:-1]]))
+    if ent is not None:
+        ent = torch.where(starts, 0.0, torch.cat([ent.new_zeros(1), ent[:-1]]))
+    return lp, ent
 
 
 def union_keys(keys: list[str], group, device) -> list[str]:

@@ -25,6 +25,7 @@ from realcore.api.config import RoleConfig
 from realcore.api.engine import Engine, GenerationResult, LossFn, LossWeightFn
 from realcore.backends.batching import (cu_seqlens, lr_factor, reduce_weighted, split_by_budget,
                                         token_logprobs, train_batch)
+from realcore.backends.logprobs import logprobs_and_entropy
 from realcore.backends.megatron.checkpoint import LazyHFState, gather_hf, load_shard
 from realcore.backends.megatron.cpu_compat import apply_cpu_compat, cuda_to_cpu_mode
 from realcore.backends.megatron.parallel import check_megatron_config, init_parallel_state, sequence_parallel
@@ -218,7 +219,6 @@ class MegatronEngine(Engine):
 
     def _forward_cp(self, model, mb: dict, seq_len: int, loss_func_for):
         """Forward one micro-batch split over the CP ranks (see context_parallel.py; GPU only)."""
-        import torch.nn.functional as F
         from megatron.core import parallel_state as ps
 
         from realcore.backends.megatron.context_parallel import GatherRow, unpad, zigzag_layout
@@ -247,12 +247,11 @@ class MegatronEngine(Engine):
             return unpad(out, real, padded[: len(real)])
 
         def logprob_fn(logits, temperature, with_entropy):
-            logp = F.log_softmax(logits[0].float() / temperature, dim=-1)  # this rank's positions
-            labels = torch.roll(row, -1)[idx]
-            lp = GatherRow.apply(logp.gather(-1, labels[:, None]).squeeze(-1), idx, row.numel(), group)
-            ent = None
+            labels = torch.roll(row, -1)[idx]  # this rank's positions
+            lp, ent = logprobs_and_entropy(logits[0], labels, temperature, with_entropy)
+            lp = GatherRow.apply(lp, idx, row.numel(), group)
             if with_entropy:
-                ent = shifted(GatherRow.apply(-(logp.exp() * logp).sum(-1), idx, row.numel(), group))
+                ent = shifted(GatherRow.apply(ent, idx, row.numel(), group))
             return shifted(lp), ent
 
         return output, loss_func_for(mb, logprob_fn)
