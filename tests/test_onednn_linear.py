@@ -99,3 +99,7 @@ def test_packed_weight_multiplies_like_f_linear_and_follows_the_weight(dtype):
     check()
     layer.weight = torch.nn.Parameter(torch.randn(96, 64))  # another tensor
     check()
+    layer.mm = mm  # as a module holds it: a copy of the module (packed tensors have no storage) packs anew
+    twin = copy.deepcopy(layer)
+    x = torch.randn(3, 64).to(dtype)
+    assert twin.mm.owner is twin and torch.equal(twin.mm(x), mm(x))

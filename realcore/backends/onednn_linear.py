@@ -105,6 +105,13 @@ class PackedWeight:
         self.owner, self.dtype = owner, dtype
         self.source, self.stamp, self.copy, self.packed = None, None, None, False
 
+    # oneDNN's packed tensors have no storage to copy or pickle: a copy packs again on first use.
+    def __getstate__(self):
+        return {"owner": self.owner, "dtype": self.dtype}
+
+    def __setstate__(self, state):
+        self.__init__(state["owner"], state["dtype"])
+
     def _refresh(self) -> None:
         w = self.owner.weight
         stamp = (w.data_ptr(), w._version)
