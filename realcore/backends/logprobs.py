@@ -22,6 +22,12 @@ def _rows_per_chunk(logits: torch.Tensor) -> int:
     return max(1, budget // (4 * logits.shape[-1]))
 
 
+def _scaled(logits: torch.Tensor, s: int, step: int, temperature: float) -> torch.Tensor:
+    """A fresh float32 copy of rows s..s+step of logits / temperature (the caller may overwrite it)."""
+    z = logits[s:s + step].to(torch.float32, copy=True)
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
 class _LogprobsEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, temperature: float, with_entropy: bool):
@@ -31,8 +37,7 @@ class _LogprobsEntropy(torch.autograd.Function):
         mean_z = torch.empty_like(lp) if with_entropy else None  # E_p[z]: entropy = lse - E_p[z]
         step = _rows_per_chunk(logits)
         for s in range(0, n, step):
-            z = logits[s:s + step].float()
-            z = z / temperature if temperature != 1.0 else z
+            z = _scaled(logits, s, step, temperature)
             m = z.amax(-1, keepdim=True)
             zm = z - m
             e = zm.exp()
@@ -55,9 +60,7 @@ class _LogprobsEntropy(torch.autograd.Function):
         grad = torch.empty_like(logits)
         step = _rows_per_chunk(logits)
         for s in range(0, logits.shape[0], step):
-            z = logits[s:s + step].to(torch.float32, copy=True)  # overwritten below
-            if t != 1.0:
-                z.div_(t)
+            z = _scaled(logits, s, step, t)  # overwritten below
             p = (z - lse[s:s + step, None]).exp_()
             # d lp / dz = onehot - p; d entropy / dz = -p * (z - E_p[z])
             coef = z.sub_(mean_z[s:s + step, None]).mul_(g_ent[s:s + step, None]) if g_ent is not None else None
