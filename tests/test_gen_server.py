@@ -377,6 +377,47 @@ def test_rollout_worker_stops_a_rollout_the_update_makes_too_stale(server, model
         assert not stale and got.n_segments == 2 and len(got.output_ids) == 300 and (got.version_start, got.version_end) == (0, 1)
 
 
+def test_rollout_worker_counts_staleness_from_the_first_token(server, models):
+    """A request still queued (the batch full) when an update aborts everything comes back with no
+    tokens, tagged with the old version 0. It generated nothing with it: its rollout's staleness
+    starts at version 1, where its first token comes from, so with eta 1 it survives the next
+    update (to version 2) and finishes. Counted from the empty reply it was doomed there (2 - 0 > 1)
+    and cancelled, though the stream would have trained it."""
+    from types import SimpleNamespace
+
+    from realcore.system.rollout_worker import RoutedClient
+
+    long = {"temperature": 1.0, "ignore_eos": True, "max_new_tokens": 300}
+    replies = []
+
+    async def fn(client):
+        async def watched(_server, call):
+            reply = await call
+            replies.append((reply.finish_reason, len(reply.output_ids), reply.weight_version))
+            return reply
+
+        stub = SimpleNamespace(cfg=SimpleNamespace(rollout=SimpleNamespace(request_retries=0, max_head_offpolicyness=1)),
+                               engine="local", client=lambda _server: client, watched=watched)
+        routed = RoutedClient(stub, 0, server["http"])
+        fill = [asyncio.ensure_future(client.generate(PROMPT, long, rid=f"fill-{i}")) for i in range(8)]  # max batch 8
+        await wait_until(client, lambda i: i["num_running_reqs"] == 8)
+        job = asyncio.ensure_future(generate_resumable(routed, PROMPT, long, rid="queued"))
+        await wait_until(client, lambda i: i["num_requests"] == 9)  # it waits for a slot
+        await client.update_weights_from_disk(models["B"], "1", abort_all_requests=True)
+        await asyncio.gather(*fill)  # aborted, not resubmitted: the queued request gets a slot
+        before = await client.server_info()
+        await wait_until(client, lambda i: i["decode_steps"] >= before["decode_steps"] + 30)
+        await client.update_weights_from_disk(models["A"], "2", abort_all_requests=True)
+        try:
+            return await job, routed.stale
+        finally:
+            await restore_a(client, models)
+
+    traj, stale = drive(server, fn)
+    assert replies[0] == ("abort", 0, "0")  # queued through the first update: no tokens
+    assert not stale and len(traj.output_ids) == 300 and (traj.version_start, traj.version_end) == (1, 2), replies
+
+
 def test_weight_updates_from_disk_and_memory(server, models):
     params = {**GREEDY, "max_new_tokens": 40}
     state_b = read_hf_weights(models["B"])

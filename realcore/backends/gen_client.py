@@ -50,7 +50,7 @@ class Trajectory:
     output_ids: list[int]
     output_logprobs: list[float]
     output_versions: list[int]  # per token: the weight version of the segment that produced it
-    version_start: int  # version of the first segment
+    version_start: int  # version of the first token (of the last segment if none)
     version_end: int  # version of the last segment
     finish_reason: str  # "stop" | "length"
     n_segments: int
@@ -267,7 +267,8 @@ async def generate_resumable(
         seg_rid = rid if k == 0 else f"{rid}.{k}"
         reply = await client.generate(prompt_ids + ids, params, rid=seg_rid, return_logprob=True)
         version = version_number(reply.weight_version)
-        first = version if first is None else first
+        if first is None and reply.output_ids:  # an empty segment (queued through an update) generated nothing
+            first = version
         ids += reply.output_ids
         logprobs += reply.output_logprobs
         versions += [version] * len(reply.output_ids)
@@ -275,7 +276,7 @@ async def generate_resumable(
         if reason == "abort" and len(ids) >= budget:
             reason = "length"  # interrupted exactly at the end
         if reason != "abort":
-            return Trajectory(ids, logprobs, versions, first, version, reason, k + 1)
+            return Trajectory(ids, logprobs, versions, version if first is None else first, version, reason, k + 1)
     raise RuntimeError(f"generate_resumable: request {rid!r} was aborted {max_segments} times; giving up")
 
 

@@ -137,7 +137,7 @@ class RoutedClient:
 
     def __init__(self, worker: "RolloutWorker", seq: int, server: str):
         self.worker, self.seq, self.server = worker, seq, server
-        self.first_version: int | None = None  # the oldest version of any reply: the group's version_start
+        self.first_version: int | None = None  # the oldest version of any generated token: the group's version_start
         self.stale = False  # doomed: every later request raises StaleRollout
 
     async def generate(self, input_ids, sampling_params, *, rid: str, return_logprob: bool = True):
@@ -159,9 +159,14 @@ class RoutedClient:
         from realcore.backends.gen_client import version_number
 
         version = version_number(reply.weight_version)
-        self.first_version = version if self.first_version is None else min(self.first_version, version)
-        if doomed(self.first_version, version, aborted=reply.finish_reason == "abort",
-                  max_head_offpolicyness=w.cfg.rollout.max_head_offpolicyness):
+        # A reply without tokens (a request still queued when an update aborted everything)
+        # generated nothing with its version: the rollout's staleness starts at its first token,
+        # as the trajectory's version_start does (counting it cancelled trainable rollouts).
+        if reply.output_ids:
+            self.first_version = version if self.first_version is None else min(self.first_version, version)
+        if self.first_version is not None and doomed(
+                self.first_version, version, aborted=reply.finish_reason == "abort",
+                max_head_offpolicyness=w.cfg.rollout.max_head_offpolicyness):
             self.stale = True
             if reply.finish_reason == "abort":  # do not resubmit what would be dropped at take
                 raise StaleRollout(f"rollout {self.seq}: too stale to be trained (started at version "
