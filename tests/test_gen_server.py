@@ -418,6 +418,62 @@ def test_rollout_worker_counts_staleness_from_the_first_token(server, models):
     assert not stale and len(traj.output_ids) == 300 and (traj.version_start, traj.version_end) == (1, 2), replies
 
 
+def test_a_retried_episode_counts_staleness_from_its_own_tokens(server, models):
+    """RolloutWorker.episode with the real server: attempt 0 generates at version 0 and raises;
+    the server moves to version 2; attempt 1 generates everything again and is interrupted by
+    the update to version 3. With eta 1 its rollout is trainable (3 - 2): attempt 0's tokens,
+    thrown away with it, must not make it doomed (3 - 0), which cancelled it as stale."""
+    from types import SimpleNamespace
+
+    from realcore.api.workflow import TrajectoryBuilder
+    from realcore.system.rollout_worker import RolloutWorker
+
+    long = {"temperature": 1.0, "ignore_eos": True, "max_new_tokens": 300}
+
+    async def fn(client):
+        attempts = []
+
+        async def workflow(engine, data):
+            attempts.append(len(attempts))
+            if len(attempts) == 1:
+                await engine.agenerate(PROMPT, max_new_tokens=5)  # version 0
+                for v in ("1", "2"):
+                    await client.update_weights_from_disk(models["B" if v == "1" else "A"], v)
+                raise RuntimeError("attempt 0 fails after generating")
+            before = await client.server_info()
+
+            async def interrupt():
+                await wait_until(client, lambda i: i["decode_steps"] >= before["decode_steps"] + 30)
+                await client.update_weights_from_disk(models["B"], "3", abort_all_requests=True)
+
+            update = asyncio.ensure_future(interrupt())
+            c = await engine.agenerate(PROMPT, max_new_tokens=long["max_new_tokens"], temperature=1.0)
+            await update
+            traj = TrajectoryBuilder(PROMPT)
+            traj.add_completion(c)
+            return traj.to_tensors(1.0)
+
+        async def watched(_server, call):
+            return await call
+
+        cfg = SimpleNamespace(rollout=SimpleNamespace(request_retries=0, max_head_offpolicyness=1, episode_retries=1),
+                              generation=GenerationConfig(n_samples=1, max_new_tokens=300, ignore_eos=True))
+        worker = SimpleNamespace(index=0, cfg=cfg, engine="local", client=lambda _server: client, watched=watched,
+                                 samples=[{"prompt_ids": [torch.tensor(PROMPT)]}], order=SimpleNamespace(index=lambda seq: 0),
+                                 tokenizer=load_tokenizer(models["A"]), workflow=workflow, rewards=None,
+                                 keys=("input_ids", "loss_mask", "behav_logprobs", "rewards", "version_start", "version_end"))
+        try:
+            group, _ = await RolloutWorker.episode(worker, 0, server["http"], {})
+        finally:
+            await restore_a(client, models)
+        return group, attempts
+
+    group, attempts = drive(server, fn)
+    assert attempts == [0, 1]
+    assert isinstance(group, dict), group  # "stale" before: attempt 0's version 0 made it doomed
+    assert (int(group["version_start"][0]), int(group["version_end"][0])) == (2, 3)
+
+
 def test_weight_updates_from_disk_and_memory(server, models):
     params = {**GREEDY, "max_new_tokens": 40}
     state_b = read_hf_weights(models["B"])

@@ -313,6 +313,7 @@ class RolloutWorker:
             return outcome.reward
 
         for attempt in range(self.cfg.rollout.episode_retries + 1):
+            client.first_version = None  # a retry generates everything again: its staleness starts anew
             engine = ServerEngine(client, self.tokenizer, self.cfg.generation, reward_fn, rid=f"r{self.index}-{seq}-{attempt}")
             try:
                 result = await self.workflow(engine, data)
