@@ -60,3 +60,39 @@ def test_a_stopped_worker_is_named_when_slurms_sigcont_wakes_it_at_the_job_end(t
     rc, why = out.split(" ", 1)
     assert why.startswith("hung (no heartbeat for"), out + err
     assert not psutil.pid_exists(worker.pid) or worker.status() == psutil.STATUS_ZOMBIE
+
+
+WORKING = """
+import faulthandler, signal, sys, time
+faulthandler.register(signal.SIGUSR1, all_threads=True)
+n = 0
+while True:  # one unit of work every 10 ms, each written down
+    n += 1
+    with open(sys.argv[1], "w") as f:
+        f.write(str(n))
+    time.sleep(0.01)
+"""
+
+
+def test_a_hung_worker_is_killed_once_its_stacks_are_written(tmp_path):
+    """SIGCONT, sent so that a stopped worker can dump its stacks, also lets it work again: it must
+    be killed as soon as the stacks are in its log, not after a fixed wait (a stopped generation
+    server served 30 training steps in the 2 s the launcher used to wait)."""
+    from realcore.launch.local import dump_stacks_and_kill, spawn_command
+
+    work, log = tmp_path / "work", tmp_path / "worker.log"
+    p = spawn_command("gen_server/0", [sys.executable, "-c", WORKING, str(work)], env=dict(os.environ), log_path=str(log))
+    try:
+        deadline = time.monotonic() + 30
+        while not (work.exists() and int(work.read_text() or 0) > 5):
+            assert time.monotonic() < deadline and p.popen.poll() is None, log.read_text()
+            time.sleep(0.05)
+        p.popen.send_signal(signal.SIGSTOP)
+        time.sleep(0.2)
+        stopped_at = int(work.read_text())
+        dump_stacks_and_kill(p, wait_s=2.0)
+    finally:
+        p.popen.kill()
+    assert p.popen.returncode == -signal.SIGKILL
+    assert "most recent call first" in log.read_text()
+    assert int(work.read_text()) - stopped_at < 50, "the resumed worker went on working"  # 2 s: ~200

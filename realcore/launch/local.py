@@ -73,18 +73,43 @@ def tail(path: str | None, n: int = 15) -> str:
 
 
 def dump_stacks_and_kill(p: Proc, wait_s: float = 2.0) -> None:
-    """A hung worker: SIGUSR1 makes it write every thread's Python stack to its log
-    (faulthandler); SIGCONT lets a stopped one run the handler; then SIGKILL."""
+    """A hung worker: SIGUSR1 makes it write every thread's Python stack to its stderr
+    (faulthandler); SIGCONT lets a stopped one run the handler; then SIGKILL, as soon as the
+    stacks are in its log file (wait_s at most): a resumed worker must not go on working for long."""
+    log = _stderr_file(p.popen.pid)
+    start = os.path.getsize(log) if log else 0
     for sig in (signal.SIGUSR1, signal.SIGCONT):
         try:
             p.popen.send_signal(sig)
         except ProcessLookupError:
             return
-    try:
-        p.popen.wait(timeout=wait_s)
-    except subprocess.TimeoutExpired:
+    deadline = time.monotonic() + wait_s
+    while p.popen.poll() is None and time.monotonic() < deadline:
+        if log and _written_since(log, start, b"most recent call first"):
+            time.sleep(0.05)  # the handler writes the whole dump at once; the rest of it lands
+            break
+        time.sleep(0.01)
+    if p.popen.poll() is None:
         p.popen.kill()
-        p.popen.wait()
+    p.popen.wait()
+
+
+def _stderr_file(pid: int) -> str | None:
+    """The regular file a process's stderr goes to (its log, also under a Slurm task), else None."""
+    try:
+        path = os.readlink(f"/proc/{pid}/fd/2")
+        return path if os.path.isfile(path) else None
+    except OSError:
+        return None
+
+
+def _written_since(path: str, offset: int, needle: bytes) -> bool:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return needle in f.read(1 << 20)
+    except OSError:
+        return False
 
 
 def stop_all(procs: list[Proc], grace_s: float) -> None:
