@@ -373,3 +373,61 @@ def test_one_message_to_several_workers_is_serialized_once(monkeypatch):
         pool.close()
         for s in servers:
             s.close()
+
+
+def test_a_rollout_workers_manager_client_follows_a_restarted_manager_at_once(tmp_path):
+    """A request waits on a manager that died (it never answers); a restarted one publishes its
+    address: the client must go there within a heartbeat interval, not after the heartbeat deadline
+    (30 s by default: every rollout stopped that long whenever the manager was restarted)."""
+    import asyncio
+    import json
+
+    from realcore.api.config import ExperimentConfig, MFCConfig
+    from realcore.system import keys
+    from realcore.system.name_resolve import make_name_resolver
+    from realcore.system.protocol import Allocate, Grant, Register, Registered
+    from realcore.system.rollout_worker import ManagerClient
+
+    cfg = ExperimentConfig(experiment_name="manager-client", trial_name=tmp_path.name, output_dir=str(tmp_path),
+                           mfcs=[MFCConfig(name="n", type="t")],
+                           system={"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 600.0,
+                                   "name_resolve": {"root": str(tmp_path / "names")}})
+    resolver = make_name_resolver(cfg.system.name_resolve)
+    dead = ControlServer("127.0.0.1", SECRET, status=lambda: Status("running", 1), name="old_manager")  # nobody answers
+    new = ControlServer("127.0.0.1", SECRET, status=lambda: Status("running", 1), name="new_manager")
+    stop, seen = threading.Event(), []
+
+    def manager():
+        while not stop.is_set():
+            try:
+                peer, rid, msg = new.requests.get(timeout=0.1)
+            except Exception:
+                continue
+            seen.append(msg)
+            new.send_reply(peer, rid, Registered(True) if isinstance(msg, Register) else Grant(True, 3, "s0", seq=5))
+
+    threading.Thread(target=manager, daemon=True).start()
+    resolver.put(keys.manager(cfg), json.dumps({"control": dead.address}), replace=True)
+    reconnected = []
+
+    async def register():
+        reconnected.append(await client._call_once(Register(0, [4]), 10.0))
+
+    async def main():
+        client.connect(dead.address)
+        call = asyncio.create_task(client.call(Allocate(0)))
+        await asyncio.sleep(1.0)  # the request waits on the dead manager
+        resolver.put(keys.manager(cfg), json.dumps({"control": new.address}), replace=True)
+        return await asyncio.wait_for(call, 20)
+
+    client = ManagerClient(cfg, SECRET, register)
+    try:
+        grant = asyncio.run(main())
+    finally:
+        stop.set()
+        client.close()
+        dead.close()
+        new.close()
+    assert grant == Grant(True, 3, "s0", seq=5)
+    assert reconnected == [Registered(True)]  # re-registered first, then sent its request again
+    assert seen == [Register(0, [4]), Allocate(0)]

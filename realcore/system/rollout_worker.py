@@ -52,6 +52,10 @@ from realcore.system.stream import Group, StreamPusher
 log = logging.getLogger("realcore.rollout_worker")
 
 
+class ManagerMoved(Exception):
+    """The manager published a new address (it was restarted) while a request waited on the old one."""
+
+
 class ManagerClient:
     """Request/reply to the gserver manager from asyncio (one DEALER, replies matched by id). When
     the manager stops answering and has published a new address (it was restarted), reconnect,
@@ -91,22 +95,37 @@ class ManagerClient:
             except TimeoutError:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"gserver manager: no answer to {msg.CMD.name} within {sys_cfg.request_timeout_s:g} s") from None
-            published = self._published()
-            if published is not None and published != self.address:
-                log.warning("the gserver manager moved to %s; reconnecting", published)
-                self.connect(published)
+            except ManagerMoved:
+                pass
+            if self.follow():
                 await self.on_reconnect()
 
+    def follow(self) -> bool:
+        """Connect to the manager's published address if it moved (a restarted manager)."""
+        published = self._published()
+        if published is None or published == self.address:
+            return False
+        log.warning("the gserver manager moved to %s; reconnecting", published)
+        self.connect(published)
+        return True
+
     async def _call_once(self, msg, timeout_s: float):
+        """One request; TimeoutError after timeout_s, ManagerMoved as soon as a restarted manager
+        has published its address (checked every heartbeat interval: a dead one never answers)."""
         async with self._lock:  # one request in flight: replies come back in order
             rid = next(self._rids)
             await self.sock.send_multipart(self.endpoint.seal(request(msg, rid), to=self.address))
             end = time.monotonic() + timeout_s
             while True:
+                wait = min(end - time.monotonic(), self.cfg.system.heartbeat_interval_s)
                 try:
-                    frames = await asyncio.wait_for(self.sock.recv_multipart(copy=False), max(0.0, end - time.monotonic()))
+                    frames = await asyncio.wait_for(self.sock.recv_multipart(copy=False), max(0.0, wait))
                 except asyncio.TimeoutError:
-                    raise TimeoutError from None
+                    if time.monotonic() >= end:
+                        raise TimeoutError from None
+                    if self._published() not in (None, self.address):
+                        raise ManagerMoved from None
+                    continue
                 try:
                     _, header, _ = self.endpoint.open(frames)
                 except wire.BadMessage:
@@ -293,7 +312,13 @@ class RolloutWorker:
     async def register(self) -> None:
         """Tell the manager which rollouts this worker runs (none after a restart: the manager then
         admits the dead worker's rollouts again); waits while the manager is not admitting yet."""
-        while not (await self.manager._call_once(Register(self.index, sorted(self.running)), self.cfg.system.request_timeout_s)).ok:
+        while True:
+            try:
+                if (await self.manager._call_once(Register(self.index, sorted(self.running)), self.cfg.system.request_timeout_s)).ok:
+                    return
+            except ManagerMoved:
+                self.manager.follow()
+                continue
             await asyncio.sleep(0.2)
 
     async def episode(self, seq: int, server: str, counters: dict[str, int]):
