@@ -16,6 +16,7 @@ from realcore.system.control import ControlServer, WorkerPool, wait_all
 from realcore.system.protocol import (Clear, Exit, Fetch, Fetched, Pause, RemoteError, Start,
                                       Status, WorkerLost, request)
 from test_buffer import sizes
+from test_relay import serve as serve_with
 
 SECRET = b"s" * 32
 
@@ -396,17 +397,8 @@ def test_a_rollout_workers_manager_client_follows_a_restarted_manager_at_once(tm
     dead = ControlServer("127.0.0.1", SECRET, status=lambda: Status("running", 1), name="old_manager")  # nobody answers
     new = ControlServer("127.0.0.1", SECRET, status=lambda: Status("running", 1), name="new_manager")
     stop, seen = threading.Event(), []
-
-    def manager():
-        while not stop.is_set():
-            try:
-                peer, rid, msg = new.requests.get(timeout=0.1)
-            except Exception:
-                continue
-            seen.append(msg)
-            new.send_reply(peer, rid, Registered(True) if isinstance(msg, Register) else Grant(True, 3, "s0", seq=5))
-
-    threading.Thread(target=manager, daemon=True).start()
+    answer = lambda msg, _: Registered(True) if isinstance(msg, Register) else Grant(True, 3, "s0", seq=5)  # noqa: E731
+    threading.Thread(target=serve_with, args=(new, stop, seen, 0.0, 0, answer), daemon=True).start()
     resolver.put(keys.manager(cfg), json.dumps({"control": dead.address}), replace=True)
     reconnected = []
 
