@@ -157,8 +157,8 @@ def trial(out: str, steps: int, cache: str, rng: random.Random, kinds=KINDS, tim
                 trainer_kept &= all(after.get(n) == p for n, p in trainer.items())
             else:  # the whole run restarts: the next kill is for the new attempt's processes (the old
                 # master may still log a step after the kill, and pids.json names it until then)
-                wait_for(lambda: pids(out).get("master") not in (None, trainer.get("master"))
-                         and running(pids(out)["master"]), proc, timeout_s)
+                wait_for(lambda: (m := pids(out).get("master")) not in (None, trainer.get("master")) and running(m),
+                         proc, timeout_s)
         proc.wait(timeout=max(1.0, timeout_s - (time.monotonic() - t0)))
     finally:
         if proc.poll() is None:

@@ -63,13 +63,14 @@ def test_a_stopped_worker_is_named_when_slurms_sigcont_wakes_it_at_the_job_end(t
 
 
 WORKING = """
-import faulthandler, signal, sys, time
+import faulthandler, os, signal, sys, time
 faulthandler.register(signal.SIGUSR1, all_threads=True)
 n = 0
-while True:  # one unit of work every 10 ms, each written down
+while True:  # one unit of work every 10 ms, each written down (replaced whole: never read half-written)
     n += 1
-    with open(sys.argv[1], "w") as f:
+    with open(sys.argv[1] + ".tmp", "w") as f:
         f.write(str(n))
+    os.replace(sys.argv[1] + ".tmp", sys.argv[1])
     time.sleep(0.01)
 """
 
@@ -84,7 +85,7 @@ def test_a_hung_worker_is_killed_once_its_stacks_are_written(tmp_path):
     p = spawn_command("gen_server/0", [sys.executable, "-c", WORKING, str(work)], env=dict(os.environ), log_path=str(log))
     try:
         deadline = time.monotonic() + 30
-        while not (work.exists() and int(work.read_text() or 0) > 5):
+        while not (work.exists() and int(work.read_text()) > 5):
             assert time.monotonic() < deadline and p.popen.poll() is None, log.read_text()
             time.sleep(0.05)
         p.popen.send_signal(signal.SIGSTOP)
