@@ -1,6 +1,6 @@
 """Asynchronous vs synchronous PPO at GPU-like cost: trained samples/s against the ideal bound.
 
-    python bench/async_sim.py [--servers 1,2,4] [--etas 0,1,2,4,8] [--steps 8] [--quick]
+    python bench/async_sim.py [--servers 1,2,4] [--etas 0,1,2,4,8] [--steps 8] [--inflight] [--quick]
 
 What is real and what is not: every run is `python -m realcore.launch` with the real launcher,
 master, dataflow graph, model workers, generation servers (HTTP API, continuous batching loop,
@@ -134,6 +134,9 @@ def main() -> None:
     p.add_argument("--concurrency", type=float, default=4.0,
                    help="rollout.max_concurrent_rollouts = this x the servers' slots (S x max batch / n_samples groups): "
                    "a group holds its place until its last response ends, so with a long tail 2x left batches part empty")
+    p.add_argument("--inflight", action="store_true",
+                   help="async runs update the servers in flight (rollout.inflight_weight_update): running requests "
+                   "go on with their KV cache instead of being interrupted and resubmitted")
     p.add_argument("--out", default=None, help="keep every run's output folder here (default: a temporary folder)")
     p.add_argument("--quick", action="store_true", help="smoke run: eta 2, 1 server, 2 steps, tiny sizes")
     args = p.parse_args()
@@ -176,12 +179,14 @@ def main() -> None:
                 w = warmup(args, eta)
                 asyn = run("sim-async", args, out, costs,
                            [f"allocation_mode=local.d{s}p1t1+d{args.trainers}p1t1", f"rollout.max_head_offpolicyness={eta}",
-                            f"rollout.max_concurrent_rollouts={max(1, round(args.concurrency * s * args.max_batch / args.n_samples))}"], w)
+                            f"rollout.max_concurrent_rollouts={max(1, round(args.concurrency * s * args.max_batch / args.n_samples))}",
+                            f"rollout.inflight_weight_update={str(args.inflight).lower()}"], w)
                 tp = throughput(asyn, samples, w)
                 busy, batch, refill = server_usage(out, s)
                 trained_len = trained_tokens_per_sample(out)
                 ideal = min(bound(costs, args, s, args.trainers, prompt_len, trained_len))
-                rows.append([f"async, {s} server{'s' if s > 1 else ''} + {args.trainers} trainer, eta {eta}", f"{tp:.2f}",
+                mode = ", in-flight updates" if args.inflight else ""
+                rows.append([f"async, {s} server{'s' if s > 1 else ''} + {args.trainers} trainer, eta {eta}{mode}", f"{tp:.2f}",
                              f"{throughput(asyn, samples, 1):.2f}", f"{ideal:.2f}", f"{tp / ideal:.0%}", f"{tp / sync_tp:.2f}x",
                              f"{mean(asyn, 'time/stream_wait_s', w):.2f}", f"{mean(asyn, 'time/weight_update_s', w):.2f}",
                              f"{mean(asyn, 'staleness/dropped', w):.1f} / {mean(asyn, 'rollout/stale_cancelled', w):.1f}", f"{busy:.0%}, {batch:.1f}, {refill:.2f} s",

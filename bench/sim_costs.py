@@ -134,6 +134,9 @@ class SimGenerationEngine:
     def n_running(self) -> int:
         return len(self._running)
 
+    def output_lengths(self) -> dict[int, int]:
+        return {r.rid: len(r.output_ids) for r in (*self._waiting, *self._running)}
+
     def abort(self, rids: list[int] | None = None) -> list[tuple[int, GenerationResult]]:
         if rids is None and self._running:  # a pause for a weight update: time until the batch is back
             n = len(self._running) + len(self._waiting)

@@ -52,6 +52,35 @@ def test_in_memory_weight_update(tmp_path):
     assert metrics[-1]["version"] == 3 and not os.path.exists(out / "weights")
 
 
+def test_in_flight_weight_updates(tmp_path):
+    """rollout.inflight_weight_update: the servers swap weights under running requests (memory
+    path, no abort). Some trajectories then hold tokens of two versions, in one segment each, and
+    the staleness bound, which counts from a rollout's first token, still holds."""
+    out, metrics = run_async(tmp_path, "rollout.weight_update=memory", "rollout.inflight_weight_update=true",
+                             "rollout.max_head_offpolicyness=1", "generation.max_new_tokens=48", steps=4)
+    assert all(0 <= m["staleness/tail"] <= m["staleness/head"] <= 1 for m in metrics)
+    assert sum(m["staleness/interrupted_frac"] for m in metrics) > 0  # tokens of two versions
+    assert metrics[-1]["version"] == 4
+    for name in os.listdir(out / "logs"):  # no reply was refused (each is read, spans and all)
+        assert "asking for another server" not in (out / "logs" / name).read_text(), name
+    from realcore.system.ledger import audit
+
+    a = audit(str(out), batch_size=4, max_head_offpolicyness=1)
+    assert (a.steps, a.duplicated, a.short_steps, a.over_stale) == (4, 0, [], 0)
+
+
+def test_in_flight_weight_update_needs_built_in_servers(tmp_path):
+    from realcore.launch.config_loader import ConfigError, load_config
+    from realcore.launch.validate import validate
+
+    base = ["experiment=async-ppo-math", "model=tiny", f"model.cache_dir={tmp_path}/cache", f"output_dir={tmp_path}/run",
+            "rollout.inflight_weight_update=true"]
+    for bad in ("rollout.weight_update=nccl", "actor.lora={rank:4}"):
+        with pytest.raises(ConfigError, match="rollout.inflight_weight_update: needs built-in servers"):
+            validate(load_config([*base, bad]))
+    validate(load_config(base))  # disk, built-in servers: accepted
+
+
 @pytest.mark.skipif(__import__("importlib").util.find_spec("sglang") is not None, reason="sglang is installed here")
 def test_missing_engine_is_a_one_line_config_error(tmp_path):
     r = subprocess.run([sys.executable, "-m", "realcore.launch", "experiment=async-ppo-math", "eval.freq_steps=null", "model=tiny",

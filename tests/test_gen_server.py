@@ -341,6 +341,69 @@ def test_updates_with_abort_all_requests_interrupt_without_a_pause(server, model
         torch.testing.assert_close(got[s:], forward(new, PROMPT, traj.output_ids)[s:], atol=1e-4, rtol=0)
 
 
+def test_in_flight_updates_tag_each_token_with_the_version_that_sampled_it(server, models, forward):
+    """Without abort_all_requests (disk, then memory) a running request is not interrupted: it goes
+    on with its KV cache, and the reply names the version of each token (weight_version_spans).
+    Tokens up to the first update are exactly model A's; the first one tagged 1 is not (B's
+    weights sampled it), so the tags mark where the weights changed."""
+    params = {"temperature": 1.0, "ignore_eos": True, "max_new_tokens": 600}
+    state_a = read_hf_weights(models["A"])
+
+    async def fn(client):
+        before = await client.server_info()
+        job = asyncio.ensure_future(generate_resumable(client, PROMPT, params, rid="in-flight"))
+        await wait_until(client, lambda i: i["decode_steps"] >= before["decode_steps"] + 30)
+        await client.update_weights_from_disk(models["B"], "1")
+        mid = await client.server_info()
+        await wait_until(client, lambda i: i["decode_steps"] >= mid["decode_steps"] + 30)
+        await asyncio.to_thread(push_weights, server["weights"], SECRET, "2", state_a, 10)
+        traj = await job
+        await restore_a(client, models)
+        return traj
+
+    traj = drive(server, fn)
+    assert traj.n_segments == 1 and len(traj.output_ids) == 600 and traj.finish_reason == "length"
+    assert (traj.version_start, traj.version_end) == (0, 2)
+    v = traj.output_versions
+    assert v == sorted(v) and set(v) == {0, 1, 2}
+    s1, s2 = v.index(1), v.index(2)
+    assert 30 <= s1 and s1 + 30 <= s2 < 600
+    got, a = torch.tensor(traj.output_logprobs), forward("A", PROMPT, traj.output_ids)
+    torch.testing.assert_close(got[:s1], a[:s1], atol=1e-4, rtol=0)
+    assert abs(float(got[s1] - a[s1])) > 1e-3
+
+
+def test_an_in_flight_update_ends_only_the_requests_started_before_a_version(server, models):
+    """abort_started_before (disk and memory): the requests whose first token came from an older
+    version end (partial output); newer ones go on."""
+    params = {**GREEDY, "max_new_tokens": 400}
+    state_a = read_hf_weights(models["A"])
+
+    async def fn(client):
+        async def started(rid):
+            before = await client.server_info()
+            job = asyncio.ensure_future(client.generate(PROMPT, params, rid=rid))
+            await wait_until(client, lambda i: i["decode_steps"] >= before["decode_steps"] + 10)
+            return job
+
+        old = await started("old")  # first token from version 0
+        await client.update_weights_from_disk(models["B"], "1")
+        new = await started("new")  # from version 1
+        await client.update_weights_from_disk(models["A"], "2", abort_started_before=1)
+        first = await old
+        newer = await started("newer")  # from version 2
+        await asyncio.to_thread(push_weights, server["weights"], SECRET, "3", state_a, 10, abort_started_before=2)
+        second = await new
+        third = await newer
+        await restore_a(client, models)
+        return first, second, third
+
+    old, new, newer = drive(server, fn)
+    assert old.finish_reason == "abort" and 10 <= len(old.output_ids) < 400 and old.token_versions()[0] == 0
+    assert new.finish_reason == "abort" and 10 <= len(new.output_ids) < 400 and set(new.token_versions()) == {1, 2}
+    assert newer.finish_reason == "length" and len(newer.output_ids) == 400 and set(newer.token_versions()) == {2, 3}
+
+
 @pytest.mark.parametrize("eta", [0, 1])
 def test_rollout_worker_stops_a_rollout_the_update_makes_too_stale(server, models, eta):
     """The rollout worker's client against a real server: a request aborted by the update to
@@ -719,3 +782,18 @@ def test_client_deadlines_name_the_url():
             await client.close()
 
     asyncio.run(main())
+
+
+def test_reply_spans_give_each_token_its_version():
+    from realcore.backends.gen_client import parse_generate_reply
+
+    def reply(spans, n=5):
+        meta = {"finish_reason": {"type": "length"}, "weight_version": "2", "weight_version_spans": spans,
+                "output_token_logprobs": [[-1.0, 7, None]] * n}
+        return parse_generate_reply({"output_ids": [7] * n, "meta_info": meta}, return_logprob=True)
+
+    assert reply([[0, "1"], [3, "2"]]).token_versions() == [1, 1, 1, 2, 2]
+    assert reply([[0, "default"]]).token_versions() == [0] * 5
+    for bad in ([], [[1, "1"]], [[0, "1"], [0, "2"]], [[0, "1"], "x"]):
+        with pytest.raises(RuntimeError, match="/generate"):
+            reply(bad)

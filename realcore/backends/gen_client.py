@@ -41,6 +41,21 @@ class GenReply:
     output_logprobs: list[float]  # empty unless return_logprob
     finish_reason: str  # "stop" | "length" | "abort"
     weight_version: str | None  # the server's weight version when the reply was made
+    # (first token index, version) spans, when the server says which version sampled each token
+    # (the built-in server's weight_version_spans: an in-flight update changed the weights under a
+    # running request). None: every token is from weight_version (SGLang, vLLM).
+    version_spans: list[tuple[int, str]] | None = None
+
+    def token_versions(self) -> list[int]:
+        """The version of each output token, as realcore's integer versions."""
+        if self.version_spans is None:
+            return [version_number(self.weight_version)] * len(self.output_ids)
+        n, spans = len(self.output_ids), self.version_spans
+        out: list[int] = []
+        for k, (start, v) in enumerate(spans):
+            end = spans[k + 1][0] if k + 1 < len(spans) else n
+            out += [version_number(v)] * max(0, min(end, n) - start)
+        return out
 
 
 @dataclass
@@ -64,11 +79,15 @@ def parse_generate_reply(data: Any, *, return_logprob: bool) -> GenReply:
         reason = meta["finish_reason"]["type"]
         logprobs = [float(x[0]) for x in meta["output_token_logprobs"]] if return_logprob else []
         version = meta.get("weight_version")
+        spans = meta.get("weight_version_spans")
+        spans = None if spans is None else [(int(i), str(v)) for i, v in spans]
     except (KeyError, TypeError, ValueError, IndexError) as e:
         raise RuntimeError(f"/generate: unexpected answer ({e!r}): {data!r:.300}") from None
     if reason not in FINISH_REASONS or (return_logprob and len(logprobs) != len(ids)):
         raise RuntimeError(f"/generate: finish_reason {reason!r}, {len(logprobs)} log-probs for {len(ids)} tokens")
-    return GenReply(ids, logprobs, reason, None if version is None else str(version))
+    if spans is not None and (not spans or spans[0][0] != 0 or any(a[0] >= b[0] for a, b in zip(spans, spans[1:]))):
+        raise RuntimeError(f"/generate: weight_version_spans {spans!r}: indices must start at 0 and increase")
+    return GenReply(ids, logprobs, reason, None if version is None else str(version), spans)
 
 
 def sampling_params(gconfig) -> dict:
@@ -107,11 +126,14 @@ class GenClient:
         data = await self._request("POST", "/generate", body, self.timeout_s)
         return parse_generate_reply(data, return_logprob=return_logprob)
 
-    async def update_weights_from_disk(self, path: str, version, *, abort_all_requests: bool = False) -> None:
+    async def update_weights_from_disk(self, path: str, version, *, abort_all_requests: bool = False,
+                                       abort_started_before: int | None = None) -> None:
         """Load the HF weights in `path` (a directory the server can read); tag them `version`.
         A LoRA adapter folder (adapter_config.json) is loaded as adapter `lora_name` instead.
         `abort_all_requests` (SGLang's field): running requests end with their output so far as the
-        weights change, without a pause (the built-in server reads the files while it decodes)."""
+        weights change, without a pause (the built-in server reads the files while it decodes).
+        `abort_started_before` (the built-in server's): only those whose first token came from a
+        version below it end."""
         from realcore.backends.lora import LORA_NAME, is_adapter_dir
 
         if is_adapter_dir(path):
@@ -123,6 +145,8 @@ class GenClient:
         body = {"model_path": path, "weight_version": str(version)}
         if abort_all_requests:
             body["abort_all_requests"] = True
+        if abort_started_before is not None:
+            body["abort_started_before"] = int(abort_started_before)
         data = await self._request("POST", "/update_weights_from_disk", body, self.timeout_s)
         if not data.get("success"):
             raise RuntimeError(f"update_weights_from_disk({path!r}) failed: {data.get('message')}")
@@ -267,11 +291,12 @@ async def generate_resumable(
         seg_rid = rid if k == 0 else f"{rid}.{k}"
         reply = await client.generate(prompt_ids + ids, params, rid=seg_rid, return_logprob=True)
         version = version_number(reply.weight_version)
-        if first is None and reply.output_ids:  # an empty segment (queued through an update) generated nothing
-            first = version
+        seg_versions = reply.token_versions()
+        if first is None and seg_versions:  # an empty segment (queued through an update) generated nothing
+            first = seg_versions[0]
         ids += reply.output_ids
         logprobs += reply.output_logprobs
-        versions += [version] * len(reply.output_ids)
+        versions += seg_versions
         reason = reply.finish_reason
         if reason == "abort" and len(ids) >= budget:
             reason = "length"  # interrupted exactly at the end
@@ -283,14 +308,15 @@ async def generate_resumable(
 def push_weights(
     address: str, secret: bytes, version: str, state_dict: dict[str, torch.Tensor], timeout_s: float,
     connect_timeout_s: float = CONTROL_TIMEOUT_S, limits: wire.Limits | None = None, lora: dict | None = None,
-    abort_all_requests: bool = False,
+    abort_all_requests: bool = False, abort_started_before: int | None = None,
 ) -> None:
     """Send weights to a built-in server's in-memory update socket (`on_ready(...)["weights"]`)
     and wait until they are applied. The tensors must stay unchanged until this returns (zero-copy).
     `lora` ({"name", "config": adapter_config.json's fields}): the tensors are a LoRA adapter (PEFT's
     names), which the server loads as /load_lora_adapter would. `abort_all_requests`: the server's
     running requests end (output so far, old version) as the weights change, so it decodes while
-    the tensors travel instead of waiting paused.
+    the tensors travel instead of waiting paused. `abort_started_before`: only the requests whose
+    first token came from a version below it end (an in-flight update's too-stale rollouts).
 
     A server that is gone fails fast instead of at `timeout_s`: ConnectionError when no connection
     is made within `connect_timeout_s`, or when the connection drops before the reply (a socket
@@ -310,7 +336,8 @@ def push_weights(
         sock.connect(address)
         try:
             header = {"version": str(version), "names": names, **({"lora": lora} if lora is not None else {}),
-                      **({"abort_all_requests": True} if abort_all_requests else {})}
+                      **({"abort_all_requests": True} if abort_all_requests else {}),
+                      **({"abort_started_before": int(abort_started_before)} if abort_started_before is not None else {})}
             wire.send(sock, header, tensors, endpoint=endpoint, to=address, zero_copy=True)
         except zmq.Again:
             raise ConnectionError(f"push_weights: no connection to {address} within {connect_timeout_s:g} s") from None

@@ -24,7 +24,8 @@ abort); `retract` holds them and drops their KV cache, so on continue they resum
 prompt + output so far with the weights current then; `in_place` stops decoding and keeps the KV
 cache (a weight update is refused while it holds requests). Requests that arrive while paused
 wait for continue. A weight update without a pause is applied between two decode steps; running
-requests then continue on their old KV cache, and their reply carries the new version (as SGLang).
+requests then continue on their old KV cache, and their reply carries the new version (as SGLang)
+and, per token, the version that sampled it (`weight_version_spans`, realcore's field).
 With `abort_all_requests` (SGLang's field of /update_weights_from_disk) the server reads the files
 while it decodes, then, in one engine step, ends every request (partial output, old version) and
 swaps the weights: the interruption of a pause -> load -> continue without the idle load.
@@ -93,6 +94,9 @@ class _Generate:
     done: Callable[[Any], None]
     adapters: frozenset[str] = frozenset()  # lora_path names asked for: checked on admission, after any pause
     restarted: bool = False  # it was in a failed decode step once and started again
+    # (first output token index, version) from admission on: which version sampled which tokens when
+    # an update lands without aborting the request (it goes on with its KV cache: in-flight update).
+    spans: list[tuple[int, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -119,6 +123,7 @@ class _Weights:
     done: Callable[[Any], None]
     partial: bool = False  # one bucket of a broadcast update: not every parameter
     abort_all: bool = False  # SGLang's abort_all_requests: every request ends (partial output) just before
+    abort_before: int | None = None  # then, requests whose first token's version is below this end (partial output)
 
 
 @dataclass
@@ -178,6 +183,10 @@ def generate_reply(c: _Generate, res: GenerationResult, prompt_tokens: int, vers
         "completion_tokens": len(res.output_ids),
         "weight_version": version,
     }
+    # realcore's extension: the version that sampled each token, as spans [first token index,
+    # version] (several only when an update landed while the request ran; SGLang has no such field)
+    spans = [[i, v] for i, v in c.spans if i < len(res.output_ids)] or [[0, version]]
+    meta["weight_version_spans"] = [sp for k, sp in enumerate(spans) if k == 0 or sp[1] != spans[k - 1][1]]
     if c.return_logprob:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(res.output_logprobs, res.output_ids)]
     return {"text": tokenizer.decode(res.output_ids), "output_ids": res.output_ids, "meta_info": meta}
@@ -326,6 +335,7 @@ class EngineLoop:
         except ValueError as e:  # e.g. longer than the model's context
             c.done(e)
             return
+        c.spans = [(0, self.weight_version)]
         self.erid[c.rid], self.by_erid[erid] = erid, c
 
     def _generate(self, c: _Generate) -> None:
@@ -383,11 +393,28 @@ class EngineLoop:
         self.adapter, self.lora_base = None, {}  # new weights are the new base (an adapter merged in stays)
         if c.version is not None:
             self._set_version(str(c.version))
+        if c.abort_before is not None:
+            self._abort_started_before(c.abort_before)
         c.done({})
+
+    def _abort_started_before(self, version: int) -> None:
+        """End the running requests whose first token came from a version below `version` (an
+        in-flight update made them too stale to be trained; the rollout worker sees the abort and
+        stops). Requests without a token yet, or with versions that are not numbers, go on."""
+        done = self.engine.output_lengths()
+        old = [erid for erid, c in self.by_erid.items()
+               if done.get(erid, 0) > 0 and c.spans[0][1].isdigit() and int(c.spans[0][1]) < version]
+        if old:
+            self._finish(self.engine.abort(old))
 
     def _set_version(self, version: str) -> None:
         if version != self.weight_version:
             log.info("gen_server: now at weight version %s", version)
+            if self.by_erid:  # requests that go on: their next tokens come from `version`
+                done = self.engine.output_lengths()
+                for erid, c in self.by_erid.items():
+                    n = done.get(erid, 0)
+                    c.spans[-1:] = [c.spans[-1], (n, version)] if c.spans[-1][0] < n else [(n, version)]
         self.weight_version = version
 
     def _version(self, c: _Version) -> None:
@@ -480,8 +507,11 @@ class WeightsReceiver:
                 result.set_result(value)
 
         adapter, abort_all = header.get("lora"), header.get("abort_all_requests", False)
+        abort_before = header.get("abort_started_before")
         if not isinstance(abort_all, bool):
             return {"ok": False, "error": "weights: abort_all_requests must be a bool"}
+        if abort_before is not None and (type(abort_before) is not int or abort_before < 0):
+            return {"ok": False, "error": "weights: abort_started_before must be an int >= 0"}
         try:
             if adapter is not None:  # a LoRA adapter's tensors, loaded as /load_lora_adapter would
                 if not isinstance(adapter, dict) or not isinstance(adapter.get("name"), str):
@@ -489,7 +519,8 @@ class WeightsReceiver:
                 config = lora.check_config(adapter.get("config"))
                 self.core.submit(_Adapter(adapter["name"], config, dict(zip(names, tensors)), version, done, abort_all))
             else:
-                self.core.submit(_Weights(dict(zip(names, tensors)), version, done, abort_all=abort_all))
+                self.core.submit(_Weights(dict(zip(names, tensors)), version, done, abort_all=abort_all,
+                                          abort_before=abort_before))
             outcome = result.result(timeout=CONTROL_TIMEOUT_S)
         except (RuntimeError, TimeoutError, ValueError) as e:
             outcome = e
@@ -703,7 +734,8 @@ class Server:
             body = http_schemas.parse(http_schemas.UpdateWeightsFromDiskRequest, await self._read(request),
                                       request.path)
             tensors = await asyncio.to_thread(read_hf_weights, body.model_path)  # off the engine thread: decoding goes on
-            await self._call(lambda done: _Weights(tensors, body.weight_version, done, abort_all=body.abort_all_requests))
+            await self._call(lambda done: _Weights(tensors, body.weight_version, done, abort_all=body.abort_all_requests,
+                                                   abort_before=body.abort_started_before))
         except ValueError as e:  # SGLang's shape for a refused update
             wire.count_dropped("http", "body", f"{request.path}: {one_line(e)[:200]}")
             return web.json_response({"success": False, "message": one_line(e)}, status=400)

@@ -145,6 +145,10 @@ class GenerationEngine:
     def n_running(self) -> int:
         return len(self._running)
 
+    def output_lengths(self) -> dict[int, int]:
+        """Request id -> tokens generated so far, for every unfinished request."""
+        return {r.rid: len(r.output_ids) for r in (*self._waiting, *self._running)}
+
     def abort(self, rids: list[int] | None = None) -> list[tuple[int, GenerationResult]]:
         """End the given requests (None = all) now: partial output, finish_reason "abort".
         Unknown or finished ids are ignored. Call between steps."""

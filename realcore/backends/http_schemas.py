@@ -149,6 +149,9 @@ class UpdateWeightsFromDiskRequest(_Body):
     model_path: str = Field(min_length=1, max_length=4096, description="an HF directory of *.safetensors")
     weight_version: str | None = Field(None, min_length=1, max_length=MAX_RID_CHARS, description="the version the reply carries")
     abort_all_requests: bool = Field(False, description="end every request (partial output) as the weights change")
+    abort_started_before: int | None = Field(
+        None, ge=0, description="realcore's: end (partial output) the running requests whose first token came from "
+        "a version below this, as the weights change (in-flight updates: rollouts too stale to be trained)")
 
 
 class LoadLoRAAdapterRequest(_Body):

@@ -46,7 +46,7 @@ from realcore.system.protocol import (Allocate, AskServerVersion, Exit, Finish, 
                                       Reroute, Rerouted, Resolve, Restore, ServerVersion, Snapshot, Status, Updated,
                                       UpdateWeights)
 from realcore.system.server_stop import stop_server
-from realcore.system.staleness import Admission
+from realcore.system.staleness import Admission, update_mode
 
 log = logging.getLogger("realcore.gserver_manager")
 DROPS_READ_S = 10.0  # how often the built-in servers' dropped-message counts are read
@@ -216,7 +216,7 @@ class GServerManager:
         # its own pause + load + continue, not until the slowest server has loaded.
         async def from_disk(c):
             if self.engine == "local" and self.cfg.actor.lora is None:  # the built-in server: no idle load
-                await c.update_weights_from_disk(msg.path, msg.version, abort_all_requests=True)
+                await c.update_weights_from_disk(msg.path, msg.version, **update_mode(self.cfg, msg.version))
                 return msg.version
             await c.pause("abort")
             try:

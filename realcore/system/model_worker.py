@@ -32,6 +32,7 @@ from realcore.system.protocol import (BroadcastWeights, Clear, Configure, Config
                                       Status)
 from realcore.system import worker_state
 from realcore.system.sampler import EpochSampler
+from realcore.system.staleness import update_mode
 from realcore.system.stream import TrajectoryStream
 
 log = logging.getLogger("realcore.model_worker")
@@ -275,9 +276,11 @@ class ModelWorker:
             for address in msg.servers if self.index == 0 else []:
                 try:  # a server that died is caught up after its restart; the others get the weights now
                     # Not paused: the server decodes while the tensors travel, then ends its running
-                    # requests (rollout workers resubmit them) and swaps in one step.
+                    # requests (rollout workers resubmit them) and swaps in one step; or, in flight,
+                    # swaps under them and ends only those too stale to be trained.
                     push_weights(address, self.control.secret, str(msg.version), state, self.cfg.system.request_timeout_s,
-                                 limits=wire.Limits.of(self.cfg.system), lora=adapter, abort_all_requests=True)
+                                 limits=wire.Limits.of(self.cfg.system), lora=adapter,
+                                 **update_mode(self.cfg, msg.version))
                 except (ConnectionError, TimeoutError) as e:
                     log.warning("weights not pushed to %s: %s", address, e)
                     failed.append(address)

@@ -181,8 +181,9 @@ class RoutedClient:
         # A reply without tokens (a request still queued when an update aborted everything)
         # generated nothing with its version: the rollout's staleness starts at its first token,
         # as the trajectory's version_start does (counting it cancelled trainable rollouts).
-        if reply.output_ids:
-            self.first_version = version if self.first_version is None else min(self.first_version, version)
+        if reply.output_ids:  # per token: an in-flight update may have changed the weights under it
+            first = min(reply.token_versions())
+            self.first_version = first if self.first_version is None else min(self.first_version, first)
         if self.first_version is not None and doomed(
                 self.first_version, version, aborted=reply.finish_reason == "abort",
                 max_head_offpolicyness=w.cfg.rollout.max_head_offpolicyness):

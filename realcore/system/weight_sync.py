@@ -5,8 +5,9 @@ group, NCCL on GPUs and gloo on CPU (nccl: SGLang's /update_weights_from_distrib
 built-in server speaks too; docs/weight-update.md). With a gserver manager (async mode) the
 running requests are interrupted (abort: they return their output so far and are resubmitted):
 a built-in server decodes until the new weights are read or received, then aborts and swaps in
-one step (`abort_all_requests`); SGLang and vLLM servers are paused, updated and continued by the
-manager. Without a manager (sync mode) the servers are idle and rank 0 of the trainer tells them.
+one step (`abort_all_requests`), or, with rollout.inflight_weight_update, swaps under the running
+requests and ends only those too stale to be trained; SGLang and vLLM servers are paused, updated
+and continued by the manager. Without a manager (sync mode) the servers are idle and rank 0 of the trainer tells them.
 
 None keeps recovery state: after a restart the master publishes the current version again
 before any rollout starts (the servers restarted with the initial weights).
