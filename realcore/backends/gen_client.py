@@ -64,7 +64,7 @@ class Trajectory:
 
     output_ids: list[int]
     output_logprobs: list[float]
-    output_versions: list[int]  # per token: the weight version of the segment that produced it
+    output_versions: list[int]  # per token: the weight version that sampled it
     version_start: int  # version of the first token (of the last segment if none)
     version_end: int  # version of the last segment
     finish_reason: str  # "stop" | "length"
