@@ -28,16 +28,23 @@ COMMON = ["model=tiny", "dataset=tiny-arith", "imports=[learn_reward]", "reward.
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("experiment", ["ppo-math", "async-ppo-math"])
+@pytest.mark.parametrize("experiment", ["ppo-math", "async-ppo-math", "async-ppo-math+inflight"])
 def test_ppo_raises_a_learnable_reward(tmp_path, experiment):
     (tmp_path / "learn_reward.py").write_text(REWARD)
     out = str(tmp_path / "run")
     extra = ["rollout.max_head_offpolicyness=1"] if experiment.startswith("async") else []
+    if experiment.endswith("+inflight"):  # weights change under running requests (32 tokens: some span an update)
+        experiment = experiment.removesuffix("+inflight")
+        extra += ["rollout.inflight_weight_update=true", "rollout.weight_update=memory", "generation.max_new_tokens=32"]
     cmd = [sys.executable, "-m", "realcore.launch", f"experiment={experiment}", *COMMON, *extra, f"output_dir={out}",
            f"model.cache_dir={tmp_path}/cache", f"system.name_resolve.root={out}-nr"]
     r = subprocess.run(cmd, cwd=str(tmp_path), capture_output=True, text=True, timeout=500, env={**os.environ, "PYTHONPATH": ""})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    rewards = [json.loads(x)["reward/mean"] for x in open(os.path.join(out, "metrics.jsonl"))]
+    metrics = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
+    rewards = [m["reward/mean"] for m in metrics]
+    if "rollout.inflight_weight_update=true" in extra:  # it learned with tokens of two versions in some samples
+        print("interrupted_frac", [round(m["staleness/interrupted_frac"], 2) for m in metrics])
+        assert sum(m["staleness/interrupted_frac"] for m in metrics) > 0
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     print(experiment, [round(x, 3) for x in rewards])
     assert last > first + 0.15, rewards
