@@ -185,8 +185,7 @@ def generate_reply(c: _Generate, res: GenerationResult, prompt_tokens: int, vers
     }
     # realcore's extension: the version that sampled each token, as spans [first token index,
     # version] (several only when an update landed while the request ran; SGLang has no such field)
-    spans = [[i, v] for i, v in c.spans if i < len(res.output_ids)] or [[0, version]]
-    meta["weight_version_spans"] = [sp for k, sp in enumerate(spans) if k == 0 or sp[1] != spans[k - 1][1]]
+    meta["weight_version_spans"] = [[i, v] for i, v in c.spans if i < len(res.output_ids)] or [[0, version]]
     if c.return_logprob:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(res.output_logprobs, res.output_ids)]
     return {"text": tokenizer.decode(res.output_ids), "output_ids": res.output_ids, "meta_info": meta}

@@ -37,12 +37,6 @@ def is_stale(version_start: int, *, current_version: int, max_head_offpolicyness
     return current_version - version_start > max_head_offpolicyness
 
 
-def oldest_trainable(version: int, *, max_head_offpolicyness: int) -> int:
-    """The oldest first-token version a rollout can have and still be trained by a trainer at
-    `version` or later (what an in-flight update tells a server: end the rest)."""
-    return version - max_head_offpolicyness
-
-
 def update_mode(cfg, version: int) -> dict:
     """How a built-in server takes the weights of `version` in async mode: interrupting every
     running request (`abort_all_requests`), or in flight (rollout.inflight_weight_update), ending
@@ -50,7 +44,8 @@ def update_mode(cfg, version: int) -> dict:
     r = cfg.rollout
     if not r.inflight_weight_update:
         return {"abort_all_requests": True}
-    return {"abort_started_before": max(0, oldest_trainable(version, max_head_offpolicyness=r.max_head_offpolicyness))}
+    # A first token older than version - eta is stale for a trainer at `version` or later (is_stale).
+    return {"abort_started_before": max(0, version - r.max_head_offpolicyness)}
 
 
 def doomed(first_version: int, reply_version: int, *, aborted: bool, max_head_offpolicyness: int) -> bool:
