@@ -16,7 +16,10 @@ the trainer (its fp32 state dict, as the torch engine holds it). Per method:
   pause" rows are how an async run updates built-in servers (`abort_all_requests`): the servers
   read or receive the weights while generating, then abort and swap in one engine step; their
   interrupt is that step's duration (the server's `last_weight_update_s`), their "update s" the
-  whole update while the servers generate.
+  whole update while the servers generate. The "in flight" rows are the same without the abort
+  (rollout.inflight_weight_update): the running requests go on under the new weights with their
+  KV cache, so their interrupt is the swap alone and nothing is prefilled again (checked: no
+  request comes back aborted, and some reply holds tokens of both versions).
 - "in flight at pause": output tokens the pause's abort returned with the partial replies. None is
   lost: an async run's rollout workers resubmit prompt + partial output after the update
   (`generate_resumable`, as AReaL's interruptible generation), so what interruption costs is the
@@ -93,6 +96,7 @@ class Load:
         self.urls, self.stop = urls, threading.Event()
         self.thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
         self.aborted: list[tuple[float, int]] = []  # (when it came back, output tokens) of aborted replies
+        self.spanning: list[float] = []  # when each reply whose tokens came from two or more versions came back
 
     async def _run(self):
         async def keep(client, k):
@@ -105,6 +109,8 @@ class Load:
                     continue
                 if reply.finish_reason == "abort":
                     self.aborted.append((time.perf_counter(), len(reply.output_ids)))
+                if len(set(reply.token_versions())) > 1:
+                    self.spanning.append(time.perf_counter())
 
         await on_all(self.urls, lambda c: asyncio.gather(*(keep(c, k) for k in range(LOAD_REQUESTS))))
 
@@ -132,20 +138,26 @@ def interrupted(urls: list[str], update) -> tuple[float, int, int]:
     return t1 - t0, sum(partial), sum(len(Load.PROMPT) + n for n in partial)
 
 
-def interrupted_no_pause(urls: list[str], update) -> tuple[float, float, int, int]:
+def interrupted_no_pause(urls: list[str], update, inflight: bool = False) -> tuple[float, float, int, int]:
     """(seconds of the whole `update()`, the longest engine-thread stall of a server (abort + swap,
     from its server info), output tokens the abort returned, tokens to prefill again), with the
-    servers generating: the async path of built-in servers (abort_all_requests, no pause)."""
+    servers generating: the async path of built-in servers (abort_all_requests, no pause).
+    `inflight`: the update aborts nothing (rollout.inflight_weight_update); checked: no request
+    came back aborted, and the running ones went on under the new version."""
     with Load(urls) as load:
         t0 = time.perf_counter()
         update()
         t1 = time.perf_counter()
         # The aborted replies reach the load's thread just after the update returns: wait for them
         # (the load's own aborts at the end of this block come later and are not counted).
-        while not any(t >= t0 for t, _ in load.aborted) and time.perf_counter() < t1 + 5.0:
+        while not any(t >= t0 for t, _ in load.aborted) and time.perf_counter() < t1 + 5.0 and not inflight:
             time.sleep(0.01)
         time.sleep(0.1)  # the other requests' and servers' replies
         t2 = time.perf_counter()
+    # In flight, the load's replies finish later (up to 512 tokens): the ones running at the update
+    # came back at the end of this block, with the tokens of both versions.
+    if inflight and (any(t >= t0 for t, _ in load.aborted if t <= t2) or not any(t >= t0 for t in load.spanning)):
+        raise RuntimeError("in-flight update: a request was aborted, or none went on under the new version")
     stall = max(i["last_weight_update_s"] for i in asyncio.run(on_all(urls, lambda c: c.server_info())))
     partial = [n for t, n in load.aborted if t0 <= t <= t2]
     return t1 - t0, stall, sum(partial), sum(len(Load.PROMPT) + n for n in partial)
@@ -181,16 +193,21 @@ def bench(path: str, n_servers: int, repeats: int, bucket_mb: float) -> tuple[li
         def disk_load(out, v, abort_all=False):
             asyncio.run(on_all(urls, lambda c: c.update_weights_from_disk(out, v, abort_all_requests=abort_all)))
 
-        def no_pause_row(method: str, prepare, note: str) -> None:
+        def no_pause_row(method: str, prepare, note: str, inflight: bool = False) -> None:
             """`prepare(v)()` `repeats` times while the servers generate (`prepare` runs before)."""
             nonlocal version
             runs = []
             for _ in range(repeats):
                 version += 1
-                runs.append(interrupted_no_pause(urls, prepare(version)))
+                runs.append(interrupted_no_pause(urls, prepare(version), inflight))
             assert versions(urls) == [str(version)] * n_servers
-            rows.append(_row(f"{method}, no pause (abort_all_requests: async runs)", [r[0] for r in runs],
-                             [r[1:] for r in runs], f"update s: {note} while generating; interrupt: the engine's abort + swap"))
+            if inflight:
+                rows.append(_row(f"{method}, in flight (rollout.inflight_weight_update)", [r[0] for r in runs],
+                                 [r[1:] for r in runs], f"update s: {note} while generating; interrupt: the engine's "
+                                 "swap, running requests go on with their KV cache"))
+            else:
+                rows.append(_row(f"{method}, no pause (abort_all_requests: async runs)", [r[0] for r in runs],
+                                 [r[1:] for r in runs], f"update s: {note} while generating; interrupt: the engine's abort + swap"))
 
         upd, intr = [], []
         for _ in range(repeats):
@@ -205,6 +222,7 @@ def bench(path: str, n_servers: int, repeats: int, bucket_mb: float) -> tuple[li
         rows.append(_row("disk (safetensors)", upd, intr))
 
         no_pause_row("disk", lambda v: functools.partial(disk_load, write(v), v, True), "the load")
+        no_pause_row("disk", lambda v: functools.partial(disk_load, write(v), v), "the load", inflight=True)
 
         # memory: pushed over the authenticated wire to every server's update socket
         def push(v, abort_all=False):
@@ -223,6 +241,7 @@ def bench(path: str, n_servers: int, repeats: int, bucket_mb: float) -> tuple[li
         rows.append(_row("memory (MAC'd wire)", upd, intr))
 
         no_pause_row("memory", lambda v: functools.partial(push, v, True), "the pushes")
+        no_pause_row("memory", lambda v: functools.partial(push, v), "the pushes", inflight=True)
 
         # broadcast: rollout.weight_update=nccl's protocol over gloo
         cfg = SimpleNamespace(
