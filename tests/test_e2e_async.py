@@ -52,19 +52,24 @@ def test_in_memory_weight_update(tmp_path):
     assert metrics[-1]["version"] == 3 and not os.path.exists(out / "weights")
 
 
-def test_in_flight_weight_updates(tmp_path):
-    """rollout.inflight_weight_update: the servers swap weights under running requests (memory
-    path, no abort). Some trajectories then hold tokens of two versions, in one segment each, and
-    the staleness bound, which counts from a rollout's first token, still holds."""
-    out, metrics = run_async(tmp_path, "rollout.weight_update=memory", "rollout.inflight_weight_update=true",
+@pytest.mark.parametrize("update", ["memory", "nccl"])
+def test_in_flight_weight_updates(tmp_path, update):
+    """rollout.inflight_weight_update: the servers swap weights under running requests (no abort;
+    nccl: they hold their requests while the buckets arrive, gloo here). Some trajectories then hold
+    tokens of two versions, in one segment each, and the staleness bound, which counts from a
+    rollout's first token, still holds."""
+    out, metrics = run_async(tmp_path, f"rollout.weight_update={update}", "rollout.inflight_weight_update=true",
                              "rollout.max_head_offpolicyness=1", "generation.max_new_tokens=128", steps=4)
     assert all(0 <= m["staleness/tail"] <= m["staleness/head"] <= 1 for m in metrics)
     # Tokens of two versions: the rollouts of batch 3 run while version 2 lands (admitted at
     # version 1 with eta 1; responses long enough to outlast the update).
     assert sum(m["staleness/interrupted_frac"] for m in metrics) > 0
     assert metrics[-1]["version"] == 4
-    for name in os.listdir(out / "logs"):  # no reply was refused (each is read, spans and all)
-        assert "asking for another server" not in (out / "logs" / name).read_text(), name
+    logs = {name: (out / "logs" / name).read_text() for name in os.listdir(out / "logs")}
+    for name, text in logs.items():  # no reply was refused (each is read, spans and all)
+        assert "asking for another server" not in text, name
+    # Requests ran across an update, not aborted by it (nccl: held while the buckets arrived).
+    assert any("running requests go on under it" in t for n, t in logs.items() if n.startswith("gen_server")), logs.keys()
     from realcore.system.ledger import audit
 
     a = audit(str(out), batch_size=4, max_head_offpolicyness=1)
@@ -77,10 +82,10 @@ def test_in_flight_weight_update_needs_built_in_servers(tmp_path):
 
     base = ["experiment=async-ppo-math", "model=tiny", f"model.cache_dir={tmp_path}/cache", f"output_dir={tmp_path}/run",
             "rollout.inflight_weight_update=true"]
-    for bad in ("rollout.weight_update=nccl", "actor.lora={rank:4}"):
-        with pytest.raises(ConfigError, match="rollout.inflight_weight_update: needs built-in servers"):
-            validate(load_config([*base, bad]))
-    validate(load_config(base))  # disk, built-in servers: accepted
+    with pytest.raises(ConfigError, match="rollout.inflight_weight_update: needs built-in servers"):
+        validate(load_config([*base, "actor.lora={rank:4}"]))
+    for update in ("disk", "memory", "nccl"):  # built-in servers: accepted
+        validate(load_config([*base, f"rollout.weight_update={update}"]))
 
 
 @pytest.mark.skipif(__import__("importlib").util.find_spec("sglang") is not None, reason="sglang is installed here")

@@ -21,7 +21,7 @@ from realcore.backends import weight_group
 from realcore.backends.gen_client import GenClient
 from realcore.backends.generation import read_hf_weights
 from realcore.system.weight_broadcast import WeightSender
-from test_gen_server import _make_model
+from test_gen_server import _make_model, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 TOKEN = "test-token"
@@ -127,6 +127,48 @@ def test_servers_receive_a_bucketed_broadcast_and_generate_with_it(servers, mode
     # A second update reuses the group (same members): no new group is built.
     assert s.send(read_hf_weights(models["A"]), 3, urls) == [] and s.n_groups == 1
     assert greedy(urls[0]).output_ids == before.output_ids
+
+
+def test_a_held_server_takes_a_broadcast_under_its_running_requests(servers, models):
+    """In flight over a broadcast (rollout.inflight_weight_update with nccl): the server holds its
+    requests (pause `hold`), no decode step runs while the buckets arrive, and on continue the
+    running request goes on with its KV cache under the new version, not aborted; the last bucket's
+    abort_started_before ends only the requests that started before it."""
+    url = servers.start()
+    s = sender()
+    params = {**GREEDY, "max_new_tokens": 400}
+
+    async def fn(client):
+        async def started(rid):
+            before = await client.server_info()
+            job = asyncio.ensure_future(client.generate(PROMPT, params, rid=rid))
+            await wait_until(client, lambda i: i["decode_steps"] >= before["decode_steps"] + 10)
+            return job
+
+        async def held_update(state, version, cut=None):
+            await client.pause("hold")
+            steps = (await client.server_info())["decode_steps"]
+            assert await asyncio.to_thread(s.send, state, version, [url], abort_started_before=cut) == []
+            held = await client.server_info()
+            await client.resume()
+            return held["decode_steps"] - steps, held["num_running_reqs"]
+
+        old = await started("old")  # first token from version 0
+        first = await held_update(read_hf_weights(models["B"]), 1)
+        new = await started("new")  # from version 1
+        second = await held_update(read_hf_weights(models["A"]), 2, cut=1)  # ends "old" only
+        return first, second, await old, await new
+
+    first, second, old, new = call(url, fn)
+    assert len(weight_group.buckets(read_hf_weights(models["A"]), s.bucket_bytes)) > 3  # many buckets
+    # No decode step between the buckets; the requests held through the update, not aborted (the
+    # second's cut ended "old" as its last bucket landed).
+    assert first == (0, 1) and second == (0, 1)
+    v = old.token_versions()  # one request across the first update: its tokens of both versions
+    assert old.finish_reason == "abort" and 20 <= len(old.output_ids) < 400
+    assert v == sorted(v) and set(v) == {0, 1} and v.count(0) >= 10
+    w = new.token_versions()
+    assert new.finish_reason == "length" and len(new.output_ids) == 400 and w == sorted(w) and set(w) == {1, 2}
 
 
 def test_a_restarted_server_rejoins_and_a_dead_one_is_left_out(servers, models):

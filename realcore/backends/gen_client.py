@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # the manager uses this module and never makes a tensor
 
 CONTROL_TIMEOUT_S = 30.0
 FINISH_REASONS = ("stop", "length", "abort")
-PAUSE_MODES = ("abort", "retract", "in_place")
+PAUSE_MODES = ("abort", "retract", "in_place", "hold")  # http_schemas' (which imports torch)
 
 
 @dataclass
@@ -184,12 +184,17 @@ class GenClient:
         await self._post_ok("/init_weights_update_group", body, f"init_weights_update_group({group_name!r})")
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                              group_name: str, version=None, flush_cache: bool = True) -> None:
+                                              group_name: str, version=None, flush_cache: bool = True,
+                                              abort_started_before: int | None = None) -> None:
         """Receive one bucket that rank 0 of `group_name` broadcasts now, tensor by tensor in this
-        order; `version` (send it with the last bucket) becomes the server's weight version."""
+        order; `version` (send it with the last bucket) becomes the server's weight version, and
+        `abort_started_before` (the built-in server's, with the last bucket too) ends the running
+        requests whose first token came from an older version (as in update_weights_from_disk)."""
         body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name, "flush_cache": flush_cache}
         if version is not None:
             body["weight_version"] = str(version)
+        if abort_started_before is not None:
+            body["abort_started_before"] = int(abort_started_before)
         await self._post_ok("/update_weights_from_distributed", body, f"update_weights_from_distributed({group_name!r})")
 
     async def begin_weight_update(self) -> None:

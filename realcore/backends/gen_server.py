@@ -22,8 +22,10 @@ thread fails the request(s) at fault (500), never the thread, which goes on serv
 Pause modes (SGLang's): `abort` returns every running request now (partial output, finish_reason
 abort); `retract` holds them and drops their KV cache, so on continue they resume from
 prompt + output so far with the weights current then; `in_place` stops decoding and keeps the KV
-cache (a weight update is refused while it holds requests). Requests that arrive while paused
-wait for continue. A weight update without a pause is applied between two decode steps; running
+cache (a weight update is refused while it holds requests). `hold` (realcore's, not SGLang's) is
+`in_place` that takes weight updates: the in-flight update of a bucketed broadcast, where no
+decode step may run between two buckets (rollout.inflight_weight_update with weight_update=nccl).
+Requests that arrive while paused wait for continue. A weight update without a pause is applied between two decode steps; running
 requests then continue on their old KV cache, and their reply carries the new version (as SGLang)
 and, per token, the version that sampled it (`weight_version_spans`, realcore's field).
 With `abort_all_requests` (SGLang's field of /update_weights_from_disk) the server reads the files
@@ -408,7 +410,8 @@ class EngineLoop:
 
     def _set_version(self, version: str) -> None:
         if version != self.weight_version:
-            log.info("gen_server: now at weight version %s", version)
+            going_on = f" ({len(self.by_erid)} running requests go on under it)" if self.by_erid else ""
+            log.info("gen_server: now at weight version %s%s", version, going_on)
             if self.by_erid:  # requests that go on: their next tokens come from `version`
                 done = self.engine.output_lengths()
                 for erid, c in self.by_erid.items():
@@ -823,7 +826,8 @@ class Server:
                 if self.groups.get(body.group_name) is group:
                     self.groups.pop(body.group_name).close()
                 raise ValueError(f"the broadcast failed ({one_line(e)}); group {body.group_name!r} dropped") from None
-            await self._call(lambda done: _Weights(dict(zip(body.names, tensors)), body.weight_version, done, partial=True))
+            await self._call(lambda done: _Weights(dict(zip(body.names, tensors)), body.weight_version, done, partial=True,
+                                                   abort_before=body.abort_started_before))
         except ValueError as e:  # SGLang's shape for a refused update
             wire.count_dropped("http", "body", f"{request.path}: {one_line(e)[:200]}")
             return web.json_response({"success": False, "message": one_line(e)}, status=400)

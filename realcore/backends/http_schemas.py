@@ -39,7 +39,7 @@ TOP_K_ALL = 1 << 30  # SGLang's "no top-k"; -1 (SGLang) and 0 (realcore) mean th
 MAX_TEMPERATURE = 100.0  # SGLang has no upper bound; far above any use, and finite
 MAX_RID_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
-PAUSE_MODES = ("abort", "retract", "in_place")
+PAUSE_MODES = ("abort", "retract", "in_place", "hold")  # hold: realcore's (gen_server's docstring)
 MAX_CHOICES = 16  # OpenAI's `n`
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
@@ -213,6 +213,8 @@ class UpdateWeightsFromDistributedRequest(_Body):
     abort_all_requests: bool = False
     torch_empty_cache: bool = False
     weight_version: str | None = Field(None, min_length=1, max_length=MAX_RID_CHARS, description="the version replies carry from now on")
+    abort_started_before: int | None = Field(
+        None, ge=0, description="realcore's, as in /update_weights_from_disk (send it with the last bucket)")
     load_format: None = None
 
     @model_validator(mode="after")
@@ -241,7 +243,7 @@ class EndWeightUpdateRequest(_Body):
 
 
 class PauseGenerationRequest(_Body):
-    mode: Literal["abort", "retract", "in_place"] = "abort"
+    mode: Literal["abort", "retract", "in_place", "hold"] = "abort"  # hold: realcore's, built-in server only
 
 
 class ContinueGenerationRequest(_Body):

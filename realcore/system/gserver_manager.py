@@ -197,10 +197,13 @@ class GServerManager:
         self.admission.resolve(msg.trained, msg.dropped)
 
     def pause(self, msg: Pause) -> None:
-        """Interrupt every ready server (running requests return; new ones wait) before an in-memory push."""
+        """Interrupt every ready server (running requests return; new ones wait) before a broadcast;
+        in flight (rollout.inflight_weight_update, built-in servers) only stop their decoding, the
+        requests kept with their KV cache (`hold`), so that no step runs between two buckets."""
+        mode = "hold" if self.cfg.rollout.inflight_weight_update else "abort"
         with self.lock:
             targets = list(self._ready())
-        self._on(targets, lambda c: c.pause("abort"))
+        self._on(targets, lambda c: c.pause(mode))
 
     def update_weights(self, msg: UpdateWeights) -> Updated:
         """Disk: pause, load `path`, continue. In memory (`path` None): the trainer has pushed the

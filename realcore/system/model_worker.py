@@ -306,7 +306,9 @@ class ModelWorker:
             from realcore.system.weight_broadcast import WeightSender
 
             self.sender = WeightSender(self.cfg, engine=self.alloc.backend, tp=self.alloc.gen.world_size // self.alloc.gen.dp)  # ranks per server
-        failed = self.sender.send(state, msg.version, msg.servers)
+        # In flight (the servers hold their requests, paused): the last bucket ends the stale ones.
+        cut = update_mode(self.cfg, msg.version).get("abort_started_before")
+        failed = self.sender.send(state, msg.version, msg.servers, abort_started_before=cut)
         if failed:
             log.warning("weights v%d not broadcast to %s", msg.version, ", ".join(failed))
         return Published(failed)

@@ -65,11 +65,13 @@ class WeightSender:
         self.tag = f"{os.getpid()}-{secrets.token_hex(3)}"  # group names are unique per process and sender
         self.stats: dict[str, float] = {}  # of the last send: seconds to (re)build the group, to broadcast
 
-    def send(self, state: dict[str, torch.Tensor], version: int, servers: list[str]) -> list[str]:
-        """Broadcast `state` to `servers` (http addresses) as `version`; the servers not updated."""
-        return asyncio.run(self._send(state, version, list(servers)))
+    def send(self, state: dict[str, torch.Tensor], version: int, servers: list[str], *,
+             abort_started_before: int | None = None) -> list[str]:
+        """Broadcast `state` to `servers` (http addresses) as `version`; the servers not updated.
+        `abort_started_before` goes with the last bucket (built-in servers, in-flight updates)."""
+        return asyncio.run(self._send(state, version, list(servers), abort_started_before))
 
-    async def _send(self, state, version: int, servers: list[str]) -> list[str]:
+    async def _send(self, state, version: int, servers: list[str], abort_started_before: int | None) -> list[str]:
         # The current members too: a group they leave is destroyed on them.
         clients = {u: client_for(self.engine, u, token=self.token, timeout_s=self.http_timeout_s)
                    for u in dict.fromkeys([*servers, *self.members])}
@@ -85,7 +87,7 @@ class WeightSender:
                 join_s += loop.time() - t1
                 if self.group is None:
                     break
-                updated = await self._broadcast(clients, state, version)
+                updated = await self._broadcast(clients, state, version, abort_started_before)
                 if updated:
                     break
             self.stats = {"join_s": join_s, "broadcast_s": loop.time() - t0 - join_s}
@@ -149,7 +151,8 @@ class WeightSender:
         log.info("weight-update group %s: %d servers, %s", name, len(clients), self.backend)
         return list(clients)
 
-    async def _broadcast(self, clients: dict, state: dict[str, torch.Tensor], version: int) -> list[str]:
+    async def _broadcast(self, clients: dict, state: dict[str, torch.Tensor], version: int,
+                         abort_started_before: int | None = None) -> list[str]:
         """Every bucket to every member; the version goes with the last. On any failure the
         update stops and the group is dropped: the servers then hold a partial update under their
         old version, and are caught up (the manager lists them as behind)."""
@@ -166,7 +169,8 @@ class WeightSender:
             dtypes = [weight_group.dtype_name(t.dtype) for t in tensors]
             shapes = [list(t.shape) for t in tensors]
             last = i == len(order) - 1
-            calls = [c.update_weights_from_distributed(names, dtypes, shapes, self.group_name, version if last else None)
+            extra = {"abort_started_before": abort_started_before} if last and abort_started_before is not None else {}
+            calls = [c.update_weights_from_distributed(names, dtypes, shapes, self.group_name, version if last else None, **extra)
                      for c in members.values()]
             try:
                 await _all_or_first_failure([weight_group.in_thread(weight_group.send, self.group, tensors, self.timeout), *calls],

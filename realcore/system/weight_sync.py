@@ -108,7 +108,7 @@ class CollectiveWeights(MemoryWeights):
     next update a group of all again (realcore.system.weight_broadcast)."""
 
     ADDRESS = "http"
-    PAUSE_FIRST = True  # SGLang's servers are paused (abort) before the broadcast, as before
+    PAUSE_FIRST = True  # paused before the broadcast: abort, or hold in flight (the manager's pause)
 
     def message(self, version: int, servers: list[str]):
         return BroadcastWeights(version, servers)
