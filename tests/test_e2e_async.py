@@ -52,13 +52,16 @@ def test_in_memory_weight_update(tmp_path):
     assert metrics[-1]["version"] == 3 and not os.path.exists(out / "weights")
 
 
-@pytest.mark.parametrize("update", ["memory", "nccl"])
+@pytest.mark.parametrize("update", ["memory", "nccl", "disk+lora", "memory+lora"])
 def test_in_flight_weight_updates(tmp_path, update):
     """rollout.inflight_weight_update: the servers swap weights under running requests (no abort;
-    nccl: they hold their requests while the buckets arrive, gloo here). Some trajectories then hold
-    tokens of two versions, in one segment each, and the staleness bound, which counts from a
-    rollout's first token, still holds."""
-    out, metrics = run_async(tmp_path, f"rollout.weight_update={update}", "rollout.inflight_weight_update=true",
+    nccl: they hold their requests while the buckets arrive, gloo here; a LoRA adapter from disk:
+    held through its unload + load + version). Some trajectories then hold tokens of two versions,
+    in one segment each, and the staleness bound, which counts from a rollout's first token, still
+    holds."""
+    how, _, lora = update.partition("+")
+    extra = ["actor.lora={rank:4,alpha:8}"] if lora else []
+    out, metrics = run_async(tmp_path, f"rollout.weight_update={how}", *extra, "rollout.inflight_weight_update=true",
                              "rollout.max_head_offpolicyness=1", "generation.max_new_tokens=128", steps=4)
     assert all(0 <= m["staleness/tail"] <= m["staleness/head"] <= 1 for m in metrics)
     # Tokens of two versions: the rollouts of batch 3 run while version 2 lands (admitted at
@@ -76,16 +79,19 @@ def test_in_flight_weight_updates(tmp_path, update):
     assert (a.steps, a.duplicated, a.short_steps, a.over_stale) == (4, 0, [], 0)
 
 
-def test_in_flight_weight_update_needs_built_in_servers(tmp_path):
+def test_in_flight_weight_update_needs_built_in_servers(tmp_path, monkeypatch):
+    from realcore.backends import server_launch
     from realcore.launch.config_loader import ConfigError, load_config
     from realcore.launch.validate import validate
 
     base = ["experiment=async-ppo-math", "model=tiny", f"model.cache_dir={tmp_path}/cache", f"output_dir={tmp_path}/run",
             "rollout.inflight_weight_update=true"]
+    monkeypatch.setattr(server_launch, "engine_available", lambda *a: None)  # as if SGLang were installed
     with pytest.raises(ConfigError, match="rollout.inflight_weight_update: needs built-in servers"):
-        validate(load_config([*base, "actor.lora={rank:4}"]))
-    for update in ("disk", "memory", "nccl"):  # built-in servers: accepted
+        validate(load_config([*base, "allocation_mode=sglang.d1p1t1+d1p1t1"]))
+    for update in ("disk", "memory", "nccl"):  # built-in servers: accepted, with LoRA too
         validate(load_config([*base, f"rollout.weight_update={update}"]))
+        validate(load_config([*base, f"rollout.weight_update={update}", "actor.lora={rank:4}"]))
 
 
 @pytest.mark.skipif(__import__("importlib").util.find_spec("sglang") is not None, reason="sglang is installed here")

@@ -373,6 +373,32 @@ def test_in_flight_updates_tag_each_token_with_the_version_that_sampled_it(serve
     assert abs(float(got[s1] - a[s1])) > 1e-3
 
 
+def test_a_version_update_ends_only_the_requests_started_before_a_version(server, models):
+    """abort_started_before on /update_weight_version (how an in-flight LoRA update from disk sets
+    its version, after the adapter's load): as on a weight update, only older requests end."""
+    params = {**GREEDY, "max_new_tokens": 400}
+
+    async def fn(client):
+        async def started(rid):
+            before = await client.server_info()
+            job = asyncio.ensure_future(client.generate(PROMPT, params, rid=rid))
+            await wait_until(client, lambda i: i["decode_steps"] >= before["decode_steps"] + 10)
+            return job
+
+        url = server["http"] + "/update_weight_version"
+        old = await started("old")  # first token from version 0
+        assert (await post(url, {"new_version": "1", "abort_all_requests": False}))[0] == 200
+        new = await started("new")  # from version 1
+        assert (await post(url, {"new_version": "2", "abort_all_requests": False, "abort_started_before": 1}))[0] == 200
+        first, second = await old, await new
+        await restore_a(client, models)
+        return first, second
+
+    old, new = drive(server, fn)
+    assert old.finish_reason == "abort" and set(old.token_versions()) == {0, 1} and len(old.output_ids) < 400
+    assert new.finish_reason == "length" and len(new.output_ids) == 400 and set(new.token_versions()) == {1, 2}
+
+
 def test_an_in_flight_update_ends_only_the_requests_started_before_a_version(server, models):
     """abort_started_before (disk and memory): the requests whose first token came from an older
     version end (partial output); newer ones go on."""

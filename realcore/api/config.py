@@ -238,8 +238,8 @@ class RolloutConfig(_Strict):
         "the authenticated wire (built-in servers); nccl: a bucketed broadcast from trainer rank 0 over a weight-update "
         "group (SGLang's /init_weights_update_group + /update_weights_from_distributed; NCCL with CUDA, gloo without)")
     inflight_weight_update: bool = Field(
-        False, description="built-in servers (local.*), no LoRA: a weight update lands between two decode steps (nccl: "
-        "the servers hold their requests while the buckets arrive) and the running requests go on with the KV cache of "
+        False, description="built-in servers (local.*): a weight update lands between two decode steps (nccl, and a "
+        "LoRA adapter from disk: the servers hold their requests while it arrives) and the running requests go on with the KV cache of "
         "the older weights, each token "
         "tagged with the version that sampled it (PipelineRL's in-flight update; staleness still counts from a rollout's "
         "first token). False: they end and are resubmitted, their prefix recomputed with the new weights (AReaL's)")

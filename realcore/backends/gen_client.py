@@ -140,7 +140,7 @@ class GenClient:
             if abort_all_requests:
                 raise ValueError(f"update_weights_from_disk({path!r}): abort_all_requests with a LoRA adapter; "
                                  "pause the server instead")
-            await self.load_lora_adapter(self.lora_name or LORA_NAME, path, version)
+            await self.load_lora_adapter(self.lora_name or LORA_NAME, path, version, abort_started_before)
             return
         body = {"model_path": path, "weight_version": str(version)}
         if abort_all_requests:
@@ -151,10 +151,11 @@ class GenClient:
         if not data.get("success"):
             raise RuntimeError(f"update_weights_from_disk({path!r}) failed: {data.get('message')}")
 
-    async def load_lora_adapter(self, name: str, path: str, version=None) -> None:
+    async def load_lora_adapter(self, name: str, path: str, version=None, abort_started_before: int | None = None) -> None:
         """SGLang's /load_lora_adapter, after /unload_lora_adapter of the same name (SGLang refuses
         to load a name twice; an unload of a name not loaded fails and is ignored); then, as a
-        LoRA load carries no version, /update_weight_version to `version` (if given)."""
+        LoRA load carries no version, /update_weight_version to `version` (if given), with
+        `abort_started_before` (the built-in server's, as in update_weights_from_disk)."""
         try:
             await self._request("POST", "/unload_lora_adapter", {"lora_name": name}, self.timeout_s)
         except RuntimeError:  # not loaded (the first update, or a restarted server)
@@ -162,8 +163,10 @@ class GenClient:
         body = {"lora_name": name, "lora_path": path}
         await self._post_ok("/load_lora_adapter", body, f"load_lora_adapter({name!r}, {path!r})", "error_message")
         if version is not None:  # the manager paused the server already: nothing in flight to abort
-            await self._post_ok("/update_weight_version", {"new_version": str(version), "abort_all_requests": False},
-                                f"update_weight_version({version!r})")
+            body = {"new_version": str(version), "abort_all_requests": False}
+            if abort_started_before is not None:  # in flight: the held requests too stale to be trained end
+                body["abort_started_before"] = int(abort_started_before)
+            await self._post_ok("/update_weight_version", body, f"update_weight_version({version!r})")
 
     async def _post_ok(self, path: str, body: dict, what: str, message_key: str = "message") -> None:
         """POST `body`; RuntimeError naming `what` unless the server answers success (SGLang's reply form)."""

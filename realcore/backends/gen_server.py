@@ -138,6 +138,7 @@ class _Adapter:
     version: str | None
     done: Callable[[Any], None]
     abort_all: bool = False
+    abort_before: int | None = None  # as _Weights'
 
 
 @dataclass
@@ -146,6 +147,7 @@ class _Version:
 
     version: str
     done: Callable[[Any], None]
+    abort_before: int | None = None  # as _Weights'
 
 
 @dataclass
@@ -421,6 +423,8 @@ class EngineLoop:
 
     def _version(self, c: _Version) -> None:
         self._set_version(c.version)
+        if c.abort_before is not None:
+            self._abort_started_before(c.abort_before)
         c.done({})
 
     def _adapter(self, c: _Adapter) -> None:
@@ -450,6 +454,8 @@ class EngineLoop:
         self.adapter, self.lora_base = c.name, base
         if c.version is not None:
             self._set_version(str(c.version))
+        if c.abort_before is not None:
+            self._abort_started_before(c.abort_before)
         log.info("gen_server: LoRA adapter %r merged into %d weights (version %s)", c.name, len(merged), self.weight_version)
         c.done({})
 
@@ -519,7 +525,8 @@ class WeightsReceiver:
                 if not isinstance(adapter, dict) or not isinstance(adapter.get("name"), str):
                     return {"ok": False, "error": "weights: lora needs a name (str) and a config"}
                 config = lora.check_config(adapter.get("config"))
-                self.core.submit(_Adapter(adapter["name"], config, dict(zip(names, tensors)), version, done, abort_all))
+                self.core.submit(_Adapter(adapter["name"], config, dict(zip(names, tensors)), version, done, abort_all,
+                                          abort_before))
             else:
                 self.core.submit(_Weights(dict(zip(names, tensors)), version, done, abort_all=abort_all,
                                           abort_before=abort_before))
@@ -763,7 +770,7 @@ class Server:
         body = http_schemas.parse(http_schemas.UpdateWeightVersionRequest, await self._read(request), request.path)
         if body.abort_all_requests:
             await self._call(lambda done: _Abort(None, done))
-        await self._call(lambda done: _Version(body.new_version, done))
+        await self._call(lambda done: _Version(body.new_version, done, body.abort_started_before))
         return web.json_response({"success": True, "message": f"Weight version updated to {body.new_version}",
                                   "new_version": body.new_version})
 

@@ -169,6 +169,8 @@ class UpdateWeightVersionRequest(_Body):
 
     new_version: str = Field(min_length=1, max_length=MAX_RID_CHARS)
     abort_all_requests: bool = True  # SGLang's default
+    abort_started_before: int | None = Field(
+        None, ge=0, description="realcore's, as in /update_weights_from_disk (an in-flight LoRA update)")
 
 
 class UnloadLoRAAdapterRequest(_Body):

@@ -202,8 +202,8 @@ def check_generation_servers(cfg: ExperimentConfig, alloc: AllocationMode) -> No
         raise ConfigError(f"allocation_mode: {missing}")
     if alloc.backend != "local" and cfg.rollout.weight_update == "memory":
         raise ConfigError("rollout.weight_update: memory works with built-in servers only (allocation_mode local.*)")
-    if cfg.rollout.inflight_weight_update and (alloc.backend != "local" or cfg.actor.lora is not None):
-        raise ConfigError("rollout.inflight_weight_update: needs built-in servers (local.*), without LoRA")
+    if cfg.rollout.inflight_weight_update and alloc.backend != "local":
+        raise ConfigError("rollout.inflight_weight_update: needs built-in servers (local.*)")
     if alloc.backend == "vllm" and cfg.actor.lora is not None:
         raise ConfigError("actor.lora: LoRA runs serve the adapter on built-in or SGLang servers (vLLM's adapter "
                           "loading is not wired); use local.* or sglang.*")

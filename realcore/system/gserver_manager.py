@@ -221,9 +221,14 @@ class GServerManager:
             if self.engine == "local" and self.cfg.actor.lora is None:  # the built-in server: no idle load
                 await c.update_weights_from_disk(msg.path, msg.version, **update_mode(self.cfg, msg.version))
                 return msg.version
-            await c.pause("abort")
+            if self.cfg.rollout.inflight_weight_update:  # a LoRA adapter: unload + load + version, held
+                await c.pause("hold")
+                update = update_mode(self.cfg, msg.version)
+            else:
+                await c.pause("abort")
+                update = {}
             try:
-                await c.update_weights_from_disk(msg.path, msg.version)
+                await c.update_weights_from_disk(msg.path, msg.version, **update)
             finally:  # continued even when the load failed (it leaves the routing; the monitor catches it up)
                 await c.resume()
             return msg.version
