@@ -19,7 +19,9 @@ the trainer (its fp32 state dict, as the torch engine holds it). Per method:
   whole update while the servers generate. The "in flight" rows are the same without the abort
   (rollout.inflight_weight_update): the running requests go on under the new weights with their
   KV cache, so their interrupt is the swap alone and nothing is prefilled again (checked: no
-  request comes back aborted, and some reply holds tokens of both versions).
+  request comes back aborted, and some reply holds tokens of both versions). "broadcast, in flight":
+  the servers are paused in `hold` mode instead (decoding stops, the requests keep their KV cache)
+  for the broadcast, as an in-flight `nccl` update goes.
 - "in flight at pause": output tokens the pause's abort returned with the partial replies. None is
   lost: an async run's rollout workers resubmit prompt + partial output after the update
   (`generate_resumable`, as AReaL's interruptible generation), so what interruption costs is the
@@ -125,16 +127,19 @@ class Load:
         self.thread.join(timeout=60)
 
 
-def interrupted(urls: list[str], update) -> tuple[float, int, int]:
+def interrupted(urls: list[str], update, mode: str = "abort") -> tuple[float, int, int]:
     """(seconds from pause (abort) to continue around `update()`, output tokens in flight at the
-    pause, tokens to prefill again to resume those requests), with the servers generating."""
+    pause, tokens to prefill again to resume those requests), with the servers generating.
+    `mode` hold: the in-flight pause (checked: nothing aborted, requests went on across it)."""
     with Load(urls) as load:
         t0 = time.perf_counter()
-        asyncio.run(on_all(urls, lambda c: c.pause("abort")))
+        asyncio.run(on_all(urls, lambda c: c.pause(mode)))
         update()
         asyncio.run(on_all(urls, lambda c: c.resume()))
         t1 = time.perf_counter()
     partial = [n for t, n in load.aborted if t0 <= t <= t1]
+    if mode == "hold" and (partial or not any(t >= t0 for t in load.spanning)):
+        raise RuntimeError("held update: a request was aborted, or none went on under the new version")
     return t1 - t0, sum(partial), sum(len(Load.PROMPT) + n for n in partial)
 
 
@@ -267,6 +272,13 @@ def bench(path: str, n_servers: int, repeats: int, bucket_mb: float) -> tuple[li
         assert versions(urls) == [str(version)] * n_servers and sender.n_groups == 1
         rows.append(_row(f"broadcast (gloo, {bucket_mb:g} MiB buckets)", upd, intr,
                          f"group join {join_s:.2f} s (first update only)"))
+        held = []
+        for _ in range(repeats):
+            version += 1
+            held.append(interrupted(urls, lambda: broadcast(version), mode="hold"))
+        assert versions(urls) == [str(version)] * n_servers
+        rows.append(_row("broadcast, in flight (hold)", [float("nan")] * repeats, held,
+                         "interrupt: pause hold + broadcast + continue; the requests wait with their KV cache"))
     finally:
         for proc, _ in servers:
             proc.terminate()
@@ -295,7 +307,8 @@ def main() -> None:
           "(tokens) | note |")
     print("|---|---|---|---|---|---|")
     for method, upd, intr, partial, prefill, note in rows:
-        print(f"| {method} | {upd:.2f} | {intr:.2f} | {partial:.0f} | {prefill:.0f} | {note} |")
+        upd = "-" if upd != upd else f"{upd:.2f}"  # NaN: the row times the interrupt only
+        print(f"| {method} | {upd} | {intr:.2f} | {partial:.0f} | {prefill:.0f} | {note} |")
 
 
 if __name__ == "__main__":

@@ -107,10 +107,11 @@ def test_weight_update_bench_quick():
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = table_rows(proc.stdout, skip="| method", key=lambda first: first.split(" (")[0])
     assert set(rows) == {"disk", "memory", "broadcast", "disk, no pause", "memory, no pause", "disk, in flight",
-                         "memory, in flight"}, proc.stdout
+                         "memory, in flight", "broadcast, in flight"}, proc.stdout
     for method, (update_s, resume_s, partial, prefill, _) in rows.items():
         # an update without a pause stalls the engine only for its swap: under 5 ms for the tiny model
-        assert float(update_s) >= 0 and (float(resume_s) > 0 or "no pause" in method or "in flight" in method)
+        assert (update_s == "-" if method == "broadcast, in flight" else float(update_s) >= 0)
+        assert float(resume_s) > 0 or "no pause" in method or "in flight" in method
         if "in flight" in method:  # nothing interrupted (the bench checks that requests went on across it)
             assert int(partial) == int(prefill) == 0, rows
         else:  # the pause interrupted running requests; resuming them prefills their prompts on top
