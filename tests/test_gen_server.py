@@ -114,6 +114,14 @@ async def wait_until(client, pred, timeout_s: float = 10.0) -> dict:
     raise TimeoutError(f"server never reached the expected state; last info {info}")
 
 
+async def started(client, prompt, params: dict, rid: str, steps: int = 10) -> asyncio.Future:
+    """A /generate request running in the background, once the server has decoded `steps` more steps."""
+    before = await client.server_info()
+    job = asyncio.ensure_future(client.generate(prompt, params, rid=rid))
+    await wait_until(client, lambda i: i["decode_steps"] >= before["decode_steps"] + steps)
+    return job
+
+
 async def post(url: str, body, *, token: str | None = TOKEN, raw=None) -> tuple[int, dict]:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     async with aiohttp.ClientSession(headers=headers) as s:
@@ -379,16 +387,10 @@ def test_a_version_update_ends_only_the_requests_started_before_a_version(server
     params = {**GREEDY, "max_new_tokens": 400}
 
     async def fn(client):
-        async def started(rid):
-            before = await client.server_info()
-            job = asyncio.ensure_future(client.generate(PROMPT, params, rid=rid))
-            await wait_until(client, lambda i: i["decode_steps"] >= before["decode_steps"] + 10)
-            return job
-
         url = server["http"] + "/update_weight_version"
-        old = await started("old")  # first token from version 0
+        old = await started(client, PROMPT, params, "old")  # first token from version 0
         assert (await post(url, {"new_version": "1", "abort_all_requests": False}))[0] == 200
-        new = await started("new")  # from version 1
+        new = await started(client, PROMPT, params, "new")  # from version 1
         assert (await post(url, {"new_version": "2", "abort_all_requests": False, "abort_started_before": 1}))[0] == 200
         first, second = await old, await new
         await restore_a(client, models)
@@ -406,18 +408,12 @@ def test_an_in_flight_update_ends_only_the_requests_started_before_a_version(ser
     state_a = read_hf_weights(models["A"])
 
     async def fn(client):
-        async def started(rid):
-            before = await client.server_info()
-            job = asyncio.ensure_future(client.generate(PROMPT, params, rid=rid))
-            await wait_until(client, lambda i: i["decode_steps"] >= before["decode_steps"] + 10)
-            return job
-
-        old = await started("old")  # first token from version 0
+        old = await started(client, PROMPT, params, "old")  # first token from version 0
         await client.update_weights_from_disk(models["B"], "1")
-        new = await started("new")  # from version 1
+        new = await started(client, PROMPT, params, "new")  # from version 1
         await client.update_weights_from_disk(models["A"], "2", abort_started_before=1)
         first = await old
-        newer = await started("newer")  # from version 2
+        newer = await started(client, PROMPT, params, "newer")  # from version 2
         await asyncio.to_thread(push_weights, server["weights"], SECRET, "3", state_a, 10, abort_started_before=2)
         second = await new
         third = await newer

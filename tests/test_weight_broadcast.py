@@ -21,7 +21,7 @@ from realcore.backends import weight_group
 from realcore.backends.gen_client import GenClient
 from realcore.backends.generation import read_hf_weights
 from realcore.system.weight_broadcast import WeightSender
-from test_gen_server import _make_model, wait_until
+from test_gen_server import _make_model, started
 
 pytestmark = pytest.mark.timeout(180)
 TOKEN = "test-token"
@@ -139,12 +139,6 @@ def test_a_held_server_takes_a_broadcast_under_its_running_requests(servers, mod
     params = {**GREEDY, "max_new_tokens": 400}
 
     async def fn(client):
-        async def started(rid):
-            before = await client.server_info()
-            job = asyncio.ensure_future(client.generate(PROMPT, params, rid=rid))
-            await wait_until(client, lambda i: i["decode_steps"] >= before["decode_steps"] + 10)
-            return job
-
         async def held_update(state, version, cut=None):
             await client.pause("hold")
             steps = (await client.server_info())["decode_steps"]
@@ -153,9 +147,9 @@ def test_a_held_server_takes_a_broadcast_under_its_running_requests(servers, mod
             await client.resume()
             return held["decode_steps"] - steps, held["num_running_reqs"]
 
-        old = await started("old")  # first token from version 0
+        old = await started(client, PROMPT, params, "old")  # first token from version 0
         first = await held_update(read_hf_weights(models["B"]), 1)
-        new = await started("new")  # from version 1
+        new = await started(client, PROMPT, params, "new")  # from version 1
         second = await held_update(read_hf_weights(models["A"]), 2, cut=1)  # ends "old" only
         return first, second, await old, await new
 
