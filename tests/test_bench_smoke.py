@@ -170,7 +170,8 @@ def test_async_sim_bench_quick(tmp_path, mode):
     # idle 2-core machine, mostly process start-up. `inflight`: the async run updates its server
     # in flight (--inflight), the README's second table.
     flags = ["--inflight"] if mode == "inflight" else []
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "async_sim.py"), "--quick", *flags, "--out", str(tmp_path)],
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "async_sim.py"), "--quick", *flags, "--out", str(tmp_path)]
+    proc = subprocess.run(cmd,
                           cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=220)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = table_rows(proc.stdout, skip="| setting", key=lambda first: first.split(",")[0])

@@ -72,7 +72,8 @@ def test_in_flight_weight_updates(tmp_path, update):
     for name, text in logs.items():  # no reply was refused (each is read, spans and all)
         assert "asking for another server" not in text, name
     # Requests ran across an update, not aborted by it (nccl: held while the buckets arrived).
-    assert any("running requests go on under it" in t for n, t in logs.items() if n.startswith("gen_server")), logs.keys()
+    servers = [t for n, t in logs.items() if n.startswith("gen_server")]
+    assert any("running requests go on under it" in t for t in servers), logs.keys()
     from realcore.system.ledger import audit
 
     a = audit(str(out), batch_size=4, max_head_offpolicyness=1)

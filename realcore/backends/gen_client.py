@@ -151,7 +151,8 @@ class GenClient:
         if not data.get("success"):
             raise RuntimeError(f"update_weights_from_disk({path!r}) failed: {data.get('message')}")
 
-    async def load_lora_adapter(self, name: str, path: str, version=None, abort_started_before: int | None = None) -> None:
+    async def load_lora_adapter(self, name: str, path: str, version=None,
+                                abort_started_before: int | None = None) -> None:
         """SGLang's /load_lora_adapter, after /unload_lora_adapter of the same name (SGLang refuses
         to load a name twice; an unload of a name not loaded fails and is ignored); then, as a
         LoRA load carries no version, /update_weight_version to `version` (if given), with

@@ -23,11 +23,12 @@ Pause modes (SGLang's): `abort` returns every running request now (partial outpu
 abort); `retract` holds them and drops their KV cache, so on continue they resume from
 prompt + output so far with the weights current then; `in_place` stops decoding and keeps the KV
 cache (a weight update is refused while it holds requests). `hold` (realcore's, not SGLang's) is
-`in_place` that takes weight updates: the in-flight update of a bucketed broadcast, where no
-decode step may run between two buckets (rollout.inflight_weight_update with weight_update=nccl).
-Requests that arrive while paused wait for continue. A weight update without a pause is applied between two decode steps; running
-requests then continue on their old KV cache, and their reply carries the new version (as SGLang)
-and, per token, the version that sampled it (`weight_version_spans`, realcore's field).
+`in_place` that takes weight updates: an in-flight update that comes in several calls (the
+buckets of a broadcast, a LoRA adapter's unload + load), where no decode step may run between
+two of them (rollout.inflight_weight_update). Requests that arrive while paused wait for continue.
+A weight update without a pause is applied between two decode steps; running requests then
+continue on their old KV cache, and their reply carries the new version (as SGLang) and, per
+token, the version that sampled it (`weight_version_spans`, realcore's field).
 With `abort_all_requests` (SGLang's field of /update_weights_from_disk) the server reads the files
 while it decodes, then, in one engine step, ends every request (partial output, old version) and
 swaps the weights: the interruption of a pause -> load -> continue without the idle load.
@@ -833,7 +834,8 @@ class Server:
                 if self.groups.get(body.group_name) is group:
                     self.groups.pop(body.group_name).close()
                 raise ValueError(f"the broadcast failed ({one_line(e)}); group {body.group_name!r} dropped") from None
-            await self._call(lambda done: _Weights(dict(zip(body.names, tensors)), body.weight_version, done, partial=True,
+            named = dict(zip(body.names, tensors))
+            await self._call(lambda done: _Weights(named, body.weight_version, done, partial=True,
                                                    abort_before=body.abort_started_before))
         except ValueError as e:  # SGLang's shape for a refused update
             wire.count_dropped("http", "body", f"{request.path}: {one_line(e)[:200]}")
