@@ -155,7 +155,7 @@ def interrupted_no_pause(urls: list[str], update, inflight: bool = False) -> tup
         t1 = time.perf_counter()
         # The aborted replies reach the load's thread just after the update returns: wait for them
         # (the load's own aborts at the end of this block come later and are not counted).
-        while not any(t >= t0 for t, _ in load.aborted) and time.perf_counter() < t1 + 5.0 and not inflight:
+        while not inflight and not any(t >= t0 for t, _ in load.aborted) and time.perf_counter() < t1 + 5.0:
             time.sleep(0.01)
         time.sleep(0.1)  # the other requests' and servers' replies
         t2 = time.perf_counter()
@@ -206,13 +206,10 @@ def bench(path: str, n_servers: int, repeats: int, bucket_mb: float) -> tuple[li
                 version += 1
                 runs.append(interrupted_no_pause(urls, prepare(version), inflight))
             assert versions(urls) == [str(version)] * n_servers
-            if inflight:
-                rows.append(_row(f"{method}, in flight (rollout.inflight_weight_update)", [r[0] for r in runs],
-                                 [r[1:] for r in runs], f"update s: {note} while generating; interrupt: the engine's "
-                                 "swap, running requests go on with their KV cache"))
-            else:
-                rows.append(_row(f"{method}, no pause (abort_all_requests: async runs)", [r[0] for r in runs],
-                                 [r[1:] for r in runs], f"update s: {note} while generating; interrupt: the engine's abort + swap"))
+            how, what = (("in flight (rollout.inflight_weight_update)", "swap, running requests go on with their KV cache")
+                         if inflight else ("no pause (abort_all_requests: async runs)", "abort + swap"))
+            rows.append(_row(f"{method}, {how}", [r[0] for r in runs], [r[1:] for r in runs],
+                             f"update s: {note} while generating; interrupt: the engine's {what}"))
 
         upd, intr = [], []
         for _ in range(repeats):

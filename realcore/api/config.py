@@ -241,7 +241,8 @@ class RolloutConfig(_Strict):
         False, description="built-in servers (local.*): a weight update lands between two decode steps (nccl, and a "
         "LoRA adapter from disk: the servers hold their requests while it arrives) and the running requests go on "
         "with the KV cache of the older weights, each token tagged with the version that sampled it (PipelineRL's "
-        "in-flight update; staleness still counts from a rollout's first token). False: they end and are resubmitted, their prefix recomputed with the new weights (AReaL's)")
+        "in-flight update; staleness still counts from a rollout's first token). False: they end and are resubmitted, "
+        "their prefix recomputed with the new weights (AReaL's)")
     weight_bucket_mb: float = Field(
         512.0, gt=0, description="weight_update=nccl: tensors per HTTP request + broadcast round, up to this many MiB "
         "(a larger tensor goes alone)")

@@ -395,11 +395,16 @@ class EngineLoop:
         # What an update costs the engine thread (no decoding meanwhile): the abort and the swap.
         self.stats["last_weight_update_s"] = time.perf_counter() - t0
         self.adapter, self.lora_base = None, {}  # new weights are the new base (an adapter merged in stays)
-        if c.version is not None:
-            self._set_version(str(c.version))
-        if c.abort_before is not None:
-            self._abort_started_before(c.abort_before)
+        self._land(c.version, c.abort_before)
         c.done({})
+
+    def _land(self, version, abort_before: int | None) -> None:
+        """The end of an update: replies carry `version` from now on (if given), and the running
+        requests whose first token came from a version below `abort_before` end (if given)."""
+        if version is not None:
+            self._set_version(str(version))
+        if abort_before is not None:
+            self._abort_started_before(abort_before)
 
     def _abort_started_before(self, version: int) -> None:
         """End the running requests whose first token came from a version below `version` (an
@@ -423,9 +428,7 @@ class EngineLoop:
         self.weight_version = version
 
     def _version(self, c: _Version) -> None:
-        self._set_version(c.version)
-        if c.abort_before is not None:
-            self._abort_started_before(c.abort_before)
+        self._land(c.version, c.abort_before)
         c.done({})
 
     def _adapter(self, c: _Adapter) -> None:
@@ -453,10 +456,7 @@ class EngineLoop:
         restore = {n: t for n, t in self.lora_base.items() if n not in merged}
         self.engine.load_weights({**restore, **merged}, partial=True)
         self.adapter, self.lora_base = c.name, base
-        if c.version is not None:
-            self._set_version(str(c.version))
-        if c.abort_before is not None:
-            self._abort_started_before(c.abort_before)
+        self._land(c.version, c.abort_before)
         log.info("gen_server: LoRA adapter %r merged into %d weights (version %s)", c.name, len(merged), self.weight_version)
         c.done({})
 

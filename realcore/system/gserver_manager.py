@@ -221,14 +221,10 @@ class GServerManager:
             if self.engine == "local" and self.cfg.actor.lora is None:  # the built-in server: no idle load
                 await c.update_weights_from_disk(msg.path, msg.version, **update_mode(self.cfg, msg.version))
                 return msg.version
-            if self.cfg.rollout.inflight_weight_update:  # a LoRA adapter: unload + load + version, held
-                await c.pause("hold")
-                update = update_mode(self.cfg, msg.version)
-            else:
-                await c.pause("abort")
-                update = {}
+            held = self.cfg.rollout.inflight_weight_update  # a LoRA adapter: unload + load + version, held
+            await c.pause("hold" if held else "abort")
             try:
-                await c.update_weights_from_disk(msg.path, msg.version, **update)
+                await c.update_weights_from_disk(msg.path, msg.version, **(update_mode(self.cfg, msg.version) if held else {}))
             finally:  # continued even when the load failed (it leaves the routing; the monitor catches it up)
                 await c.resume()
             return msg.version

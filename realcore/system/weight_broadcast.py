@@ -169,9 +169,9 @@ class WeightSender:
             dtypes = [weight_group.dtype_name(t.dtype) for t in tensors]
             shapes = [list(t.shape) for t in tensors]
             last = i == len(order) - 1
-            extra = {"abort_started_before": abort_started_before} if last and abort_started_before is not None else {}
-            calls = [c.update_weights_from_distributed(names, dtypes, shapes, self.group_name,
-                                                       version if last else None, **extra) for c in members.values()]
+            calls = [c.update_weights_from_distributed(names, dtypes, shapes, self.group_name, version if last else None,
+                                                       abort_started_before=abort_started_before if last else None)
+                     for c in members.values()]
             try:
                 await _all_or_first_failure([weight_group.in_thread(weight_group.send, self.group, tensors, self.timeout), *calls],
                                             self.timeout.total_seconds())
