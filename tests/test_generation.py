@@ -141,3 +141,60 @@ def test_bad_requests(model_tok):
         engine.add_request([], GenerationConfig())
     with pytest.raises(ValueError, match="positions"):
         engine.add_request([1] * 2040, GenerationConfig(max_new_tokens=16))
+
+
+def test_the_sampler_draws_each_token_with_its_probability():
+    """The inverse CDF runs in two levels over a large vocabulary (chunk sums, then one chunk):
+    it must pick the same token as one cumulative sum over the whole row, never a token of zero
+    probability, and with the right frequencies, also where the mass sits at chunk edges."""
+    from realcore.backends.generation import _CDF_CHUNK, _inverse_cdf
+
+    V = 2 * _CDF_CHUNK + 700  # two whole chunks and a padded one
+    probs = torch.zeros(V)
+    heavy = [0, _CDF_CHUNK - 1, _CDF_CHUNK, 2 * _CDF_CHUNK - 1, V - 1]  # both sides of each chunk edge
+    probs[heavy] = torch.tensor([0.1, 0.15, 0.2, 0.05, 0.1])
+    light = torch.arange(1, V - 1, 3)  # every third token shares the rest; the others stay at zero
+    light = light[~torch.isin(light, torch.tensor(heavy))]
+    probs[light] = 0.4 / len(light)
+    gen = torch.Generator().manual_seed(0)
+    draws = []
+    for _ in range(20):
+        u = torch.rand(1000, generator=gen)
+        rows = probs.expand(1000, V) * 3.0  # unnormalised, as the engine passes them
+        idx = _inverse_cdf(rows, u)
+        cdf = rows.cumsum(-1)
+        reference = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=V - 1).squeeze(1)
+        # They differ only where u falls within float32 rounding of a boundary (~1e-3 of draws here:
+        # a cumulative sum over 3k tokens carries ~1e-6 of error, light tokens hold 1e-3 each).
+        assert (idx == reference).float().mean() > 0.995
+        draws.append(idx)
+    idx = torch.cat(draws)
+    assert probs[idx].min() > 0  # never a zero-probability token
+    freq = torch.bincount(idx, minlength=V).float() / len(idx)
+    for t in heavy:
+        assert abs(freq[t] - probs[t]) < 0.012, (t, freq[t], probs[t])
+    assert abs(freq[light].sum() - 0.4) < 0.015
+
+    # u next to 1 with the row's last tokens at zero: the chunk's own cumulative sum can fall
+    # short of what the chunk sums promised, and the pick must still be a real, possible token.
+    torch.manual_seed(0)
+    rows = torch.rand(800, V) ** 8
+    rows[:, -5:] = 0
+    idx = _inverse_cdf(rows, torch.full((800,), 1 - 2**-24))
+    assert idx.max() < V and rows.gather(1, idx[:, None]).min() > 0
+
+
+def test_sampled_rows_and_greedy_rows_share_a_batch(model_tok, prompts):
+    """Greedy, plain and top-k/top-p rows in one batch each get their own rule."""
+    from realcore.backends.generation import sample_tokens
+
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(1)) * 3
+    rngs = [torch.Generator().manual_seed(i) for i in range(6)]
+    tokens, logprobs = sample_tokens(logits, temperature=[1.0, 1.0, 0.5, 1.0, 1.0, 2.0], top_k=[0, 0, 0, 1, 0, 0],
+                                     top_p=[1.0, 1.0, 1.0, 1.0, 1.0, 1.0], greedy=[True, False, False, False, True, False],
+                                     rngs=rngs)
+    assert tokens[0] == logits[0].argmax() and tokens[4] == logits[4].argmax()
+    assert tokens[3] == logits[3].argmax()  # top-k 1
+    temps = torch.tensor([1.0, 1.0, 0.5, 1.0, 1.0, 2.0])[:, None]
+    expected = torch.log_softmax(logits / temps, -1).gather(1, tokens[:, None]).squeeze(1)
+    torch.testing.assert_close(logprobs, expected)
