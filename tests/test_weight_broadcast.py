@@ -165,6 +165,37 @@ def test_a_held_server_takes_a_broadcast_under_its_running_requests(servers, mod
     assert new.finish_reason == "length" and len(new.output_ids) == 400 and w == sorted(w) and set(w) == {1, 2}
 
 
+
+def test_a_broadcast_that_stops_between_buckets_decodes_nothing_on_part_of_a_version(servers, models):
+    """The server refuses the last bucket (a parameter it does not have), so the trainer's two
+    attempts both stop after the others landed: B's weights are in, its version never came. The
+    request held through it must not go on over part of a version, new ones are refused (503)
+    until a complete broadcast lands, and then the server serves that version."""
+    url = servers.start()
+    before = greedy(url)
+    state = {**read_hf_weights(models["B"]), "no.such.weight": torch.zeros(3)}  # last in bucket order
+    s = sender()
+    assert len(weight_group.buckets(state, s.bucket_bytes)) > 3
+
+    async def fn(client):
+        held = await started(client, PROMPT, {**GREEDY, "max_new_tokens": 400}, "held")
+        await client.pause("hold")
+        failed = await asyncio.to_thread(s.send, state, 1, [url])
+        info = await client.server_info()
+        await client.resume()
+        reply = await held
+        with pytest.raises(RuntimeError, match="HTTP 503.*incomplete"):
+            await client.generate(PROMPT, GREEDY, rid="refused")
+        return failed, info, reply
+
+    failed, info, reply = call(url, fn)
+    assert failed == [url] and info["weights_incomplete"] and info["weight_version"] == "0"
+    assert reply.finish_reason == "abort" and len(reply.output_ids) < 400 and set(reply.token_versions()) == {0}
+    assert s.send(read_hf_weights(models["A"]), 2, [url]) == []  # a complete update
+    after = greedy(url)
+    assert after.weight_version == "2" and after.output_ids == before.output_ids
+    assert call(url, lambda c: c.server_info())["weights_incomplete"] is False
+
 def test_a_restarted_server_rejoins_and_a_dead_one_is_left_out(servers, models):
     """Server 1 dies: an update to [0, dead 1] reaches 0 alone (the dead one fails /health and
     is left out of a new group); its restart at a new address joins the next group and gets the

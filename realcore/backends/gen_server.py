@@ -26,6 +26,10 @@ cache (a weight update is refused while it holds requests). `hold` (realcore's, 
 `in_place` that takes weight updates: an in-flight update that comes in several calls (the
 buckets of a broadcast, a LoRA adapter's unload + load), where no decode step may run between
 two of them (rollout.inflight_weight_update). Requests that arrive while paused wait for continue.
+A broadcast that stops between its buckets (the trainer gave up on this server) leaves part of a
+version in the model: until a complete update lands the server decodes nothing, ends the requests
+it held or ran (old version, partial output: rollout workers take them elsewhere) and answers new
+ones 503; `/get_server_info` says `weights_incomplete`.
 A weight update without a pause is applied between two decode steps; running requests then
 continue on their old KV cache, and their reply carries the new version (as SGLang) and, per
 token, the version that sampled it (`weight_version_spans`, realcore's field).
@@ -86,6 +90,9 @@ class Unavailable(RuntimeError):
 
 class RequestFailed(RuntimeError):
     """The engine thread raised while running this one request or command (HTTP 500)."""
+
+
+INCOMPLETE = "the weights are incomplete (a broadcast stopped between its buckets): waiting for a complete update"
 
 
 @dataclass
@@ -214,6 +221,9 @@ class EngineLoop:
         self.lora_base: dict[str, torch.Tensor] = {}
         self.paused: str | None = None
         self.held: list[_Generate] = []  # arrived while paused: join on continue
+        # A broadcast that stopped between its buckets leaves part of a version in the model: no
+        # request decodes on it (they end; new ones get 503) until a complete update lands.
+        self.incomplete = False
         self.by_erid: dict[int, _Generate] = {}  # engine request id -> its command
         self.erid: dict[str, int] = {}  # client rid -> engine request id
         self.stats = {"max_running_requests": 0, "decode_steps": 0}
@@ -345,6 +355,8 @@ class EngineLoop:
     def _generate(self, c: _Generate) -> None:
         if self.paused:
             self.held.append(c)
+        elif self.incomplete:
+            c.done(Unavailable(INCOMPLETE))
         else:
             self._add(c)
 
@@ -375,6 +387,9 @@ class EngineLoop:
         c.done({})
 
     def _continue(self, c: _Continue) -> None:
+        if self.incomplete:  # the held and running requests end (old version): none goes on over part of a new one
+            log.warning("gen_server: %s; %d request(s) end", INCOMPLETE, len(self.by_erid) + len(self.held))
+            self._abort(_Abort(None, lambda _: None))
         self.paused = None
         held, self.held = self.held, []
         for h in held:
@@ -394,6 +409,10 @@ class EngineLoop:
             return
         # What an update costs the engine thread (no decoding meanwhile): the abort and the swap.
         self.stats["last_weight_update_s"] = time.perf_counter() - t0
+        # A bucket without the version is part of one; the last bucket, or any whole update, completes it.
+        self.incomplete = c.partial and c.version is None
+        if self.incomplete and self.paused is None and self.engine.has_unfinished():
+            self._abort(_Abort(None, lambda _: None))  # a broadcast without a pause: no step on part of it
         self.adapter, self.lora_base = None, {}  # new weights are the new base (an adapter merged in stays)
         self._land(c.version, c.abort_before)
         c.done({})
@@ -466,6 +485,7 @@ class EngineLoop:
             "dtype": self.dtype,  # the engine's weights (SGLang's server info names its --dtype too)
             "lora_adapter": self.adapter,
             "paused": self.paused,
+            "weights_incomplete": self.incomplete,  # a broadcast stopped between its buckets (realcore's field)
             "num_running_reqs": self.engine.n_running(),
             "num_requests": len(self.by_erid) + len(self.held),  # running, queued or held
             **self.stats,
