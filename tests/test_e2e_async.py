@@ -59,15 +59,18 @@ def test_in_flight_weight_updates(tmp_path, update):
     held through its unload + load + version). Some trajectories then hold tokens of two versions,
     in one segment each, and the staleness bound, which counts from a rollout's first token, still
     holds."""
+    steps = 6
     how, _, lora = update.partition("+")
     extra = ["actor.lora={rank:4,alpha:8}"] if lora else []
     out, metrics = run_async(tmp_path, f"rollout.weight_update={how}", *extra, "rollout.inflight_weight_update=true",
-                             "rollout.max_head_offpolicyness=1", "generation.max_new_tokens=128", steps=4)
+                             "rollout.max_head_offpolicyness=1", "generation.max_new_tokens=128", steps=steps)
     assert all(0 <= m["staleness/tail"] <= m["staleness/head"] <= 1 for m in metrics)
-    # Tokens of two versions: the rollouts of batch 3 run while version 2 lands (admitted at
-    # version 1 with eta 1; responses long enough to outlast the update).
+    # Tokens of two versions: e.g. rollouts of batch 3 run while version 2 lands (admitted at
+    # version 1 with eta 1; responses long enough to outlast the update). With eta 1 such a rollout
+    # is trained only if it finishes in time for the next batch, which depends on its sampled length
+    # and the machine's timing: 6 steps give every run several chances (4 missed once on a CI run).
     assert sum(m["staleness/interrupted_frac"] for m in metrics) > 0
-    assert metrics[-1]["version"] == 4
+    assert metrics[-1]["version"] == steps
     logs = {name: (out / "logs" / name).read_text() for name in os.listdir(out / "logs")}
     for name, text in logs.items():  # no reply was refused (each is read, spans and all)
         assert "asking for another server" not in text, name
@@ -77,7 +80,7 @@ def test_in_flight_weight_updates(tmp_path, update):
     from realcore.system.ledger import audit
 
     a = audit(str(out), batch_size=4, max_head_offpolicyness=1)
-    assert (a.steps, a.duplicated, a.short_steps, a.over_stale) == (4, 0, [], 0)
+    assert (a.steps, a.duplicated, a.short_steps, a.over_stale) == (steps, 0, [], 0)
 
 
 def test_in_flight_weight_update_needs_built_in_servers(tmp_path, monkeypatch):
