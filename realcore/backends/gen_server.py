@@ -376,7 +376,11 @@ class EngineLoop:
         version, in the same engine-thread step as the update, so no token of the new weights
         joins an old KV cache and a request sent after the abort runs on the new weights."""
         if c.abort_all:
-            self._abort(_Abort(None, lambda _: None))
+            self._abort_all()
+
+    def _abort_all(self) -> None:
+        """Every running and held request ends now (output so far, the current version)."""
+        self._abort(_Abort(None, lambda _: None))
 
     def _pause(self, c: _Pause) -> None:
         self.paused = c.mode
@@ -389,7 +393,7 @@ class EngineLoop:
     def _continue(self, c: _Continue) -> None:
         if self.incomplete:  # the held and running requests end (old version): none goes on over part of a new one
             log.warning("gen_server: %s; %d request(s) end", INCOMPLETE, len(self.by_erid) + len(self.held))
-            self._abort(_Abort(None, lambda _: None))
+            self._abort_all()
         self.paused = None
         held, self.held = self.held, []
         for h in held:
@@ -412,7 +416,7 @@ class EngineLoop:
         # A bucket without the version is part of one; the last bucket, or any whole update, completes it.
         self.incomplete = c.partial and c.version is None
         if self.incomplete and self.paused is None and self.engine.has_unfinished():
-            self._abort(_Abort(None, lambda _: None))  # a broadcast without a pause: no step on part of it
+            self._abort_all()  # a broadcast without a pause: no step on part of it
         self.adapter, self.lora_base = None, {}  # new weights are the new base (an adapter merged in stays)
         self._land(c.version, c.abort_before)
         c.done({})

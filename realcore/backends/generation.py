@@ -455,11 +455,8 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     chunk holding u is found from the chunks' sums first, and only that chunk is summed up."""
     B, n = probs.shape
     if n <= 2 * _CDF_CHUNK:
-        cdf = probs.cumsum(dim=-1)  # (B, n)
-        idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)  # (B, 1)
-        return idx.clamp(max=n - 1).squeeze(1)
-    pad = -n % _CDF_CHUNK
-    chunks = torch.nn.functional.pad(probs, (0, pad)).view(B, -1, _CDF_CHUNK)  # (B, C, chunk)
+        return _one_level(probs, u)
+    chunks = F.pad(probs, (0, -n % _CDF_CHUNK)).view(B, -1, _CDF_CHUNK)  # (B, C, chunk)
     before = chunks.sum(dim=-1).cumsum(dim=-1)  # (B, C) mass up to the end of each chunk
     target = u * before[:, -1]  # (B,)
     c = torch.searchsorted(before, target[:, None], right=True).clamp(max=before.shape[1] - 1)  # (B, 1)
@@ -468,13 +465,18 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     inner = chunks.gather(1, c[:, :, None].expand(B, 1, _CDF_CHUNK))[:, 0].cumsum(dim=-1)  # (B, chunk)
     i = torch.searchsorted(inner, rest[:, None], right=True).clamp(max=_CDF_CHUNK - 1)  # (B, 1)
     idx = (c * _CDF_CHUNK + i).squeeze(1)
-    # Rounding between the two levels can land on padding or a zero-probability token: take the
-    # chunk's last token with mass, which the one-level search would have chosen.
+    # Rounding between the two levels can land on padding or a zero-probability token: such a
+    # row is searched again in one level.
     bad = (idx >= n) | (probs.gather(1, idx.clamp(max=n - 1)[:, None])[:, 0] == 0)
     if bad.any():
-        cdf = probs[bad].cumsum(dim=-1)
-        idx[bad] = torch.searchsorted(cdf, (u[bad] * cdf[:, -1])[:, None], right=True).clamp(max=n - 1).squeeze(1)
+        idx[bad] = _one_level(probs[bad], u[bad])
     return idx
+
+
+def _one_level(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    cdf = probs.cumsum(dim=-1)  # (B, n)
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)  # (B, 1)
+    return idx.clamp(max=probs.shape[1] - 1).squeeze(1)
 
 
 def _sample_top_k_top_p(probs: torch.Tensor, u: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
