@@ -40,7 +40,9 @@ AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/filetxt
 JobCompLoc=$dir/jobcomp.log
 SchedulerType=sched/backfill
-SchedulerParameters=bf_interval=1,bf_hetjob_immediate
+# The main scheduling loop every second (default 60 s): a requeued job whose begin time has come
+# otherwise waited for it, ~7 s more per requeue (Slurm 22.05, measured).
+SchedulerParameters=bf_interval=1,bf_hetjob_immediate,sched_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SlurmdParameters=config_overrides
