@@ -3,6 +3,7 @@
 Ray is an optional extra (`pip install -e ".[ray]"`): skipped with the reason when absent.
 """
 
+import datetime
 import json
 import os
 import signal
@@ -124,13 +125,19 @@ def test_rollout_side_tasks_are_resubmitted(cluster, tmp_path):
 def test_killed_model_worker_restarts_the_run(cluster, tmp_path):
     from test_slurm import assert_ledger_exact, metric_rows, restarts, running_workers, wait_rows
 
-    out, proc = launch_async(cluster, tmp_path, "trainer.total_steps=30")
+    out, proc = launch_async(cluster, tmp_path, "trainer.total_steps=30", "system.shutdown_timeout_s=20")
     try:
         wait_rows(out, 3, proc)  # past the recover checkpoint of step 2
         os.kill(running_workers(out)["model_worker/1"], signal.SIGKILL)
         stdout, err = proc.communicate(timeout=240)
+        ended = time.time()
     finally:
         proc.kill()
+    # The end: the rollout side is stopped at once (SIGTERM through its task runner), not waited
+    # for until the shutdown grace (20 s) runs out.
+    last = open(f"{out}/logs/master.log").read().splitlines()[-1]
+    lag = ended - datetime.datetime.strptime(last[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    assert lag < 10, (lag, last)
     assert proc.returncode == 0, stdout[-2000:] + err[-3000:]
     assert "realcore: model_worker/1 died (killed by SIGKILL)" in err and "restarting the run" in err, err[-3000:]
     resumed = int(stdout.split("resuming from step ")[1].split()[0])  # the master's output reaches the console

@@ -42,7 +42,7 @@ import time
 from typing import Callable
 
 from realcore.api.config import ExperimentConfig
-from realcore.launch.local import Proc, describe_exit, dump_stacks_and_kill, spawn_command
+from realcore.launch.local import Proc, describe_exit, dump_stacks_and_kill, spawn_command, stop_all
 from realcore.launch.supervise import (ROLLOUT_SIDE, STABLE_S, begin_attempt, count_quick_death, heartbeat_path, hung,
                                        last_beat, record)
 from realcore.system.process import PREEMPTED_EXIT, run_and_exit
@@ -69,42 +69,49 @@ def run_task(cfg: ExperimentConfig, argv: list[str], *, name: str, attempt: int,
         # `scancel --signal=USR1 JOB` dumps every worker's stacks: it must not kill the runners.
         signal.signal(signal.SIGUSR1, lambda signum, frame: None)
     proc = spawn_command(name, argv, env=env if env is not None else dict(os.environ), log_path=log_path)
-    quick_deaths: dict[str, int] = {}
-    while True:
-        # Seen before a SIGTERM: Slurm's SIGCONT at the job's end resumes a stopped worker, whose
-        # heartbeat thread may beat before we look again.
-        beat = last_beat(cfg.output_dir, name)
-        if not shield_term:
-            time.sleep(POLL_S)
-        elif signal.sigtimedwait({signal.SIGTERM}, POLL_S) is not None:
-            if job_ending is not None and job_ending():  # the job ends: nothing to wait for
-                return _end_with_job(cfg, proc, name, beat)
-            _preempt(proc, kind)
-        if preempt_file is not None and not preempted and os.path.exists(preempt_file):
-            preempted = True
-            _preempt(proc, kind)
-        rc = proc.popen.poll()
-        if rc == 0 or (kind == "master" and rc == PREEMPTED_EXIT):
-            return rc, ""
-        why = f"died ({describe_exit(rc)})" if rc is not None else hung(cfg, name, proc.started, time.monotonic())
-        if why is None:
-            continue
-        if rc is None:  # a hang is news even when the job ends (it may be why the job ends)
-            dump_stacks_and_kill(proc)
-        elif job_ending is not None and job_ending():  # it died with its job (a peer that went away)
-            return _code(rc), ""
-        rc = proc.popen.returncode
-        if not restart:
-            return _code(rc), why
-        if count_quick_death(quick_deaths, name, proc.started) > cfg.recover_retries:
-            return _code(rc), f"{why}; it died {quick_deaths[name]} times within {STABLE_S:g} s of starting"
-        print(f"realcore: {name} {why}; restarting it (training goes on)", file=sys.stderr, flush=True)
-        record(cfg.output_dir, attempt, name, why, "restart in place")
-        try:
-            os.remove(heartbeat_path(cfg.output_dir, name))
-        except FileNotFoundError:
-            pass
-        proc.restart()
+    try:
+        quick_deaths: dict[str, int] = {}
+        while True:
+            # Seen before a SIGTERM: Slurm's SIGCONT at the job's end resumes a stopped worker, whose
+            # heartbeat thread may beat before we look again.
+            beat = last_beat(cfg.output_dir, name)
+            if not shield_term:
+                time.sleep(POLL_S)
+            elif signal.sigtimedwait({signal.SIGTERM}, POLL_S) is not None:
+                if job_ending is not None and job_ending():  # the job ends: nothing to wait for
+                    return _end_with_job(cfg, proc, name, beat)
+                _preempt(proc, kind)
+            if preempt_file is not None and not preempted and os.path.exists(preempt_file):
+                preempted = True
+                _preempt(proc, kind)
+            rc = proc.popen.poll()
+            if rc == 0 or (kind == "master" and rc == PREEMPTED_EXIT):
+                return rc, ""
+            why = f"died ({describe_exit(rc)})" if rc is not None else hung(cfg, name, proc.started, time.monotonic())
+            if why is None:
+                continue
+            if rc is None:  # a hang is news even when the job ends (it may be why the job ends)
+                dump_stacks_and_kill(proc)
+            elif job_ending is not None and job_ending():  # it died with its job (a peer that went away)
+                return _code(rc), ""
+            rc = proc.popen.returncode
+            if not restart:
+                return _code(rc), why
+            if count_quick_death(quick_deaths, name, proc.started) > cfg.recover_retries:
+                return _code(rc), f"{why}; it died {quick_deaths[name]} times within {STABLE_S:g} s of starting"
+            print(f"realcore: {name} {why}; restarting it (training goes on)", file=sys.stderr, flush=True)
+            record(cfg.output_dir, attempt, name, why, "restart in place")
+            try:
+                os.remove(heartbeat_path(cfg.output_dir, name))
+            except FileNotFoundError:
+                pass
+            proc.restart()
+    except KeyboardInterrupt:
+        # Ray cancels a task without force at the end of a run (ray_scheduler._cancel): the worker
+        # is stopped as the local launcher stops it (SIGTERM, SIGKILL past the grace), not left to
+        # PDEATHSIG.
+        stop_all([proc], cfg.system.shutdown_timeout_s)
+        raise
 
 
 def _end_with_job(cfg: ExperimentConfig, proc: Proc, name: str, beat: float | None) -> tuple[int, str]:

@@ -11,7 +11,9 @@ manager and rollout workers are plain tasks. The master's output goes to OUTPUT_
 which the launcher copies to the console.
 
 The launcher waits for the tasks:
-- the master's clean exit ends the run (0);
+- the master's clean exit ends the run (0): every other task is cancelled without force, and its
+  runner stops its worker as the local launcher does (SIGTERM, SIGKILL past
+  `system.shutdown_timeout_s`);
 - a rollout-side task (generation server, gserver manager, rollout worker) that dies or hangs is
   submitted again with the same arguments (same type, index and --attempt) while training goes on,
   unless recover_mode=disabled; each restart goes into OUTPUT_DIR/restarts.jsonl; one that keeps
@@ -78,8 +80,11 @@ def _run_worker(cfg: ExperimentConfig, argv: list[str], env: dict, log_path: str
 
     if "CUDA_VISIBLE_DEVICES" in os.environ:  # Ray's choice of GPUs for this task reaches the worker (and its engine)
         env = {**env, "CUDA_VISIBLE_DEVICES": os.environ["CUDA_VISIBLE_DEVICES"]}
-    return run_task(cfg, argv, name=name, attempt=attempt, restart=False, env=env, log_path=log_path,
-                    preempt_file=preempt_path(cfg) if name == "master" else None)
+    try:
+        return run_task(cfg, argv, name=name, attempt=attempt, restart=False, env=env, log_path=log_path,
+                        preempt_file=preempt_path(cfg) if name == "master" else None)
+    except KeyboardInterrupt:  # cancelled without force: the run is over and the worker stopped (_cancel)
+        return 0, ""
 
 
 def run_ray(cfg: ExperimentConfig, alloc: AllocationMode, config_path: str, secret_path: str, env: dict) -> int:
@@ -266,14 +271,20 @@ def _blame(cfg: ExperimentConfig, name: str, why: str, refs: dict, started: dict
 
 
 def _cancel(refs: list, grace_s: float = 0.0, wait_s: float = 0.0) -> None:
-    """Let the workers leave on their own for `grace_s` (after the master asked them to), then
-    force-cancel what is left (its Ray worker is killed, and the worker with it: PDEATHSIG), and
-    wait up to `wait_s` until Ray reports them ended (before a restart starts new ones)."""
+    """End the tasks `refs`. With `grace_s` (the run is over): cancel them without force at once, so
+    each task runner stops its worker as the local launcher does (SIGTERM, SIGKILL past
+    `system.shutdown_timeout_s`; the rollout side is never told to exit, and waiting for it cost
+    every run its whole grace), and wait up to `grace_s` + 2 s for them. Then force-cancel what is
+    left (its Ray worker is killed, and the worker with it: PDEATHSIG), and wait up to `wait_s`
+    until Ray reports them ended (before a restart starts new ones)."""
     import ray
 
-    deadline = time.monotonic() + grace_s
-    while refs and time.monotonic() < deadline:
-        _, refs = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, deadline - time.monotonic()))
+    if grace_s:
+        for ref in refs:
+            ray.cancel(ref, force=False)
+        deadline = time.monotonic() + grace_s + 2
+        while refs and time.monotonic() < deadline:
+            _, refs = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, deadline - time.monotonic()))
     for ref in refs:
         ray.cancel(ref, force=True)
     if refs and wait_s:
