@@ -806,6 +806,20 @@ def test_client_deadlines_name_the_url():
     asyncio.run(main())
 
 
+def test_a_weight_push_to_a_server_that_is_gone_fails_at_once():
+    """A refused connection (the server died, or restarted on another port) ends the push at once,
+    not after its connect deadline (30 s by default: the trainer's step waited that long)."""
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionError, match=f"{address} refused the connection"):
+        push_weights(address, SECRET, "2", {"w": torch.zeros(4)}, timeout_s=60)
+    assert time.monotonic() - t0 < 5
+
+
 def test_reply_spans_give_each_token_its_version():
     from realcore.backends.gen_client import parse_generate_reply
 

@@ -336,6 +336,8 @@ def test_restarted_server_gets_the_current_weights(tmp_path, cache, update):
     assert "server 0 restarted at" in manager_log
     a = audit(out, batch_size=4, max_head_offpolicyness=1)
     assert a.steps == 10 and a.duplicated == 0 and a.over_stale == 0 and a.short_steps == [], a
+    # The push that found the server gone (memory) failed at once: no step waited out a deadline.
+    assert max(m["time/step_s"] for m in metrics(out)) < 20, [m["time/step_s"] for m in metrics(out)]
 
 
 def test_auto_gives_up_when_its_restarts_are_used_up(tmp_path, env, cache):

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from realcore.backends.server_launch import wait_http_ready
 from realcore.system import wire  # the one realcore.system module backends may use
@@ -327,26 +329,26 @@ def push_weights(
     the tensors travel instead of waiting paused. `abort_started_before`: only the requests whose
     first token came from a version below it end (an in-flight update's too-stale rollouts).
 
-    A server that is gone fails fast instead of at `timeout_s`: ConnectionError when no connection
-    is made within `connect_timeout_s`, or when the connection drops before the reply (a socket
+    A server that is gone fails fast instead of at `timeout_s`: ConnectionError when nothing
+    listens at `address` (refused: it died, or restarted on another port), when no connection is
+    made within `connect_timeout_s`, or when the connection drops before the reply (a socket
     monitor sees the disconnect)."""
-    from zmq.utils.monitor import recv_monitor_message
-
     names = list(state_dict)
     tensors = [state_dict[n].detach().cpu() for n in names]
     endpoint = wire.Endpoint(secret, "push_weights", socket="weights_reply", limits=limits)  # the reply is addressed to it
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     wire.set_max_size(sock, endpoint.limits.max_control_message_bytes)
-    sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only on a live connection: send waits for one
-    sock.setsockopt(zmq.SNDTIMEO, int(connect_timeout_s * 1000))
-    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only on a live connection: POLLOUT means one is up
+    sock.setsockopt(zmq.SNDTIMEO, int(connect_timeout_s * 1000))  # should it drop before the send
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
     try:
         sock.connect(address)
+        _wait_connected(sock, monitor, address, connect_timeout_s)
+        header = {"version": str(version), "names": names, **({"lora": lora} if lora is not None else {}),
+                  **({"abort_all_requests": True} if abort_all_requests else {}),
+                  **({"abort_started_before": int(abort_started_before)} if abort_started_before is not None else {})}
         try:
-            header = {"version": str(version), "names": names, **({"lora": lora} if lora is not None else {}),
-                      **({"abort_all_requests": True} if abort_all_requests else {}),
-                      **({"abort_started_before": int(abort_started_before)} if abort_started_before is not None else {})}
             wire.send(sock, header, tensors, endpoint=endpoint, to=address, zero_copy=True)
         except zmq.Again:
             raise ConnectionError(f"push_weights: no connection to {address} within {connect_timeout_s:g} s") from None
@@ -365,3 +367,21 @@ def push_weights(
         sock.close()
     if not header.get("ok"):
         raise RuntimeError(f"push_weights to {address} failed: {header.get('error')}")
+
+
+def _wait_connected(sock: zmq.Socket, monitor: zmq.Socket, address: str, timeout_s: float) -> None:
+    """Until `sock` (IMMEDIATE) has a live connection. Why not just wait: the address comes from a
+    server that was ready, so a refused connection means it is gone, and waiting out `timeout_s`
+    stalled the trainer's step that long (30 s) whenever a server died; its restart is caught up
+    separately."""
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLOUT)
+    poller.register(monitor, zmq.POLLIN)
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        ready = dict(poller.poll(int(left * 1000) + 1))
+        if sock in ready:
+            return
+        if monitor in ready and recv_monitor_message(monitor)["event"] == zmq.EVENT_CONNECT_RETRIED:
+            raise ConnectionError(f"push_weights: {address} refused the connection (nothing listens there)")
+    raise ConnectionError(f"push_weights: no connection to {address} within {timeout_s:g} s")
