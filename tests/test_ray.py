@@ -133,12 +133,12 @@ def test_killed_model_worker_restarts_the_run(cluster, tmp_path):
         ended = time.time()
     finally:
         proc.kill()
+    assert proc.returncode == 0, stdout[-2000:] + err[-3000:]
     # The end: the rollout side is stopped at once (SIGTERM through its task runner), not waited
     # for until the shutdown grace (20 s) runs out.
     last = open(f"{out}/logs/master.log").read().splitlines()[-1]
     lag = ended - datetime.datetime.strptime(last[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
     assert lag < 10, (lag, last)
-    assert proc.returncode == 0, stdout[-2000:] + err[-3000:]
     assert "realcore: model_worker/1 died (killed by SIGKILL)" in err and "restarting the run" in err, err[-3000:]
     resumed = int(stdout.split("resuming from step ")[1].split()[0])  # the master's output reaches the console
     assert resumed >= 2 and resumed % 2 == 0, stdout[-3000:]
