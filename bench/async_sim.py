@@ -1,6 +1,6 @@
 """Asynchronous vs synchronous PPO at GPU-like cost: trained samples/s against the ideal bound.
 
-    python bench/async_sim.py [--servers 1,2,4] [--etas 0,1,2,4,8] [--steps 8] [--inflight] [--quick]
+    python bench/async_sim.py [--servers 1,2,4] [--etas 0,1,2,4,8] [--steps 8] [--inflight] [--keep-stale] [--quick]
 
 What is real and what is not: every run is `python -m realcore.launch` with the real launcher,
 master, dataflow graph, model workers, generation servers (HTTP API, continuous batching loop,
@@ -137,6 +137,9 @@ def main() -> None:
     p.add_argument("--inflight", action="store_true",
                    help="async runs update the servers in flight (rollout.inflight_weight_update): running requests "
                    "go on with their KV cache instead of being interrupted and resubmitted")
+    p.add_argument("--keep-stale", action="store_true",
+                   help="async runs keep what arrives past eta (rollout.drop_stale=false, AReaL's bound: admission "
+                   "alone): nothing is dropped or cancelled, a slow rollout is trained staler than eta")
     p.add_argument("--out", default=None, help="keep every run's output folder here (default: a temporary folder)")
     p.add_argument("--quick", action="store_true", help="smoke run: eta 2, 1 server, 2 steps, tiny sizes")
     args = p.parse_args()
@@ -172,7 +175,7 @@ def main() -> None:
             sync = run("sim-sync", args, out, costs, [f"allocation_mode=d{world}p1t1"], w)
             sync_tp = throughput(sync, samples, w)
             rows.append([f"sync, {world} processes (d{world}p1t1)", f"{sync_tp:.2f}", f"{throughput(sync, samples, 1):.2f}",
-                         "", "", "1.00x", f"{mean(sync, 'time/actor_gen_s', w):.2f} (generate)", "", "", "",
+                         "", "", "1.00x", f"{mean(sync, 'time/actor_gen_s', w):.2f} (generate)", "", "", "", "",
                          f"{trained_tokens_per_sample(out) - prompt_len:.1f}"])
             for eta in etas:
                 out = os.path.join(tmp, f"async-{s}-{eta}")
@@ -180,28 +183,34 @@ def main() -> None:
                 asyn = run("sim-async", args, out, costs,
                            [f"allocation_mode=local.d{s}p1t1+d{args.trainers}p1t1", f"rollout.max_head_offpolicyness={eta}",
                             f"rollout.max_concurrent_rollouts={max(1, round(args.concurrency * s * args.max_batch / args.n_samples))}",
-                            f"rollout.inflight_weight_update={str(args.inflight).lower()}"], w)
+                            f"rollout.inflight_weight_update={str(args.inflight).lower()}",
+                            f"rollout.drop_stale={str(not args.keep_stale).lower()}"], w)
                 tp = throughput(asyn, samples, w)
                 busy, batch, refill = server_usage(out, s)
                 trained_len = trained_tokens_per_sample(out)
                 ideal = min(bound(costs, args, s, args.trainers, prompt_len, trained_len))
-                mode = ", in-flight updates" if args.inflight else ""
+                mode = (", in-flight updates" if args.inflight else "") + (", stale kept" if args.keep_stale else "")
+                steady = asyn[w:] or asyn
+                heads = [m["staleness/head"] for m in steady]
                 rows.append([f"async, {s} server{'s' if s > 1 else ''} + {args.trainers} trainer, eta {eta}{mode}", f"{tp:.2f}",
                              f"{throughput(asyn, samples, 1):.2f}", f"{ideal:.2f}", f"{tp / ideal:.0%}", f"{tp / sync_tp:.2f}x",
                              f"{mean(asyn, 'time/stream_wait_s', w):.2f}", f"{mean(asyn, 'time/weight_update_s', w):.2f}",
-                             f"{mean(asyn, 'staleness/dropped', w):.1f} / {mean(asyn, 'rollout/stale_cancelled', w):.1f}", f"{busy:.0%}, {batch:.1f}, {refill:.2f} s",
+                             f"{mean(asyn, 'staleness/dropped', w):.1f} / {mean(asyn, 'rollout/stale_cancelled', w):.1f}",
+                             f"{sum(heads) / len(heads):.1f} / {max(heads)}", f"{busy:.0%}, {batch:.1f}, {refill:.2f} s",
                              f"{trained_len - prompt_len:.1f}"])
                 print(f"  [{time.monotonic() - t_start:.0f} s] {rows[-1][0]}: {tp:.2f} samples/s", file=sys.stderr, flush=True)
     print("| setting | trained samples/s | all steps | ideal bound | fraction of bound | vs sync | stream wait s/step | "
-          "weight update s/step | stale groups /step: dropped at take / cancelled | servers: busy, mean batch, refill | trained response len |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "weight update s/step | stale groups /step: dropped at take / cancelled | staleness trained: mean / max | "
+          "servers: busy, mean batch, refill | trained response len |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for cells in rows:
         print("| " + " | ".join(cells) + " |")
     gen1, train1 = bound(costs, args, 1, args.trainers, prompt_len)
     print(f"\nideal bound = min(generation alone, training alone): one server alone {gen1:.2f} samples/s, "
           f"{args.trainers} trainer alone {train1:.2f} samples/s. Rates and per-step columns are over the measured "
           f"steps (after the warm-up), 'all steps' over steps 2..N; 'cancelled': groups a weight update made certain "
-          f"to be dropped, stopped there by their rollout worker; "
+          f"to be dropped, stopped there by their rollout worker; 'staleness trained' each step's oldest sample "
+          f"(staleness/head: the trained version minus its first token's), mean and max over the steps; "
           f"'busy' is the time servers spend in (simulated) decode and prefill over the run, 'mean batch' their "
           f"mean running batch (max {args.max_batch}), 'refill' the time from an interruption (a weight update's "
           f"pause) until a server's batch was back to its size; 'trained response len' the mean response tokens "

@@ -164,23 +164,28 @@ def test_generation_bench_quick_bf16_and_logprob_rows():
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("mode", ["interrupt", "inflight"])
+@pytest.mark.parametrize("mode", ["interrupt", "inflight+keep-stale"])
 def test_async_sim_bench_quick(tmp_path, mode):
     # Two launches (sync, async at eta 2) with the cost models of bench/sim_costs.py; ~50 s on an
-    # idle 2-core machine, mostly process start-up. `inflight`: the async run updates its server
-    # in flight (--inflight), the README's second table.
-    flags = ["--inflight"] if mode == "inflight" else []
+    # idle 2-core machine, mostly process start-up. `inflight+keep-stale`: the async run updates
+    # its server in flight (--inflight, the README's second table) and drops nothing (--keep-stale).
+    flags = ["--inflight", "--keep-stale"] if mode == "inflight+keep-stale" else []
     cmd = [sys.executable, os.path.join(ROOT, "bench", "async_sim.py"), "--quick", *flags, "--out", str(tmp_path)]
     proc = subprocess.run(cmd,
                           cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=220)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = table_rows(proc.stdout, skip="| setting", key=lambda first: first.split(",")[0])
     assert set(rows) == {"sync", "async"}, proc.stdout
-    tp, tp_all, bound, frac, speedup, _wait, _update, _dropped, usage, trained_len = rows["async"]
+    tp, tp_all, bound, frac, speedup, _wait, _update, _dropped, head, usage, trained_len = rows["async"]
     assert float(tp) > 0 and float(tp_all) > 0 and float(bound) > 0 and re.fullmatch(r"\d+%", frac) and re.fullmatch(r"[\d.]+x", speedup)
+    assert re.fullmatch(r"[\d.]+ / \d+", head), head
+    run_cfg = json.load(open(tmp_path / "async-1-2" / "config.json"))["rollout"]
+    assert (run_cfg["inflight_weight_update"], run_cfg["drop_stale"]) == ((True, False) if flags else (False, True))
+    if not flags:
+        assert int(head.split(" / ")[1]) <= 2, head  # eta 2, a hard bound
     # The servers ran the cost model (its utilization lines are in their logs), not the real engine.
     busy, batch, _refill = usage.split(", ")
     assert int(busy.rstrip("%")) > 0 and float(batch) >= 1, usage
     assert float(trained_len) > 0  # counted by the cost-model trainer (its log lines)
     assert float(rows["sync"][0]) > 0, rows["sync"]
-    assert ("in-flight updates" in proc.stdout) == (mode == "inflight"), proc.stdout
+    assert ("in-flight updates, stale kept" in proc.stdout) == bool(flags), proc.stdout

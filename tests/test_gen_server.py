@@ -426,11 +426,12 @@ def test_an_in_flight_update_ends_only_the_requests_started_before_a_version(ser
     assert newer.finish_reason == "length" and len(newer.output_ids) == 400 and set(newer.token_versions()) == {2, 3}
 
 
-@pytest.mark.parametrize("eta", [0, 1])
-def test_rollout_worker_stops_a_rollout_the_update_makes_too_stale(server, models, eta):
+@pytest.mark.parametrize("eta,drop_stale", [(0, True), (1, True), (0, False)])
+def test_rollout_worker_stops_a_rollout_the_update_makes_too_stale(server, models, eta, drop_stale):
     """The rollout worker's client against a real server: a request aborted by the update to
     version 1 started at version 0, so with eta 0 it can no longer be trained and is not
-    resubmitted (StaleRollout); with eta 1 it resumes and finishes."""
+    resubmitted (StaleRollout); with eta 1 it resumes and finishes, and so it does with eta 0 when
+    nothing is dropped (rollout.drop_stale=false)."""
     from types import SimpleNamespace
 
     from realcore.system.rollout_worker import RoutedClient, StaleRollout
@@ -441,11 +442,12 @@ def test_rollout_worker_stops_a_rollout_the_update_makes_too_stale(server, model
         async def watched(_server, call):
             return await call
 
-        stub = SimpleNamespace(cfg=SimpleNamespace(rollout=SimpleNamespace(request_retries=0, max_head_offpolicyness=eta)),
+        stub = SimpleNamespace(cfg=SimpleNamespace(rollout=SimpleNamespace(
+            request_retries=0, max_head_offpolicyness=eta, drop_stale=drop_stale)),
                                engine="local", client=lambda _server: client, watched=watched)
         routed = RoutedClient(stub, 0, server["http"])
         before = await client.server_info()
-        job = asyncio.ensure_future(generate_resumable(routed, PROMPT, params, rid=f"doomed-{eta}"))
+        job = asyncio.ensure_future(generate_resumable(routed, PROMPT, params, rid=f"doomed-{eta}-{drop_stale}"))
         await wait_until(client, lambda i: i["decode_steps"] >= before["decode_steps"] + 30)
         await client.update_weights_from_disk(models["B"], "1", abort_all_requests=True)
         try:
@@ -456,7 +458,7 @@ def test_rollout_worker_stops_a_rollout_the_update_makes_too_stale(server, model
             await restore_a(client, models)
 
     got, stale = drive(server, fn)
-    if eta == 0:
+    if eta == 0 and drop_stale:
         assert isinstance(got, Exception) and stale, got
     else:
         assert not stale and got.n_segments == 2 and len(got.output_ids) == 300 and (got.version_start, got.version_end) == (0, 1)
@@ -481,7 +483,7 @@ def test_rollout_worker_counts_staleness_from_the_first_token(server, models):
             replies.append((reply.finish_reason, len(reply.output_ids), reply.weight_version))
             return reply
 
-        stub = SimpleNamespace(cfg=SimpleNamespace(rollout=SimpleNamespace(request_retries=0, max_head_offpolicyness=1)),
+        stub = SimpleNamespace(cfg=SimpleNamespace(rollout=SimpleNamespace(request_retries=0, max_head_offpolicyness=1, drop_stale=True)),
                                engine="local", client=lambda _server: client, watched=watched)
         routed = RoutedClient(stub, 0, server["http"])
         fill = [asyncio.ensure_future(client.generate(PROMPT, long, rid=f"fill-{i}")) for i in range(8)]  # max batch 8
@@ -541,7 +543,7 @@ def test_a_retried_episode_counts_staleness_from_its_own_tokens(server, models):
         async def watched(_server, call):
             return await call
 
-        cfg = SimpleNamespace(rollout=SimpleNamespace(request_retries=0, max_head_offpolicyness=1, episode_retries=1),
+        cfg = SimpleNamespace(rollout=SimpleNamespace(request_retries=0, max_head_offpolicyness=1, drop_stale=True, episode_retries=1),
                               generation=GenerationConfig(n_samples=1, max_new_tokens=300, ignore_eos=True))
         worker = SimpleNamespace(index=0, cfg=cfg, engine="local", client=lambda _server: client, watched=watched,
                                  samples=[{"prompt_ids": [torch.tensor(PROMPT)]}], order=SimpleNamespace(index=lambda seq: 0),

@@ -3,7 +3,7 @@
 import pytest
 
 from realcore.system.protocol import ManagerState
-from realcore.system.staleness import Admission, admit, doomed, is_stale
+from realcore.system.staleness import Admission, admit, doomed, drop_bound, is_stale, update_mode
 
 
 class Ctl:
@@ -192,37 +192,74 @@ def test_concurrency_cap():
     assert admit(trained=0, running=2, batch_size=100, current_version=0, max_head_offpolicyness=9, max_concurrent_rollouts=3)
 
 
-def test_staleness_never_exceeds_eta_in_a_simulation():
-    """Rollouts finish in random order; batches are taken in arrival order, too-stale samples
-    dropped (and forgotten by the controller). The trained version minus each trained sample's
-    start version never exceeds eta, drops stay rare, and training never starves."""
+B_SIM = 4
+
+
+def simulate(eta, bound, *, B=B_SIM, rounds=2000):
+    """Rollouts finish in random order; batches are taken in arrival order, samples past `bound`
+    dropped (and forgotten by the controller; None: none). Returns (worst staleness trained,
+    dropped, steps)."""
     import random
 
     rng = random.Random(0)
-    for eta in (0, 1, 3):
-        B = 4
-        ctl = Ctl(B, eta, max_concurrent_rollouts=12)
-        running, arrived, worst, dropped, steps = [], [], 0, 0, 0
-        for _ in range(2000):
-            while ctl.try_allocate():
-                running.append(ctl.version)  # the version it starts generating with
-            rng.shuffle(running)
-            start = running.pop()
-            arrived.append((start, ctl.finish(accepted=True)))
-            stale = [g for v, g in arrived if is_stale(v, current_version=ctl.version, max_head_offpolicyness=eta)]
-            arrived = [(v, g) for v, g in arrived if not is_stale(v, current_version=ctl.version, max_head_offpolicyness=eta)]
-            dropped += len(stale)
-            ctl.a.resolve(trained=[], dropped=stale)
-            if len(arrived) >= B:  # the trainer takes a batch and publishes a new version
-                batch, arrived = arrived[:B], arrived[B:]
-                ctl.a.resolve(trained=[g for _, g in batch], dropped=[])
-                worst = max(worst, max(ctl.version - v for v, _ in batch))
-                ctl.version += 1
-                steps += 1
-        assert worst <= eta, (eta, worst)
-        # Random completion order is a harsh tail (a rollout can be overtaken forever); still most
-        # samples train and the trainer never starves.
-        assert steps > 300 and dropped < 0.5 * steps * B, (eta, steps, dropped)
+    ctl = Ctl(B, eta, max_concurrent_rollouts=12)
+    running, arrived, worst, dropped, steps = [], [], 0, 0, 0
+    for _ in range(rounds):
+        while ctl.try_allocate():
+            running.append(ctl.version)  # the version it starts generating with
+        rng.shuffle(running)
+        start = running.pop()
+        arrived.append((start, ctl.finish(accepted=True)))
+        stale = [g for v, g in arrived if is_stale(v, current_version=ctl.version, max_head_offpolicyness=bound)]
+        arrived = [(v, g) for v, g in arrived if not is_stale(v, current_version=ctl.version, max_head_offpolicyness=bound)]
+        dropped += len(stale)
+        ctl.a.resolve(trained=[], dropped=stale)
+        if len(arrived) >= B:  # the trainer takes a batch and publishes a new version
+            batch, arrived = arrived[:B], arrived[B:]
+            ctl.a.resolve(trained=[g for _, g in batch], dropped=[])
+            worst = max(worst, max(ctl.version - v for v, _ in batch))
+            ctl.version += 1
+            steps += 1
+    return worst, dropped, steps
+
+
+@pytest.mark.parametrize("eta", [0, 1, 3])
+def test_staleness_never_exceeds_eta_in_a_simulation(eta):
+    """The hard bound (drop_stale): the trained version minus each trained sample's start version
+    never exceeds eta, drops stay rare, and training never starves."""
+    worst, dropped, steps = simulate(eta, eta)
+    assert worst <= eta, (eta, worst)
+    # Random completion order is a harsh tail (a rollout can be overtaken forever); still most
+    # samples train and the trainer never starves.
+    assert steps > 300 and dropped < 0.5 * steps * B_SIM, (eta, steps, dropped)
+
+
+@pytest.mark.parametrize("eta", [1, 3])
+def test_admission_alone_drops_nothing_and_trains_more(eta):
+    """drop_stale=false (AReaL's bound): nothing is dropped, every finished rollout trains, so the
+    same rollouts make more steps; a rollout overtaken for long is trained staler than eta. (With
+    eta 0 nothing runs past its batch: the two are the same.)"""
+    hard_worst, hard_dropped, hard_steps = simulate(eta, eta)
+    worst, dropped, steps = simulate(eta, None)
+    assert dropped == 0 and hard_dropped > 0
+    assert steps > hard_steps and worst > eta, (steps, hard_steps, worst)
+
+
+def test_drop_bound_and_update_modes():
+    from types import SimpleNamespace
+
+    def cfg(drop, inflight, eta=2):
+        return SimpleNamespace(rollout=SimpleNamespace(max_head_offpolicyness=eta, drop_stale=drop,
+                                                       inflight_weight_update=inflight))
+
+    assert drop_bound(cfg(True, False).rollout) == 2 and drop_bound(cfg(False, False).rollout) is None
+    assert not is_stale(0, current_version=100, max_head_offpolicyness=None)
+    assert not doomed(0, 100, aborted=True, max_head_offpolicyness=None)
+    # Interrupted updates are the same either way (the rollouts resume); in flight, the update
+    # ends the requests that will be dropped, and with no bound none.
+    assert update_mode(cfg(True, False), 7) == update_mode(cfg(False, False), 7) == {"abort_all_requests": True}
+    assert update_mode(cfg(True, True), 7) == {"abort_started_before": 5}
+    assert update_mode(cfg(False, True), 7) == {}
 
 
 def test_dynamic_filtering_and_trajectory_layout():

@@ -229,6 +229,11 @@ class RolloutConfig(_Strict):
         "math-multi-turn | math-tool | a user's. It runs on rollout workers (async) and in the generate MFC (sync)")
     workflow_kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the workflow (e.g. max_turns)")
     max_head_offpolicyness: int = Field(0, ge=0, description="eta: admitted rollouts are at most this many versions stale")
+    drop_stale: bool = Field(
+        True, description="async mode. true: a trajectory whose first token is more than max_head_offpolicyness versions older than "
+        "the policy that would train it is dropped, and a rollout certain to be dropped stops early (a hard bound); "
+        "false: the bound holds at admission only, as in AReaL: every finished rollout is trained, a slow one possibly "
+        "staler than that (staleness/head shows it), and no generation is thrown away")
     max_concurrent_rollouts: int = Field(16, gt=0, description="rollouts in flight across all rollout workers")
     routing: Literal["round_robin", "least_requests"] = Field(
         "least_requests", description="which generation server (of those holding the current weights) runs the next "

@@ -32,7 +32,7 @@ from realcore.system.protocol import (BroadcastWeights, Clear, Configure, Config
                                       Status)
 from realcore.system import worker_state
 from realcore.system.sampler import EpochSampler
-from realcore.system.staleness import update_mode
+from realcore.system.staleness import drop_bound, update_mode
 from realcore.system.stream import TrajectoryStream
 
 log = logging.getLogger("realcore.model_worker")
@@ -163,7 +163,7 @@ class ModelWorker:
 
     def _take_stream(self, msg: Fetch) -> Fetched:
         groups, dropped = self.stream.take(msg.n, current_version=msg.version,
-                                           max_head_offpolicyness=self.cfg.rollout.max_head_offpolicyness)
+                                           max_head_offpolicyness=drop_bound(self.cfg.rollout))
         keys = self.stream.keys
         out = Fetched([], {k: [] for k in keys}, {k: [] for k in keys}, [], dropped=dropped)
         for k, group in enumerate(groups):

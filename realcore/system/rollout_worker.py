@@ -46,7 +46,7 @@ from realcore.system.name_resolve import make_name_resolver
 from realcore.system.protocol import (Allocate, AskServerVersion, Finish, Register, RemoteError, Reroute, parse,
                                       request)
 from realcore.system.sampler import EpochSampler
-from realcore.system.staleness import doomed
+from realcore.system.staleness import doomed, drop_bound
 from realcore.system.stream import Group, StreamPusher
 
 log = logging.getLogger("realcore.rollout_worker")
@@ -186,7 +186,7 @@ class RoutedClient:
             self.first_version = first if self.first_version is None else min(self.first_version, first)
         if self.first_version is not None and doomed(
                 self.first_version, version, aborted=reply.finish_reason == "abort",
-                max_head_offpolicyness=w.cfg.rollout.max_head_offpolicyness):
+                max_head_offpolicyness=drop_bound(w.cfg.rollout)):
             self.stale = True
             if reply.finish_reason == "abort":  # do not resubmit what would be dropped at take
                 raise StaleRollout(f"rollout {self.seq}: too stale to be trained (started at version "

@@ -6,8 +6,9 @@ batch_size`; it is admitted only if that is at most `current_version + max_head_
 so that, in expectation, no trained sample is more than `max_head_offpolicyness` versions older
 than the policy that trains on it. Rollouts finish out of order, so a slow one can still arrive
 after its batch: the trajectory stream drops such samples (`is_stale`) and the master tells the
-manager which (`resolve`, by the grant of each admission), which makes the bound hard. Concurrency is capped by
-`max_concurrent_rollouts`.
+manager which (`resolve`, by the grant of each admission), which makes the bound hard. With
+`rollout.drop_stale=false` nothing is dropped (AReaL's bound: admission alone; `drop_bound`).
+Concurrency is capped by `max_concurrent_rollouts`.
 
 Which prompt a rollout runs is decided here too: rollout worker w's rollouts are numbered by
 `seq`, its position in the worker's (deterministic) prompt order. The manager knows every seq in
@@ -33,8 +34,16 @@ def admit(*, trained: int, running: int, batch_size: int, current_version: int, 
     return expected_version <= current_version + max_head_offpolicyness
 
 
-def is_stale(version_start: int, *, current_version: int, max_head_offpolicyness: int) -> bool:
-    return current_version - version_start > max_head_offpolicyness
+def drop_bound(rollout) -> int | None:
+    """The staleness past which a trajectory is dropped (rollout config): max_head_offpolicyness,
+    or None with drop_stale=false, where admission alone bounds it (AReaL's rule: a slow rollout
+    is trained however stale it arrives)."""
+    return rollout.max_head_offpolicyness if rollout.drop_stale else None
+
+
+def is_stale(version_start: int, *, current_version: int, max_head_offpolicyness: int | None) -> bool:
+    """Past the bound (None: no bound, nothing is stale)."""
+    return max_head_offpolicyness is not None and current_version - version_start > max_head_offpolicyness
 
 
 def update_mode(cfg, version: int) -> dict:
@@ -44,11 +53,14 @@ def update_mode(cfg, version: int) -> dict:
     r = cfg.rollout
     if not r.inflight_weight_update:
         return {"abort_all_requests": True}
+    bound = drop_bound(r)
+    if bound is None:  # nothing will be dropped: every request goes on
+        return {}
     # A first token older than version - eta is stale for a trainer at `version` or later (is_stale).
-    return {"abort_started_before": max(0, version - r.max_head_offpolicyness)}
+    return {"abort_started_before": max(0, version - bound)}
 
 
-def doomed(first_version: int, reply_version: int, *, aborted: bool, max_head_offpolicyness: int) -> bool:
+def doomed(first_version: int, reply_version: int, *, aborted: bool, max_head_offpolicyness: int | None) -> bool:
     """Will a rollout whose first token came from `first_version` be dropped as stale, whatever
     happens next? The trainer takes it at a version no older than any a server has shown (the
     servers only get versions the trainer published), and one newer than a reply aborted by a

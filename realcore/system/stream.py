@@ -94,9 +94,9 @@ class TrajectoryStream:
                 self.received += 1
             wire.send(self.sock, {"grant": group.grant}, endpoint=self.endpoint, to=peer)
 
-    def take(self, n: int, *, current_version: int, max_head_offpolicyness: int):
+    def take(self, n: int, *, current_version: int, max_head_offpolicyness: int | None):
         """Up to n pending groups that are fresh enough for the current version, and the grants
-        of those that arrived too stale (dropped: a hard staleness bound)."""
+        of those that arrived too stale (dropped: a hard staleness bound; None: nothing is)."""
         out, dropped = [], []
         with self._lock:
             while len(out) < n and self.pending:
