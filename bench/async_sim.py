@@ -80,14 +80,19 @@ def run(experiment: str, args, out: str, costs: SimCosts, extra: list[str], warm
     return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
 
 
+def steady(metrics: list[dict], warmup: int) -> list[dict]:
+    """The steps after the warm-up (all of them if the run had no more)."""
+    return metrics[warmup:] or metrics
+
+
 def throughput(metrics: list[dict], samples: int, warmup: int) -> float:
-    steady = metrics[warmup:] or metrics
-    return samples * len(steady) / sum(m["time/step_s"] for m in steady)
+    rows = steady(metrics, warmup)
+    return samples * len(rows) / sum(m["time/step_s"] for m in rows)
 
 
 def mean(metrics: list[dict], key: str, warmup: int) -> float:
-    steady = metrics[warmup:] or metrics
-    return sum(m.get(key, 0.0) for m in steady) / len(steady)
+    rows = steady(metrics, warmup)
+    return sum(m.get(key, 0.0) for m in rows) / len(rows)
 
 
 def mean_prompt_len(args) -> float:
@@ -190,8 +195,7 @@ def main() -> None:
                 trained_len = trained_tokens_per_sample(out)
                 ideal = min(bound(costs, args, s, args.trainers, prompt_len, trained_len))
                 mode = (", in-flight updates" if args.inflight else "") + (", stale kept" if args.keep_stale else "")
-                steady = asyn[w:] or asyn
-                heads = [m["staleness/head"] for m in steady]
+                heads = [m["staleness/head"] for m in steady(asyn, w)]
                 rows.append([f"async, {s} server{'s' if s > 1 else ''} + {args.trainers} trainer, eta {eta}{mode}", f"{tp:.2f}",
                              f"{throughput(asyn, samples, 1):.2f}", f"{ideal:.2f}", f"{tp / ideal:.0%}", f"{tp / sync_tp:.2f}x",
                              f"{mean(asyn, 'time/stream_wait_s', w):.2f}", f"{mean(asyn, 'time/weight_update_s', w):.2f}",
