@@ -4,7 +4,7 @@
 # slurmctld slurmd slurm-client munge (see docs/test-clusters.md).
 #
 #   launch/slurm_test_cluster.sh up DIR      # prints the SLURM_CONF to export; waits until nodes are idle
-#   launch/slurm_test_cluster.sh down DIR    # cancels jobs, stops the daemons, leaves DIR
+#   launch/slurm_test_cluster.sh down DIR    # cancels jobs, stops the daemons (munged if up started it), leaves DIR
 set -euo pipefail
 
 cmd=${1:?usage: $0 up|down DIR}
@@ -70,6 +70,13 @@ EOF
         chown munge:munge /run/munge /var/log/munge /var/lib/munge /etc/munge/munge.key
         chmod 400 /etc/munge/munge.key
         runuser -u munge -- /usr/sbin/munged
+        # Ours to stop at `down` (a munged that was already running is left alone).
+        local deadline=$((SECONDS + 10))
+        until [ -s /run/munge/munged.pid ]; do
+            [ $SECONDS -lt $deadline ] || die "munged wrote no pid file within 10 s"
+            sleep 0.1
+        done
+        cp /run/munge/munged.pid "$dir/munged.pid"
     fi
     export SLURM_CONF="$conf"
     slurmctld -c -f "$conf"
@@ -96,6 +103,15 @@ down() {
         kill -9 "$pid" 2>/dev/null || true
         rm -f "$pidfile"
     done
+    if [ -f "$dir/munged.pid" ]; then  # only the munged that `up` started
+        pid=$(cat "$dir/munged.pid")
+        if [ "$(cat /proc/"$pid"/comm 2>/dev/null)" = munged ]; then
+            kill "$pid" 2>/dev/null || true
+            for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+            kill -9 "$pid" 2>/dev/null || true
+        fi
+        rm -f "$dir/munged.pid"
+    fi
 }
 
 case "$cmd" in
