@@ -30,18 +30,20 @@ def test_zmq_queue_rss_bench_quick():
     assert [int(k) for k, _ in rows] == [0, 25, 50] and all(float(v) > 0 for _, v in rows), proc.stdout
 
 
-@pytest.mark.timeout(150)
-def test_generation_bench_quick():
+@pytest.fixture(scope="module")
+def generation_quick():
+    """One `bench/generation.py --quick` run, shared by the two tests that read its tables."""
     # --no-vllm: with a vLLM interpreter the vLLM row would cost ~45 s of start-up (and vLLM's CPU
     # kernels refuse the tiny model's head_dim); the row must still be there, as a note.
-    proc = subprocess.run(
+    return subprocess.run(
         [sys.executable, os.path.join(ROOT, "bench", "generation.py"), "--quick", "--no-vllm"],
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=120,
+        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120,
     )
+
+
+@pytest.mark.timeout(150)
+def test_generation_bench_quick(generation_quick):
+    proc = generation_quick
     assert proc.returncode == 0, proc.stderr[-3000:]
     # Table rows by their first cell: {"built-in engine": ["512.3", "8100.0", "33/33"], ...}
     rows = table_rows(proc.stdout)
@@ -136,12 +138,9 @@ def test_wire_bench_quick():
 
 
 @pytest.mark.timeout(150)
-def test_generation_bench_quick_bf16_and_logprob_rows():
+def test_generation_bench_quick_bf16_and_logprob_rows(generation_quick):
     """The engine's speed-path rows: bf16 (or why not), the ratios to vLLM, the log-prob error table."""
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "bench", "generation.py"), "--quick", "--no-vllm"],
-        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120,
-    )
+    proc = generation_quick
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = table_rows(proc.stdout)
     bf16 = rows["built-in engine, bf16"]
