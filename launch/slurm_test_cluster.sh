@@ -69,6 +69,7 @@ EOF
         mkdir -p /run/munge /var/log/munge /var/lib/munge
         chown munge:munge /run/munge /var/log/munge /var/lib/munge /etc/munge/munge.key
         chmod 400 /etc/munge/munge.key
+        rm -f /run/munge/munged.pid  # a killed munged's leftover would pass for the new one's
         runuser -u munge -- /usr/sbin/munged
         # Ours to stop at `down` (a munged that was already running is left alone).
         local deadline=$((SECONDS + 10))
