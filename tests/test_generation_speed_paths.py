@@ -147,6 +147,52 @@ def test_bf16_logprobs_are_close_to_the_float32_recomputation(model_tok):
     assert errors.max() > 1e-4  # it did run in bf16
 
 
+@pytest.mark.parametrize("dtype", [None, "float32", pytest.param("bfloat16", marks=pytest.mark.skipif(
+    NO_BF16 is not None, reason=f"no bf16 on this CPU: {NO_BF16}"))])
+def test_a_group_is_prefilled_once(model_tok, dtype):
+    """GRPO's group, one prompt n times, is prefilled once per distinct sequence (3 rows for 7
+    requests here), and each request still gets what it gets alone: the greedy tokens and log-probs
+    of its prompt alone; sampled, the members of a group draw their own tokens."""
+    model, tok = model_tok
+    p = _prompts(tok)
+    group = [p[0]] * 4 + [p[1], p[2], p[0]]
+    engine = _engine(model, tok, dtype)
+    forward = engine.model.forward
+
+    def generate(gconfig):
+        """engine.generate(group), and the rows of each prefill it ran."""
+        rows = []
+
+        def counting(**kw):
+            if kw["input_ids"].shape[1] > 1:  # a prefill (a decode step feeds one token per row)
+                rows.append(kw["input_ids"].shape[0])
+            return forward(**kw)
+
+        engine.model.forward = counting  # (the model may be the fixture's: restored below)
+        try:
+            return engine.generate(group, gconfig), rows
+        finally:
+            del engine.model.forward
+
+    greedy, rows = generate(_greedy(12))
+    assert rows == [3]
+    alone = {i: _engine(model, tok, dtype).generate([p[i]], _greedy(12))[0] for i in range(3)}
+    for prompt, res in zip(group, greedy):
+        ref = alone[p.index(prompt)]
+        assert res.output_ids == ref.output_ids
+        assert res.output_logprobs == pytest.approx(ref.output_logprobs, abs=1e-4 if dtype != "bfloat16" else 2e-2)
+
+    sampled, rows = generate(GenerationConfig(max_new_tokens=12, max_batch_size=8, ignore_eos=True))
+    assert rows == [3]
+    assert len({tuple(r.output_ids) for r in sampled[:4]}) == 4  # one prefill, four draws
+    if dtype != "bfloat16":  # each sampled token's log-prob is the full forward's (bf16's: above)
+        for prompt, res in zip(group, sampled):
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + res.output_ids])).logits[0, len(prompt) - 1 : -1]
+            expected = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(res.output_ids)[:, None])[:, 0]
+            torch.testing.assert_close(torch.tensor(res.output_logprobs), expected, atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.skipif(
     NO_BF16 is not None, reason=f"no bf16 on this CPU: {NO_BF16}"))])
 def test_weight_updates_reach_every_parameter(model_tok, dtype):
@@ -218,7 +264,7 @@ def test_bf16_engine_reports_the_sampled_tokens_float32_logit(model_tok):
     engine = GenerationEngine(copy.deepcopy(model), tok, seed=3, dtype="bfloat16")
     base = engine.generate(prompts, gconfig)
     exact = engine._head.exact
-    engine._head.exact = lambda tokens: exact(tokens) + 0.25
+    engine._head.exact = lambda tokens, rows=None: exact(tokens, rows) + 0.25
     shifted = engine.generate(prompts, gconfig)
     for a, b in zip(base, shifted):
         assert a.output_ids == b.output_ids

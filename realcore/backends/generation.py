@@ -15,7 +15,9 @@ Batching: the KV cache is preallocated (realcore.backends.kv_cache): row i of th
 owns slot i, its token at position p sits in column p, and a decode step writes one column per
 row in place and attends over the live prefix with a per-row mask; explicit position ids make a
 row's output independent of its batch-mates. Prefill runs the new requests left-padded through
-an HF `DynamicCache` and copies each row's keys/values into its slot.
+an HF `DynamicCache` and copies each row's keys/values into its slot; requests admitted together
+with the same tokens (GRPO's group: one prompt n times) share one prefill row, its logits and a
+copy of its keys/values.
 
 Precision (`dtype`, given when the engine owns its model: a generation server): "float32", whose
 linear layers then multiply through oneDNN rather than torch's default BLAS
@@ -257,10 +259,16 @@ class GenerationEngine:
             return
         # A retracted request has output already: its prefill covers it and samples the next token.
         seqs = [r.prompt_ids + r.output_ids for r in new]
-        length = max(len(s) for s in seqs)
-        ids = torch.full((len(new), length), self.pad_token_id, dtype=torch.long)  # (N, L) left-padded
-        mask = torch.zeros((len(new), length), dtype=torch.long)
-        for i, seq in enumerate(seqs):
+        # GRPO's group is one prompt n times: each distinct sequence is prefilled once, and the
+        # requests that share it take its logits (each samples with its own generator) and a copy
+        # of its keys/values.
+        first: dict[tuple[int, ...], int] = {}
+        rows = [first.setdefault(tuple(s), len(first)) for s in seqs]  # request i -> its prefill row
+        distinct = [list(s) for s in first]
+        length = max(len(s) for s in distinct)
+        ids = torch.full((len(distinct), length), self.pad_token_id, dtype=torch.long)  # (U, L) left-padded
+        mask = torch.zeros((len(distinct), length), dtype=torch.long)
+        for i, seq in enumerate(distinct):
             ids[i, length - len(seq) :] = torch.tensor(seq)
             mask[i, length - len(seq) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
@@ -272,13 +280,15 @@ class GenerationEngine:
             position_ids=positions,
             past_key_values=cache,
             use_cache=True,
-            logits_to_keep=1,  # only the last position is sampled; saves (N, L, V) logits
+            logits_to_keep=1,  # only the last position is sampled; saves (U, L, V) logits
         )
-        self._sample(new, out.logits[:, -1])
+        logits = out.logits[:, -1]  # (U, V)
+        rows_t = torch.tensor(rows, device=self.device) if len(distinct) < len(new) else None
+        self._sample(new, logits if rows_t is None else logits[rows_t], rows_t)
         B = len(self._running)
         width = max([r.n_tokens() - 1 for r in self._running] + [length])
         self._kv.reserve(B + len(new), width, live=(B, width))
-        self._kv.write_prefill(B, cache.layers, [len(s) for s in seqs])
+        self._kv.write_prefill(B, cache.layers, [len(s) for s in seqs], rows)
         self._running = self._running + new
 
     def _retire(self) -> list[tuple[int, GenerationResult]]:
@@ -298,8 +308,10 @@ class GenerationEngine:
             self._kv.release()  # idle: give the memory back
         return done
 
-    def _sample(self, reqs: list[_Request], logits: torch.Tensor) -> None:
-        """Pick one token per row (logits: (B, V)), record it and its log-prob, mark finished rows."""
+    def _sample(self, reqs: list[_Request], logits: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Pick one token per row (logits: (B, V)), record it and its log-prob, mark finished rows.
+        `rows`: each request's row of the forward that made the logits, where requests share rows
+        (a prefill of distinct sequences); None: row i is request i."""
         tokens, logprobs = sample_tokens(
             logits,
             temperature=[r.gconfig.temperature for r in reqs],
@@ -309,9 +321,9 @@ class GenerationEngine:
             rngs=[r.rng for r in reqs],
         )
         if self._head is not None:  # a token from the bf16 tail: its log-prob from its float32 logit
-            rows = torch.arange(len(reqs), device=logits.device)
+            batch = torch.arange(len(reqs), device=logits.device)
             temps = torch.tensor([r.gconfig.temperature for r in reqs], device=logits.device)
-            logprobs = logprobs + (self._head.exact(tokens) - logits[rows, tokens].float()) / temps
+            logprobs = logprobs + (self._head.exact(tokens, rows) - logits[batch, tokens].float()) / temps
         for r, tok, lp in zip(reqs, tokens.tolist(), logprobs.tolist()):
             r.output_ids.append(tok)
             r.output_logprobs.append(lp)
@@ -363,10 +375,12 @@ class _Bf16Head:
         linear.forward = head  # an instance attribute: the module and its state_dict stay as they were
         return head
 
-    def exact(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Float32 logits of `tokens` (B,) at the last position of the last call's rows (B, T, H)."""
+    def exact(self, tokens: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Float32 logits of `tokens` (B,) at the last position of the last call's rows (B, T, H),
+        or of its rows `rows` (B,) where tokens share rows."""
         w, b = self.linear.weight, self.linear.bias
-        out = (w[tokens] * self.last_x[:, -1].float()).sum(-1)
+        x = self.last_x[:, -1] if rows is None else self.last_x[rows, -1]
+        out = (w[tokens] * x.float()).sum(-1)
         return out if b is None else out + b[tokens]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

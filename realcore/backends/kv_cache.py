@@ -57,13 +57,16 @@ class SlotKVCache:
         """Free the buffers (the engine is idle)."""
         self.keys, self.values, self.slots, self.capacity = [], [], 0, 0
 
-    def write_prefill(self, first_slot: int, layers, lengths: list[int]) -> None:
-        """Copy a left-padded prefill's keys/values (HF cache layers of (N, H, L, D)) into slots
-        first_slot.. , row i's real tokens (its last lengths[i] columns) to columns 0..lengths[i]-1."""
+    def write_prefill(self, first_slot: int, layers, lengths: list[int], rows: list[int] | None = None) -> None:
+        """Copy a left-padded prefill's keys/values (HF cache layers of (U, H, L, D)) into slots
+        first_slot.. : slot first_slot + i gets row rows[i] (default i), its real tokens (its last
+        lengths[i] columns) in columns 0..lengths[i]-1. Rows may repeat: requests that share a
+        sequence share its prefill."""
+        rows = range(len(lengths)) if rows is None else rows
         for layer, src in enumerate(layers):
-            for i, n in enumerate(lengths):
-                self.keys[layer][first_slot + i, :, :n] = src.keys[i, :, src.keys.shape[2] - n :]
-                self.values[layer][first_slot + i, :, :n] = src.values[i, :, src.values.shape[2] - n :]
+            for i, (row, n) in enumerate(zip(rows, lengths)):
+                self.keys[layer][first_slot + i, :, :n] = src.keys[row, :, src.keys.shape[2] - n :]
+                self.values[layer][first_slot + i, :, :n] = src.values[row, :, src.values.shape[2] - n :]
 
     def move(self, src: int, dst: int, columns: int) -> None:
         """Slot `src`'s first `columns` positions into slot `dst` (a finished row's slot is reused)."""
