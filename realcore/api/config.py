@@ -95,8 +95,8 @@ class RoleConfig(_Strict):
         "gradients and optimizer state sharded over data-parallel ranks by FSDP2; generates on generation servers "
         "only) | megatron; None: for the actor torch on a data-parallel training mesh, megatron when "
         "allocation_mode asks for pN/tN/cN/eN > 1; other roles: the actor's backend")
-    dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="compute dtype. bfloat16 — torch: autocast to bf16; fsdp: parameters gathered in bf16 "
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="compute dtype. auto: bfloat16 on a GPU, float32 on a CPU. bfloat16 — torch: autocast to bf16; fsdp: parameters gathered in bf16 "
         "(FSDP2 MixedPrecisionPolicy), gradients reduced in float32; both keep float32 parameters and optimizer "
         "state. megatron: megatron-core's mixed precision, bf16 parameters with float32 main gradients, master "
         "weights and Adam state. Log-probs are taken in float32 from the bf16 logits. Refused on a CPU without bf16 "
@@ -171,8 +171,13 @@ class GenerationConfig(_Strict):
     max_batch_size: int = Field(
         64, gt=0, description="sequences decoded together by the built-in engine; also each generation server's "
         "limit (built-in: prompts per /generate request; SGLang --max-running-requests; vLLM --max-num-seqs)")
-    dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="weights of the built-in generation server's engine. float32: its linear layers "
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="where the built-in generation server's engine runs (weights, KV cache, sampling). auto: "
+        "the GPU its process was placed on when it has one (system.gpus), else the CPU; cuda: a GPU or a one-line "
+        "error; cpu: the CPU even on a GPU node")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="weights of the built-in generation server's engine. auto: bfloat16 on a GPU (the whole "
+        "model in bf16, log-probs from its logits in float32), float32 on a CPU. On a CPU, float32: its linear layers "
         "multiply through oneDNN (as vLLM's CPU backend; torch's default BLAS was half as fast on an AMD CPU). "
         "bfloat16 stores and multiplies "
         "the decoder's linear layers in bf16 (1.5-1.6x the tokens/s of float32 on a CPU with avx512_bf16 / amx_bf16; "
@@ -262,6 +267,10 @@ class RolloutConfig(_Strict):
     server_token: str | None = Field(
         None, description="the bearer token every generation server of the run requires (loopback too); None: "
         "derived from the run's secret (OUTPUT_DIR/.secret). Set it to call the servers yourself")
+    server_mem_fraction: float | None = Field(
+        None, gt=0, le=1, description="SGLang (--mem-fraction-static) and vLLM (--gpu-memory-utilization) on GPUs: the "
+        "share of each GPU's memory the server takes for weights and KV cache. None: 0.85 divided by the number of "
+        "processes placed on that GPU (system.gpus)")
     server_python: str | None = Field(
         None, description="the interpreter that runs SGLang/vLLM servers (e.g. /opt/sglang-venv/bin/python), so the "
         "engine can live in its own environment; None: realcore's own (sys.executable)")
@@ -360,9 +369,9 @@ class RayConfig(_Strict):
 
     address: str | None = Field(None, description="ray.init address ('auto', 'ray://host:10001'); None starts a local Ray")
     cpus_per_worker: float = Field(1.0, gt=0, description="CPUs of every worker process (fractions allowed)")
-    gpus_per_worker: int = Field(
-        0, ge=0, le=1, description="0: no GPU; 1: each model worker (one rank) and built-in server gets one GPU, "
-        "each SGLang/vLLM server tp*pp (allocation_mode)")
+    gpus_per_worker: int | None = Field(
+        None, ge=0, le=1, description="0: no GPU; 1: each model worker (one rank) and built-in server gets one GPU, "
+        "each SGLang/vLLM server tp*pp (allocation_mode). None: 1 when the Ray cluster has GPUs, else 0")
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK", description="Ray strategy of each mesh's placement group (the model workers; the generation servers): "
         "PACK: few nodes; SPREAD: many; STRICT_PACK: one node; STRICT_SPREAD: one worker per node")
@@ -374,6 +383,11 @@ class SystemConfig(_Strict):
 
     threads_per_process: int = Field(
         1, gt=0, description="CPU threads of every worker process (torch.set_num_threads, OMP_NUM_THREADS, MKL_NUM_THREADS)")
+    gpus: list[str] | None = Field(
+        None, description="scheduler=local: the node's GPU slots, as CUDA_VISIBLE_DEVICES entries, in the order "
+        "processes are placed on them (generation servers first, tp*pp each, then one per training rank). None: the "
+        "visible CUDA devices (none on a CPU machine: every process runs on the CPU). A GPU named twice holds two "
+        "processes (e.g. [0,0]: a server and a trainer on one GPU); [] runs everything on the CPU")
     host: str = Field("127.0.0.1", description="address workers bind and publish; 'auto': this node's address")
     interface: str | None = Field(None, description="bind on this network interface's IPv4 address (e.g. ib0); overrides host")
     heartbeat_interval_s: float = Field(

@@ -1,5 +1,7 @@
 """The compute dtype of a model role (RoleConfig.dtype), and whether this machine can run it.
 
+"auto" (the default) is bfloat16 on a GPU and float32 on a CPU.
+
 bf16 on a CPU without bf16 instructions is converted to float32 and back around every op: slower
 than float32 and no more exact than bf16, so it is refused rather than run.
 """
@@ -31,8 +33,18 @@ def bf16_unsupported(device_type: str, cpuinfo: str = "/proc/cpuinfo") -> str | 
     return None
 
 
+def resolve_dtype_name(name: str, device: torch.device | str) -> str:
+    """"auto" -> "bfloat16" on a GPU, "float32" elsewhere (a CPU keeps float32: bf16 there is an
+    opt-in speed mode with a log-prob cost); other names as given."""
+    if name != "auto":
+        return name
+    return "bfloat16" if torch.device(device).type == "cuda" else "float32"
+
+
 def compute_dtype(name: str, device: torch.device) -> torch.dtype:
-    """RoleConfig.dtype as a torch dtype; ValueError when the device cannot compute in it."""
+    """RoleConfig.dtype ("auto" resolved for `device`) as a torch dtype; ValueError when the device
+    cannot compute in it."""
+    name = resolve_dtype_name(name, device)
     if name == "float32":
         return torch.float32
     if name != "bfloat16":
