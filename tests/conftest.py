@@ -19,8 +19,19 @@ END_TO_END = ("test_e2e_", "test_bad_input", "test_fuzz", "test_recovery", "test
               "test_bench_", "test_user_extension", "test_wandb_logging")
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu(n=1): needs n CUDA GPUs; skips where fewer are visible, saying how many it "
+                            "needs (bench/gpu_check.py runs every one of them: pytest -m gpu)")
+
+
 def pytest_collection_modifyitems(session, config, items):
     items.sort(key=lambda item: item.module.__name__.startswith(END_TO_END))
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for item in items:
+        marker = item.get_closest_marker("gpu")
+        need = (marker.args[0] if marker.args else marker.kwargs.get("n", 1)) if marker else 0
+        if need > have:
+            item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA GPU(s); this machine has {have}"))
 
 
 def skip_unless_ci(reason: str) -> None:

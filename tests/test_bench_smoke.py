@@ -188,3 +188,23 @@ def test_async_sim_bench_quick(tmp_path, mode):
     assert float(trained_len) > 0  # counted by the cost-model trainer (its log lines)
     assert float(rows["sync"][0]) > 0, rows["sync"]
     assert ("in-flight updates, stale kept" in proc.stdout) == bool(flags), proc.stdout
+
+
+@pytest.mark.timeout(420)
+def test_gpu_check_quick(tmp_path):
+    """bench/gpu_check.py --quick: the GPU check's every row, on this CPU with tiny sizes (so that
+    the check itself never rots); each row passes, or skips saying why (a GPU test, nccl on one GPU)."""
+    out = tmp_path / "table.md"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_check.py"), "--quick", "--work",
+                           str(tmp_path / "work"), "--out", str(out)],
+                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    rows = table_rows(out.read_text(), skip="| check")
+    results = {name: cells[0] for name, cells in rows.items() if cells and cells[0] in ("PASS", "FAIL", "SKIP")}
+    assert set(results.values()) <= {"PASS", "SKIP"}, results
+    for prefix in ("sync ppo-math, tiny", "sync ppo-math, SmolLM2-135M", "async ppo-math, disk", "async ppo-math, memory",
+                   "async ppo-math, nccl", "engine tokens/s", "engine greedy tokens", "engine float32 log-probs",
+                   "train step, smollm2-135m", "train step, qwen2.5-0.5b"):
+        assert any(name.startswith(prefix) and results[name] == "PASS" for name in results), (prefix, results)
+    gpu_tests = [name for name in results if name.startswith("test ")]
+    assert gpu_tests and all(results[n] == "SKIP" for n in gpu_tests), results  # no GPU here: each says what it needs
