@@ -2,7 +2,7 @@
 trainer's recomputation.
 
 One real trainer per method (a float32 TorchEngine on the tiny model, trained with a learning rate
-that moves its log-probs on the prompts below by ~0.5 per step, measured and asserted), and one
+that moves its log-probs on the prompts below by 0.2-0.7 per step, measured and asserted), and one
 real built-in server process (float32, bearer token, in-memory weights socket) shared by the
 methods; each test first puts the server back on the base weights. Each method runs as a run
 publishes (realcore.system.model_worker): `disk` (save_hf, then /update_weights_from_disk),
@@ -63,7 +63,7 @@ def model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    """{"http", "weights"} of a built-in server of `model_dir`, with its log file."""
+    """{"http", "weights"}: the addresses of a built-in server of `model_dir`."""
     log = open(tmp_path_factory.mktemp("log") / "server.log", "w+")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SECRET_HEX": SECRET.hex()}
     proc = subprocess.Popen([sys.executable, "-c", SERVER, model_dir, TOKEN], stdout=subprocess.PIPE, stderr=log,
@@ -73,7 +73,7 @@ def server(model_dir, tmp_path_factory):
         if not line:
             log.seek(0)
             pytest.fail(f"server did not start:\n{log.read()[-3000:]}")
-        yield {**json.loads(line), "log": log}
+        yield json.loads(line)
     finally:
         proc.terminate()  # SIGTERM: run_server returns, the process exits 0
         assert proc.wait(timeout=30) == 0
@@ -94,11 +94,12 @@ def call(url: str, fn):
 
 
 def trainer(model_dir: str, with_lora: bool) -> TorchEngine:
-    """Constant learning rates that move the log-probs of the sampled tokens by ~0.5 per step
-    (measured: mean 0.3-0.9 full, 0.3-0.7 LoRA), far above TOLERANCE."""
+    """Float32 compute (the role's "auto" is bf16 on a GPU). Constant learning rates that move the
+    log-probs of the sampled tokens by 0.2-0.7 per step on average (measured), far above MIN_MOVE."""
     lr = 3e-2 if with_lora else 5e-3
     cfg = LoraConfig(rank=4, alpha=8.0) if with_lora else None
-    role = RoleConfig(trainable=True, optimizer=OptimizerConfig(lr=lr, lr_scheduler="constant"), lora=cfg)
+    role = RoleConfig(trainable=True, dtype="float32", optimizer=OptimizerConfig(lr=lr, lr_scheduler="constant"),
+                      lora=cfg)
     return TorchEngine(model_dir, role, total_steps=ROUNDS)
 
 
@@ -164,10 +165,11 @@ def trainable(engine: TorchEngine) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_server_logprobs_equal_the_trainers_after_each_update(method, model_dir, server, tmp_path):
+def test_server_logprobs_equal_the_trainers_after_each_update(method, model_dir, server, tmp_path, monkeypatch):
     engine = trainer(model_dir, method.startswith("lora"))
     sender = None
     if method.endswith("nccl"):
+        monkeypatch.setattr(weight_group, "default_backend", lambda: "gloo")  # the CPU server's, on a GPU host too
         cfg = SimpleNamespace(
             system=SimpleNamespace(host="127.0.0.1", startup_timeout_s=30.0, request_timeout_s=30.0),
             rollout=SimpleNamespace(server_token=TOKEN, request_timeout_s=30.0, weight_bucket_mb=0.05))
@@ -192,9 +194,9 @@ def test_server_logprobs_equal_the_trainers_after_each_update(method, model_dir,
                                  (served - before).abs().mean().item())
             seen.append((version, err, moved))
             assert moved > MIN_MOVE, f"v{version}: the step barely moved the policy (mean {moved:.3f})"
-            assert stale > MIN_MOVE, f"v{version}: the server still looks like the previous weights ({stale:.3f})"
             assert err <= TOLERANCE, (f"v{version} by {method}: max |server - trainer| = {err:.2e} > {TOLERANCE:g} "
                                       f"(the step moved log-probs by {moved:.3f} on average)")
+            assert stale > MIN_MOVE, f"v{version}: the server still looks like the previous weights ({stale:.3f})"
     finally:
         if sender is not None and sender.group is not None:
             weight_group.close_group(sender.group)
