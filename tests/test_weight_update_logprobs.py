@@ -143,6 +143,11 @@ def sample(server: dict) -> list:
     return call(server["http"], fn)
 
 
+def served(replies) -> torch.Tensor:
+    """The server's behaviour log-probs of every generated token, concatenated as recompute's."""
+    return torch.tensor([x for r in replies for x in r.output_logprobs])
+
+
 def recompute(engine: TorchEngine, replies, params: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """The trainer's log-probs (temperature 1) of every generated token, concatenated; with `params`
     (trainable parameters by name) in place of the current ones for this call."""
@@ -178,7 +183,7 @@ def test_server_logprobs_equal_the_trainers_after_each_update(method, model_dir,
     call(server["http"], lambda c: c.update_weights_from_disk(model_dir, "0"))
     replies = sample(server)
     assert [r.weight_version for r in replies] == ["0"] * len(PROMPTS)
-    err = float((torch.tensor([x for r in replies for x in r.output_logprobs]) - recompute(engine, replies)).abs().max())
+    err = float((served(replies) - recompute(engine, replies)).abs().max())
     assert err <= TOLERANCE, f"before any update the server already disagrees: {err:.2e}"
     seen = []
     try:
@@ -188,10 +193,10 @@ def test_server_logprobs_equal_the_trainers_after_each_update(method, model_dir,
             publish(method, engine, server, version, tmp_path, sender)
             replies = sample(server)
             assert [r.weight_version for r in replies] == [str(version)] * len(PROMPTS)
-            served = torch.tensor([x for r in replies for x in r.output_logprobs])
+            behaviour = served(replies)
             now, before = recompute(engine, replies), recompute(engine, replies, previous)
-            err, moved, stale = ((served - now).abs().max().item(), (now - before).abs().mean().item(),
-                                 (served - before).abs().mean().item())
+            err, moved, stale = ((behaviour - now).abs().max().item(), (now - before).abs().mean().item(),
+                                 (behaviour - before).abs().mean().item())
             seen.append((version, err, moved))
             assert moved > MIN_MOVE, f"v{version}: the step barely moved the policy (mean {moved:.3f})"
             assert err <= TOLERANCE, (f"v{version} by {method}: max |server - trainer| = {err:.2e} > {TOLERANCE:g} "
