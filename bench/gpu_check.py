@@ -63,10 +63,11 @@ NEEDED = {"zmq": "pyzmq", "msgpack": "msgpack", "blake3": "blake3", "pydantic": 
 # Pins: the versions setup.py asks for where it pins; the rest as pip resolves them for the target.
 WHEEL_PINS = {"pyzmq": "27.3.0", "blake3": "1.0.11", "hydra-core": "1.3.8", "megatron-core": "0.16.1",
               "openai": "3.54.0", "peft": "0.21.2"}
-# Their own needs that a CUDA image may lack (pure-Python where not noted).
-WHEEL_EXTRAS = ["pydantic-core", "annotated-types", "typing-inspection", "antlr4-python3-runtime==4.9.3",
-                "distro", "jiter", "sniffio"]
-PURE_PYTHON_SDISTS = ("antlr4-python3-runtime",)  # no wheel on PyPI: built here, pure Python
+# Downloaded with their dependencies, resolved for the target (pydantic pins its compiled core).
+WITH_DEPS = ("pydantic", "openai")
+# Their own needs that a CUDA image may lack; antlr4 (hydra's parser) has no wheel on PyPI: it is
+# built here (pure Python).
+WHEEL_EXTRAS = ["antlr4-python3-runtime==4.9.3"]
 
 # Shapes of the real models the training and sync rows use (their config.json, without weights).
 SHAPES = {
@@ -430,38 +431,45 @@ def engine_dtype(device) -> str:
 
 
 def build_wheels(out: str, python_version: str, platforms: list[str]) -> int:
-    """Download the wheels of NEEDED + WHEEL_EXTRAS for the target into `out` (one command, on a
-    machine with network access); pure-Python sdists without wheels are built here."""
+    """Download the wheels of NEEDED (+ WITH_DEPS' dependencies) for the target into `out` (one
+    command, on a machine with network access); antlr4's sdist is built into a wheel here."""
     os.makedirs(out, exist_ok=True)
-    wanted = [f"{d}=={WHEEL_PINS[d]}" if d in WHEEL_PINS else d for d in dict.fromkeys(NEEDED.values())]
-    wanted += [w for w in WHEEL_EXTRAS if not w.startswith(PURE_PYTHON_SDISTS)]
     plat = [a for p in platforms for a in ("--platform", p)]
-    base = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version",
-            python_version, "--implementation", "cp", *plat, "-d", out]
-    for req in wanted:
-        if subprocess.run([*base, req]).returncode != 0:
+    base = [sys.executable, "-m", "pip", "download", "--only-binary=:all:", "--python-version", python_version,
+            "--implementation", "cp", *plat, "-d", out]
+    for dist in dict.fromkeys(NEEDED.values()):
+        req = f"{dist}=={WHEEL_PINS[dist]}" if dist in WHEEL_PINS else dist
+        if subprocess.run([*base, *([] if dist in WITH_DEPS else ["--no-deps"]), req]).returncode != 0:
             print(f"gpu_check: no wheel of {req} for Python {python_version} on {platforms}", file=sys.stderr)
             return 1
     for req in WHEEL_EXTRAS:
-        if req.startswith(PURE_PYTHON_SDISTS):
-            if subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", out, req]).returncode != 0:
-                return 1
-    total = sum(os.path.getsize(f) for f in glob.glob(os.path.join(out, "*.whl")))
-    print(f"gpu_check: {len(glob.glob(os.path.join(out, '*.whl')))} wheels, {total / 2**20:.1f} MiB in {out}")
+        if subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", out, req]).returncode != 0:
+            return 1
+    wheels = glob.glob(os.path.join(out, "*.whl"))
+    print(f"gpu_check: {len(wheels)} wheels, {sum(map(os.path.getsize, wheels)) / 2**20:.1f} MiB in {out}")
     return 0
 
 
+def _distribution(wheel: str) -> str:
+    return os.path.basename(wheel).split("-")[0].lower().replace("_", "-")
+
+
 def install_wheels(folder: str) -> None:
-    """pip-install (no index, no dependencies) the wheels of `folder` for the modules this
-    interpreter lacks; torch and transformers are never touched."""
-    missing = [mod for mod in NEEDED if importlib.util.find_spec(mod.split(".")[0]) is None
-               or (mod == "megatron.core" and importlib.util.find_spec("megatron.core") is None)]
-    if not missing:
-        return
-    wheels = [w for w in glob.glob(os.path.join(folder, "*.whl"))
-              if not os.path.basename(w).lower().startswith(("torch-", "transformers-"))]
-    print(f"gpu_check: installing {len(wheels)} wheels from {folder} (missing: {', '.join(missing)})", flush=True)
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", *wheels], check=True)
+    """pip-install (no index, no dependencies) the wheels of `folder` whose distribution this
+    interpreter lacks: what it has (torch, transformers, numpy, ...) is never replaced."""
+    import importlib.metadata
+
+    def installed(dist: str) -> bool:
+        try:
+            importlib.metadata.version(dist)
+            return True
+        except importlib.metadata.PackageNotFoundError:
+            return False
+
+    wheels = [w for w in sorted(glob.glob(os.path.join(folder, "*.whl"))) if not installed(_distribution(w))]
+    if wheels:
+        print(f"gpu_check: installing {', '.join(_distribution(w) for w in wheels)} from {folder}", flush=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", *wheels], check=True)
 
 
 # --- the table -------------------------------------------------------------------------------------
@@ -485,8 +493,11 @@ def _one_line(text: str) -> str:
 
 
 def _last(text: str) -> str:
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    return _one_line(lines[-1])[:160] if lines else "no output"
+    """The line that says why a run failed: the last error a traceback or the launcher printed,
+    else the last line."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    said = [line for line in lines if "Error" in line or "error:" in line or " died " in line or "FAILED" in line]
+    return _one_line((said or lines or ["no output"])[-1])[:200]
 
 
 def format_table(rows: list[Row], header: str) -> str:
