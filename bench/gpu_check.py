@@ -59,10 +59,10 @@ NEEDED = {"zmq": "pyzmq", "msgpack": "msgpack", "blake3": "blake3", "pydantic": 
           "omegaconf": "omegaconf", "networkx": "networkx", "safetensors": "safetensors", "psutil": "psutil",
           "aiohttp": "aiohttp", "megatron.core": "megatron-core", "openai": "openai", "peft": "peft",
           "accelerate": "accelerate", "gguf": "gguf", "tensorboard": "tensorboard", "sympy": "sympy",
-          "matplotlib": "matplotlib", "reasoning_gym": "reasoning-gym"}
+          "matplotlib": "matplotlib"}
 # Pins: the versions setup.py asks for where it pins; the rest as pip resolves them for the target.
-WHEEL_PINS = {"pyzmq": "27.3.0", "blake3": "1.0.11", "hydra-core": "1.3.8", "megatron-core": "0.16.1",
-              "openai": "3.54.0", "peft": "0.21.2"}
+WHEEL_PINS = {"pyzmq": "27.3.0", "blake3": "1.0.11", "hydra-core": "1.3.8", "omegaconf": "2.3.1",  # hydra 1.3.8: <2.4
+              "megatron-core": "0.16.1", "openai": "3.54.0", "peft": "0.21.2"}
 # Downloaded with their dependencies, resolved for the target (pydantic pins its compiled core).
 WITH_DEPS = ("pydantic", "openai")
 # Their own needs that a CUDA image may lack; antlr4 (hydra's parser) has no wheel on PyPI: it is
