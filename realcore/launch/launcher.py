@@ -6,8 +6,9 @@ starts nothing.
 
 Exit codes: 0 done; 1 a worker failed (recover_mode=auto: once the restarts are used up); 2 bad
 config or input, a node with too few GPUs for the allocation, or the output_dir is in use by
-another launcher (one line, no traceback, before any worker starts); 75 preempted (a recover checkpoint holds the run: launch the same
-command again with recover_mode=resume or auto); 130 interrupted.
+another launcher (one line, no traceback, before any worker starts); 75 preempted (a recover
+checkpoint holds the run: launch the same command again with recover_mode=resume or auto); 130
+interrupted.
 """
 
 from __future__ import annotations
