@@ -149,8 +149,12 @@ def test_slurm_asks_sinfo_for_the_gpus_per_node(monkeypatch):
     for out, n in answers.items():
         monkeypatch.setattr(slurm.subprocess, "run", lambda argv, out=out, **kw: subprocess.CompletedProcess(argv, 0, out, ""))
         assert slurm.sinfo_gpus_per_node("gpu") == n, out
+    monkeypatch.setattr(slurm.subprocess, "run", lambda argv, **kw: subprocess.CompletedProcess(argv, 1, "", "fatal"))
+    assert slurm.sinfo_gpus_per_node(None) is None  # sinfo failing: unknown
+
     def missing(argv, **kw):
         raise FileNotFoundError(argv[0])
+
     monkeypatch.setattr(slurm.subprocess, "run", missing)
     cfg = cfg_of("scheduler=slurm", "allocation_mode=local.d2+d2")
     slurm.resolve_gpus_per_node(cfg)
@@ -170,6 +174,38 @@ def test_ray_gpus_per_worker_follows_the_cluster():
     text = describe_bundles(cfg, parse_allocation_mode(cfg.allocation_mode))
     assert "gen_server: a placement group of 2 bundle(s) {'CPU': 1.0, 'GPU': 2}" in text
     assert cluster_gpus_per_worker(cfg_of("scheduler=ray", "ray.gpus_per_worker=0"), {"GPU": 8.0}) == 0
+
+
+def test_engine_servers_and_their_restarts_get_their_gpus(tmp_path):
+    """start_engine_servers on a plan: each SGLang server (a stand-in interpreter that records what
+    it was given) starts, and starts again as a restart does, with its GPUs and SGLang's GPU flags."""
+    from realcore.launch.launcher import prepare_output, start_engine_servers
+    from realcore.launch.validate import validate
+
+    record = tmp_path / "seen.jsonl"
+    exe = tmp_path / "engine-env" / "bin" / "python"
+    exe.parent.mkdir(parents=True)
+    exe.write_text(f"#!{sys.executable}\nimport json, os, sys\n"
+                   f"open({str(record)!r}, 'a').write(json.dumps([os.environ.get('CUDA_VISIBLE_DEVICES'), sys.argv]) + '\\n')\n")
+    exe.chmod(0o755)
+    cfg = cfg_of("allocation_mode=sglang.d2p1t2+d2", f"output_dir={tmp_path / 'run'}", f"rollout.server_python={exe}",
+                 f"system.name_resolve.root={tmp_path / 'nr'}", "system.gpus=['0','1','2','3','0','5']")
+    dfg, alloc = validate(cfg)
+    prepare_output(cfg, dfg)
+    cfg.model.path = "/models/tiny"
+    plan = make_plan(cfg, alloc, cfg.system.gpus, "system.gpus")
+    procs = start_engine_servers(cfg, alloc, dict(os.environ), str(tmp_path / "run" / "logs"), plan)
+    for p in procs:
+        assert p.popen.wait(30) == 0
+        p.restart()
+        assert p.popen.wait(30) == 0
+    seen = [json.loads(line) for line in record.read_text().splitlines()]
+    seen = [(gpus, argv) for gpus, argv in seen if argv[1:3] == ["-m", "sglang.launch_server"]]  # not validate's probe
+    assert sorted(gpus for gpus, _ in seen) == ["0,1", "0,1", "2,3", "2,3"]
+    for gpus, argv in seen:  # GPU 0 also holds model_worker/0: server 0 takes half the share
+        fraction = "0.425" if gpus == "0,1" else "0.85"
+        assert argv[argv.index("--mem-fraction-static") + 1] == fraction and "--device" not in argv, argv
+        assert argv[argv.index("--dtype") + 1] == "bfloat16" and argv[argv.index("--tp-size") + 1] == "2", argv
 
 
 # --- the launcher, as a user runs it -----------------------------------------------------------

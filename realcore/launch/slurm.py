@@ -80,8 +80,8 @@ def sinfo_gpus_per_node(partition: str | None) -> int | None:
     when no node has one (a CPU cluster), None when sinfo is missing or fails (e.g. a dry run on a
     machine without Slurm)."""
     argv = ["sinfo", "-h", "-o", "%G"] + (["-p", partition] if partition else [])
-    try:
-        r = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    try:  # answers in well under a second; a broken slurm.conf makes it retry for a minute
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None
     if r.returncode != 0:
