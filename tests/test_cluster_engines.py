@@ -37,9 +37,10 @@ def test_the_test_switch_runs_the_builtin_server_with_sglangs_flags(monkeypatch)
     assert engine_available("sglang") is None  # the stand-in needs no SGLang
     monkeypatch.delenv("REALCORE_TEST_ENGINE_BUILTIN")
     argv, _ = server_command("sglang", model_path="/m", host="h", port=5, tp=2, pp=2, seed=0, max_batch_size=8, cuda=True)
-    assert argv[1:3] == ["-m", "sglang.launch_server"] and argv[-2:] == ["--pp-size", "2"]
+    assert argv[1:3] == ["-m", "sglang.launch_server"] and argv[-4:-2] == ["--pp-size", "2"]
     argv, _ = server_command("vllm", model_path="/m", host="h", port=5, tp=2, pp=2, seed=0, max_batch_size=8, cuda=True)
-    assert argv[-2:] == ["--pipeline-parallel-size", "2"] and "--tensor-parallel-size" in argv
+    assert argv[-4:-2] == ["--pipeline-parallel-size", "2"] and "--tensor-parallel-size" in argv
+    assert argv[-2:] == ["--dtype", "bfloat16"]  # generation.dtype auto on a GPU
 
 
 def test_slurm_gives_each_engine_server_tp_times_pp_gpus():
@@ -135,6 +136,28 @@ def test_engine_checks_happen_on_the_node_under_a_cluster_scheduler():
     cfg = cfg_of("allocation_mode=sglang.d1c2+d1", "scheduler=slurm")
     with pytest.raises(ConfigError, match="take dN, pN and tN only"):
         check_generation_servers(cfg, parse_allocation_mode(cfg.allocation_mode))
+
+
+def test_engine_task_gives_its_server_a_memory_share_and_dtype(tmp_path, monkeypatch):
+    """Slurm and Ray give a server GPUs of its own: 0.85 of each unless rollout.server_mem_fraction
+    says otherwise, generation.dtype as configured; whether it is on a GPU, the task's own torch
+    tells (cuda=None: its CUDA_VISIBLE_DEVICES, set by Slurm or Ray)."""
+    from realcore.system import engine_server
+
+    seen = []
+
+    def command(engine, **kw):
+        seen.append(kw)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(engine_server, "server_command", command)
+    monkeypatch.setattr(engine_server, "engine_available", lambda *a: None)
+    for extra, fraction in (((), 0.85), (("rollout.server_mem_fraction=0.5", "generation.dtype=float32"), 0.5)):
+        cfg = cfg_of("allocation_mode=sglang.d1p1t2+d1", f"output_dir={tmp_path}", *extra)
+        with pytest.raises(RuntimeError, match="stop here"):
+            engine_server.serve_engine(cfg, 0)
+        assert seen[-1]["mem_fraction"] == fraction and seen[-1].get("cuda") is None and seen[-1]["tp"] == 2
+    assert [kw["dtype"] for kw in seen] == ["auto", "float32"]
 
 
 # ---- the task itself, as a real process ----

@@ -84,13 +84,17 @@ def test_engine_gloo_binds_to_the_serving_address(monkeypatch):
 
 
 def test_sglang_command_on_gpu_and_cpu():
-    argv, env = server_command("sglang", **COMMON, cuda=True, extra_args=["--api-key", "k"])
+    argv, env = server_command("sglang", **COMMON, cuda=True, mem_fraction=0.425, extra_args=["--api-key", "k"])
     env = _own_env(env)
     assert argv == [
         sys.executable, "-m", "sglang.launch_server", "--model-path", "/models/tiny", "--host", "127.0.0.1",
-        "--port", "30000", "--tp-size", "2", "--random-seed", "7", "--max-running-requests", "16", "--api-key", "k",
+        "--port", "30000", "--tp-size", "2", "--random-seed", "7", "--max-running-requests", "16",
+        "--mem-fraction-static", "0.425", "--dtype", "bfloat16", "--api-key", "k",
     ]  # fmt: skip
     assert env == {}
+    # generation.dtype as configured (auto: bf16 on a GPU); no memory share given: the engine's default
+    argv, _ = server_command("sglang", **COMMON, cuda=True, dtype="float32")
+    assert argv[-2:] == ["--dtype", "float32"] and "--mem-fraction-static" not in argv
     argv, env = server_command("sglang", **COMMON, cuda=False, extra_args=["--api-key", "k"])
     env = _own_env(env)
     cpu = ["--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens", "65536", "--skip-server-warmup"]
@@ -102,12 +106,12 @@ def test_sglang_command_on_gpu_and_cpu():
 
 
 def test_vllm_command_on_gpu_and_cpu():
-    argv, env = server_command("vllm", **COMMON, cuda=True)
+    argv, env = server_command("vllm", **COMMON, cuda=True, mem_fraction=0.85)
     env = _own_env(env)
     assert argv == [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", "/models/tiny", "--host", "127.0.0.1",
         "--port", "30000", "--tensor-parallel-size", "2", "--seed", "7", "--max-num-seqs", "16",
-        "--logprobs-mode", "processed_logprobs",
+        "--logprobs-mode", "processed_logprobs", "--gpu-memory-utilization", "0.85", "--dtype", "bfloat16",
     ]  # fmt: skip
     assert env == {"VLLM_SERVER_DEV_MODE": "1"}
     argv, env = server_command("vllm", **COMMON)  # cuda=None: asks torch, which has no CUDA here
@@ -146,6 +150,9 @@ def test_api_key_never_on_the_command_line(tmp_path):
         server_command("sglang", **COMMON, api_key=token)
     argv, env = server_command("sglang", **COMMON, cuda=True)  # no key: no --config
     assert "--config" not in argv
+    dry = tmp_path / "dry"  # a dry run names the key file and writes nothing
+    argv, env = server_command("sglang", **COMMON, cuda=True, api_key=token, private_dir=str(dry), write_files=False)
+    assert argv[argv.index("--config") + 1] == str(dry / SGLANG_KEY_FILE) and not dry.exists()
 
 
 def test_run_files_holding_the_token_are_private(tmp_path):

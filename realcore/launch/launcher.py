@@ -1,9 +1,14 @@
 """`python -m realcore.launch key=value ...`: validate, prepare, start the workers, watch them.
 
+scheduler=local places every process on GPUs of its own (placement.py: its CUDA_VISIBLE_DEVICES)
+and prints the plan when the node has GPUs; `--dry-run` prints it (under every scheduler) and
+starts nothing.
+
 Exit codes: 0 done; 1 a worker failed (recover_mode=auto: once the restarts are used up); 2 bad
-config or input, or the output_dir is in use by another launcher (one line, no traceback,
-before any worker starts); 75 preempted (a recover checkpoint holds the run: launch the same
-command again with recover_mode=resume or auto); 130 interrupted.
+config or input, a node with too few GPUs for the allocation, or the output_dir is in use by
+another launcher (one line, no traceback, before any worker starts); 75 preempted (a recover
+checkpoint holds the run: launch the same command again with recover_mode=resume or auto); 130
+interrupted.
 """
 
 from __future__ import annotations
@@ -21,9 +26,11 @@ from realcore.data.datasets import describe_skips
 from realcore.dfg.graph import DataFlowGraph, GraphError
 from realcore.launch.config_loader import ConfigError, load_config
 from realcore.launch.local import Proc, spawn, spawn_command, tail
+from realcore.launch.placement import Plan, describe
 from realcore.launch.run_lock import hold_run
 from realcore.launch.supervise import Supervisor, begin_attempt, record, write_pids
-from realcore.launch.validate import check_inputs, check_model_layout, check_ray, check_slurm, validate
+from realcore.launch.validate import (check_inputs, check_model_layout, check_placement, check_ray, check_slurm,
+                                      validate)
 from realcore.system import keys
 from realcore.system.name_resolve import make_name_resolver
 from realcore.system.process import PREEMPTED_EXIT
@@ -110,30 +117,51 @@ def resolve_local_host(cfg: ExperimentConfig) -> None:
         raise ConfigError(str(e)) from None
 
 
-def start_engine_servers(cfg: ExperimentConfig, alloc: AllocationMode, env: dict, logs: str) -> list[Proc]:
+def free_port(host: str) -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def engine_server_command(cfg: ExperimentConfig, alloc: AllocationMode, plan: Plan, i: int, port: int, token: str,
+                          write_files: bool = True) -> tuple[list[str], dict[str, str]]:
+    """(argv, env on top of the launcher's) of SGLang/vLLM server `i` on the GPUs the plan gives it
+    (the GPU flags when it has some: the plan decides, not the launcher's own torch)."""
+    from realcore.backends.server_launch import server_command
+
+    name = f"gen_server/{i}"
+    argv, env = server_command(alloc.backend, model_path=cfg.model.path, host=cfg.system.host, port=port,
+                               tp=alloc.gen.tp, pp=alloc.gen.pp, seed=cfg.seed + 1000 * i,
+                               max_batch_size=cfg.generation.max_batch_size, api_key=token,
+                               private_dir=os.path.abspath(cfg.output_dir), python=cfg.rollout.server_python,
+                               lora=cfg.actor.lora, cuda=name in plan.gpus,
+                               mem_fraction=plan.mem_fraction(name, cfg.rollout.server_mem_fraction),
+                               dtype=cfg.generation.dtype, write_files=write_files)
+    return argv, {**env, **plan.env(name)}
+
+
+def start_engine_servers(cfg: ExperimentConfig, alloc: AllocationMode, env: dict, logs: str,
+                         plan: Plan | None = None) -> list[Proc]:
     """SGLang or vLLM servers: started here on free ports and published; the manager waits for
     each to answer before any rollout starts. Each requires the run's bearer token, derived here
     from the run's secret as every worker derives it (run_worker), and kept off the command line.
-    `rollout.server_python` runs them (SGLang/vLLM in an environment of their own)."""
-    import socket
-
-    from realcore.backends.server_launch import server_command, server_token
+    `rollout.server_python` runs them (SGLang/vLLM in an environment of their own). `plan`: their
+    GPUs (None: none, the CPU route)."""
+    from realcore.backends.server_launch import server_token
     from realcore.system import keys
     from realcore.system.wire import load_secret
 
+    plan = plan or Plan((), "")
     resolver = make_name_resolver(cfg.system.name_resolve)
     out = os.path.abspath(cfg.output_dir)
     token = server_token(load_secret(os.path.join(out, ".secret")), cfg.rollout.server_token)  # prepare_output wrote it
 
     def server(i: int) -> Proc:
         # A restart gets a new port: the manager tells a restarted server (to catch up) by its address.
-        with socket.socket() as s:
-            s.bind((cfg.system.host, 0))
-            port = s.getsockname()[1]
-        argv, extra_env = server_command(alloc.backend, model_path=cfg.model.path, host=cfg.system.host, port=port,
-                                         tp=alloc.gen.tp, pp=alloc.gen.pp, seed=cfg.seed + 1000 * i,
-                                         max_batch_size=cfg.generation.max_batch_size, api_key=token, private_dir=out,
-                                         python=cfg.rollout.server_python, lora=cfg.actor.lora)
+        port = free_port(cfg.system.host)
+        argv, extra_env = engine_server_command(cfg, alloc, plan, i, port, token)
         proc = spawn_command(f"gen_server/{i}", argv, env={**env, **extra_env}, log_path=os.path.join(logs, f"gen_server-{i}.log"))
         resolver.put(keys.gen_server(cfg, i), json.dumps({"http": f"http://{cfg.system.host}:{port}", "weights": None}), replace=True)
         return proc
@@ -145,10 +173,12 @@ def start_engine_servers(cfg: ExperimentConfig, alloc: AllocationMode, env: dict
 
 
 def start_processes(cfg: ExperimentConfig, alloc: AllocationMode, config_path: str, secret_path: str,
-                    attempt: int = 0) -> list[Proc]:
+                    attempt: int = 0, plan: Plan | None = None) -> list[Proc]:
     """Model workers (the training mesh), generation servers if the allocation has them, in async
     mode their manager and rollout workers; the master first in the list (it is started last: it
-    waits for the others anyway)."""
+    waits for the others anyway). Each on the GPUs `plan` gives it (placement.py; None: the
+    environment as it is), restarts included."""
+    plan = plan or Plan((), "")
     env = child_env(cfg)
     logs = os.path.join(cfg.output_dir, "logs")
     n_servers = alloc.gen.dp if alloc.gen is not None else 0
@@ -160,15 +190,16 @@ def start_processes(cfg: ExperimentConfig, alloc: AllocationMode, config_path: s
         if alloc.backend == "local":
             kinds.append(("gen_server", n_servers))
         else:
-            procs += start_engine_servers(cfg, alloc, env, logs)
+            procs += start_engine_servers(cfg, alloc, env, logs, plan)
     if cfg.mode == "async":
         kinds += [("gserver_manager", 1), ("rollout_worker", cfg.rollout.n_workers)]
     for kind, count in kinds:
         for i in range(count):
             name = kind if kind == "gserver_manager" else f"{kind}/{i}"
             log = os.path.join(logs, name.replace("/", "-") + ".log")
-            procs.append(spawn(name, ["--type", kind, "--index", str(i), *common], env=env, log_path=log))
-    procs.insert(0, spawn("master", ["--type", "master", *common], env=env, log_path=None))
+            procs.append(spawn(name, ["--type", kind, "--index", str(i), *common], env={**env, **plan.env(name)},
+                               log_path=log))
+    procs.insert(0, spawn("master", ["--type", "master", *common], env={**env, **plan.env("master")}, log_path=None))
     return procs
 
 
@@ -178,6 +209,9 @@ def print_help(argv: list[str]) -> None:
 
     prefix = next((a for a in argv if not a.startswith("-")), "")
     print("usage: python -m realcore.launch [--dry-run] experiment=NAME [key=value ...]\n"
+          "  --dry-run: check the config, model and dataset, print where each process would run (local: its\n"
+          "  GPUs, and each SGLang/vLLM server's command line; ray: the placement groups' bundles; slurm: the\n"
+          "  batch script), and exit without starting anything\n"
           "config keys (python -m realcore.launch --help PREFIX shows those under PREFIX):")
     for key, text in config_keys().items():
         if key.startswith(prefix):
@@ -194,37 +228,63 @@ def main(argv: list[str]) -> int:
         # A dry run shows its plan even when the model does not fit the layout; the error follows it.
         layout_errors: list[ConfigError] = []
         try:
-            cfg, dfg, alloc = check_all(argv, dry_run, held, layout_errors.append if dry_run else None)
+            cfg, dfg, alloc, plan = check_all(argv, dry_run, held, layout_errors.append if dry_run else None)
         except (ConfigError, GraphError) as e:
             print(f"realcore: config error: {e}", file=sys.stderr)
             return 2
-        if cfg.scheduler in ("slurm", "ray"):
+        if cfg.scheduler == "slurm" or (cfg.scheduler == "ray" and not dry_run):
             rc = run_on_cluster(cfg, dfg, alloc, dry_run)
-            for e in layout_errors:
-                print(f"realcore: config error: {e} (this run would stop here)", file=sys.stderr)
-            return 2 if layout_errors else rc
-        return run_local(cfg, dfg, alloc)
+        elif dry_run:
+            rc = print_plan(cfg, alloc, plan)
+        else:
+            return run_local(cfg, dfg, alloc, plan)
+        for e in layout_errors:
+            print(f"realcore: config error: {e} (this run would stop here)", file=sys.stderr)
+        return 2 if layout_errors else rc
+
+
+def print_plan(cfg: ExperimentConfig, alloc: AllocationMode, plan: Plan | None) -> int:
+    """`--dry-run` under scheduler=local (each process, its GPUs, each SGLang/vLLM server's command
+    line; the port is picked again when the run starts) or ray (the placement groups). Writes nothing."""
+    if cfg.scheduler == "ray":
+        from realcore.launch.ray_scheduler import describe_bundles
+
+        print(describe_bundles(cfg, alloc))
+    else:
+        commands = {}
+        if alloc.gen is not None and alloc.backend != "local":
+            for i in range(alloc.gen.dp):  # the token stays off the command line: a stand-in will do
+                argv, _ = engine_server_command(cfg, alloc, plan, i, free_port(cfg.system.host), token="dry-run",
+                                                write_files=False)
+                commands[f"gen_server/{i}"] = argv
+        print(describe(cfg, alloc, plan, commands))
+    print("realcore: dry run: nothing was started", flush=True)
+    return 0
 
 
 def check_all(argv: list[str], dry_run: bool, held: contextlib.ExitStack,
-              on_layout_error=None) -> tuple[ExperimentConfig, DataFlowGraph, AllocationMode]:
-    """Every check that needs no worker, config first, then the model and the dataset. The run's
-    locks are taken (into `held`) before the model is built, so a second launch stops at once.
-    `on_layout_error`: takes the model-layout check's error instead of raising it (a dry run)."""
+              on_layout_error=None) -> tuple[ExperimentConfig, DataFlowGraph, AllocationMode, Plan | None]:
+    """Every check that needs no worker, config first (the local GPU placement among them), then the
+    model and the dataset. The run's locks are taken (into `held`) before the model is built, so a
+    second launch stops at once; a local or Ray dry run writes nothing into output_dir and takes no
+    lock (a Slurm dry run writes its batch script there). `on_layout_error`: takes the model-layout
+    check's error instead of raising it (a dry run). The plan: scheduler=local only (else None)."""
     cfg = load_config(argv)
-    if dry_run and cfg.scheduler != "slurm":
-        raise ConfigError("--dry-run is for scheduler=slurm")
     dfg, alloc = validate(cfg)
+    plan = None
     if cfg.scheduler == "slurm":
         check_slurm(cfg, alloc, dry_run)
     if cfg.scheduler == "ray":
         check_ray(cfg, alloc)
+    if cfg.scheduler == "local":
+        plan = check_placement(cfg, alloc)
     cfg.output_dir = os.path.abspath(cfg.output_dir)
     if cfg.scheduler != "local":
         cluster_name_resolve(cfg)
     else:
         resolve_local_host(cfg)
-    held.enter_context(hold_run(cfg))
+    if not dry_run or cfg.scheduler == "slurm":
+        held.enter_context(hold_run(cfg))
     from transformers.utils import logging as hf_logging
 
     from realcore.backends.models import prepare_model
@@ -244,20 +304,23 @@ def check_all(argv: list[str], dry_run: bool, held: contextlib.ExitStack,
     if cfg.mode == "async":  # in sync mode the master reports its model workers' counts
         print(f"realcore: dataset: {loaded.n_rows} rows, {len(loaded.samples)} usable, "
               f"skipped {describe_skips(loaded.skipped)}", flush=True)
-    return cfg, dfg, alloc
+    return cfg, dfg, alloc, plan
 
 
-def run_local(cfg: ExperimentConfig, dfg: DataFlowGraph, alloc: AllocationMode) -> int:
-    """Start every process here and supervise them (supervise.py); with recover_mode=auto, a failed
-    run is stopped and started again (it resumes from its last recover checkpoint), up to
-    recover_retries times."""
+def run_local(cfg: ExperimentConfig, dfg: DataFlowGraph, alloc: AllocationMode, plan: Plan | None = None) -> int:
+    """Start every process here, each on the GPUs `plan` gives it, and supervise them (supervise.py);
+    with recover_mode=auto, a failed run is stopped and started again (it resumes from its last
+    recover checkpoint), up to recover_retries times."""
+    plan = plan or Plan((), "")
     resolver = make_name_resolver(cfg.system.name_resolve)
     config_path, secret_path = prepare_output(cfg, dfg)
     restarts = 0
     for attempt in range(cfg.recover_retries + 1):
         begin_attempt(cfg, resolver)
-        procs = start_processes(cfg, alloc, config_path, secret_path, attempt)
+        procs = start_processes(cfg, alloc, config_path, secret_path, attempt, plan)
         if attempt == 0:
+            if plan.gpus or plan.hide:  # a CPU run's output stays as it was
+                print(describe(cfg, alloc, plan, {}), flush=True)
             print(f"realcore: {cfg.experiment_name}/{cfg.trial_name}: {', '.join(p.name for p in procs)}; "
                   f"output in {cfg.output_dir}", flush=True)
             print(dfg.describe(), flush=True)

@@ -56,16 +56,44 @@ def worker_specs(cfg: ExperimentConfig, alloc: AllocationMode) -> list[tuple[str
     return specs
 
 
-def mesh_bundles(cfg: ExperimentConfig, alloc: AllocationMode) -> dict[str, tuple[int, dict]]:
+def mesh_bundles(cfg: ExperimentConfig, alloc: AllocationMode,
+                 gpus_per_worker: int | None = None) -> dict[str, tuple[int, dict]]:
     """kind -> (tasks, resources of each) of the two meshes that get a placement group: model workers
-    (one rank, ray.gpus_per_worker GPUs each) and generation servers (a built-in server is one rank;
-    an SGLang/vLLM server spans tp*pp GPUs, its own TP/PP workers)."""
+    (one rank, `gpus_per_worker` GPUs each; None: ray.gpus_per_worker, unset counting as 0) and
+    generation servers (a built-in server is one rank, on no GPU with generation.device=cpu; an
+    SGLang/vLLM server spans tp*pp GPUs, its own TP/PP workers)."""
     r = cfg.ray
-    meshes = {"model_worker": (alloc.train.world_size, r.gpus_per_worker)}
+    per_worker = (r.gpus_per_worker or 0) if gpus_per_worker is None else gpus_per_worker
+    meshes = {"model_worker": (alloc.train.world_size, per_worker)}
     if alloc.gen is not None:
         per_server = 1 if alloc.backend == "local" else alloc.gen.tp * alloc.gen.pp
-        meshes["gen_server"] = (alloc.gen.dp, r.gpus_per_worker * per_server)
+        if alloc.backend == "local" and cfg.generation.device == "cpu":
+            per_server = 0
+        meshes["gen_server"] = (alloc.gen.dp, per_worker * per_server)
     return {kind: (n, {"CPU": r.cpus_per_worker, **({"GPU": g} if g else {})}) for kind, (n, g) in meshes.items()}
+
+
+def cluster_gpus_per_worker(cfg: ExperimentConfig, cluster_resources: dict) -> int:
+    """ray.gpus_per_worker, or when it is None: 1 when the Ray cluster has GPUs, else 0."""
+    if cfg.ray.gpus_per_worker is not None:
+        return cfg.ray.gpus_per_worker
+    return 1 if cluster_resources.get("GPU", 0) > 0 else 0
+
+
+def describe_bundles(cfg: ExperimentConfig, alloc: AllocationMode) -> str:
+    """What `--dry-run` prints under scheduler=ray: each placement group's bundles, the plain tasks."""
+    lines = [f"realcore: Ray placement of {cfg.allocation_mode} (dry run: no ray.init, nothing submitted):"]
+    unknown = cfg.ray.gpus_per_worker is None
+    for per_worker in ((0, 1) if unknown else (cfg.ray.gpus_per_worker,)):
+        if unknown:
+            lines.append(f"  ray.gpus_per_worker=None, decided at ray.init: if the cluster has "
+                         f"{'GPUs' if per_worker else 'no GPU'}:")
+        for kind, (n, bundle) in mesh_bundles(cfg, alloc, per_worker).items():
+            lines.append(f"  {'  ' if unknown else ''}{kind}: a placement group of {n} bundle(s) {bundle} "
+                         f"({cfg.ray.placement_strategy})")
+    plain = [name for name, kind, _ in worker_specs(cfg, alloc) if kind not in ("model_worker", "gen_server")]
+    lines.append(f"  plain tasks of {{'CPU': {cfg.ray.cpus_per_worker}}}, no GPU: {', '.join(plain)}")
+    return "\n".join(lines)
 
 
 def preempt_path(cfg: ExperimentConfig) -> str:
@@ -99,7 +127,19 @@ def run_ray(cfg: ExperimentConfig, alloc: AllocationMode, config_path: str, secr
     r = cfg.ray
     ray.init(address=r.address, namespace=f"realcore-{cfg.experiment_name}-{cfg.trial_name}",
              include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
-    meshes = mesh_bundles(cfg, alloc)
+    gpus = cluster_gpus_per_worker(cfg, ray.cluster_resources())
+    if cfg.ray.gpus_per_worker is None:
+        from realcore.launch.config_loader import ConfigError
+        from realcore.launch.validate import check_ray_gpus
+
+        try:  # what the config alone could not tell: whether the cluster's workers are on GPUs
+            check_ray_gpus(cfg, alloc, gpus)
+        except ConfigError as e:
+            ray.shutdown()
+            print(f"realcore: config error: {e}", file=sys.stderr)
+            return 2
+        print(f"realcore: ray.gpus_per_worker={gpus} (the Ray cluster has {'GPUs' if gpus else 'no GPU'})", flush=True)
+    meshes = mesh_bundles(cfg, alloc, gpus)
     groups = {kind: placement_group([dict(bundle) for _ in range(n)], strategy=r.placement_strategy)
               for kind, (n, bundle) in meshes.items()}
     try:

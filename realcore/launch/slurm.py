@@ -71,11 +71,41 @@ def check_config(cfg: ExperimentConfig) -> None:
                          "set recover_mode=resume or auto")
 
 
+_GPU_GRES = re.compile(r"(?:^|,)gpu:(?:[^:,()\s]+:)?(\d+)")  # gpu:8, gpu:a100:8, gpu:a100:8(S:0-1)
+
+
+def sinfo_gpus_per_node(partition: str | None) -> int | None:
+    """GPUs per node of the cluster (of `partition`), as `sinfo` lists the nodes' gres: the fewest
+    among the nodes that have GPUs (so the request fits each of them; Slurm picks GPU nodes), 0
+    when no node has one (a CPU cluster), None when sinfo is missing or fails (e.g. a dry run on a
+    machine without Slurm)."""
+    argv = ["sinfo", "-h", "-o", "%G"] + (["-p", partition] if partition else [])
+    try:  # answers in well under a second; a broken slurm.conf makes it retry for a minute
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if r.returncode != 0:
+        return None
+    counts = [sum(int(n) for n in _GPU_GRES.findall(line.strip())) for line in r.stdout.splitlines() if line.strip()]
+    return min((n for n in counts if n > 0), default=0)
+
+
+def resolve_gpus_per_node(cfg: ExperimentConfig) -> None:
+    """slurm.gpus_per_node=None: ask Slurm (sinfo); unknown stays None (steps: GPUs for SGLang/vLLM
+    servers only)."""
+    if cfg.slurm.gpus_per_node is None:
+        cfg.slurm.gpus_per_node = sinfo_gpus_per_node(cfg.slurm.partition)
+
+
 def steps(cfg: ExperimentConfig, alloc: AllocationMode) -> list[Step]:
-    """The job steps of a run, in start order (the master last, like the local scheduler)."""
+    """The job steps of a run, in start order (the master last, like the local scheduler).
+    slurm.gpus_per_node N > 0 (or resolved so by resolve_gpus_per_node): each training rank gets a
+    GPU, each server its own (tp*pp for SGLang/vLLM, one for a built-in server, none with
+    generation.device=cpu); 0: none; None (Slurm could not be asked): GPUs for SGLang/vLLM runs
+    only, which serve on GPUs only."""
     check_config(cfg)
     gpus = cfg.slurm.gpus_per_node
-    if gpus is None:  # SGLang and vLLM serve on GPUs only; the built-in engine is the CPU default
+    if gpus is None:
         use_gpus = alloc.gen is not None and alloc.backend != "local"
     else:
         use_gpus = gpus > 0
@@ -84,6 +114,8 @@ def steps(cfg: ExperimentConfig, alloc: AllocationMode) -> list[Step]:
         # One task per server: a built-in server is one process on one GPU; an SGLang/vLLM server
         # spans tp*pp GPUs of its node (its own TP/PP workers; multi-node servers are not supported).
         per_server = 1 if alloc.backend == "local" else alloc.gen.tp * alloc.gen.pp
+        if alloc.backend == "local" and cfg.generation.device == "cpu":
+            per_server = 0
         if gpus and per_server > gpus:
             raise ValueError(f"allocation_mode: a {alloc.backend} server of tp*pp={per_server} GPUs does not fit on a "
                              f"node of slurm.gpus_per_node={gpus} (servers across nodes are not supported)")

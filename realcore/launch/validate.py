@@ -12,6 +12,7 @@ from realcore.api.registry import lookup, make_workflow
 from realcore.data.datasets import SKIP_TOO_LONG, LoadedDataset, describe_skips
 from realcore.dfg.graph import DataFlowGraph, build_graph
 from realcore.launch.config_loader import ConfigError, import_user_modules
+from realcore.launch.placement import Plan, node_gpus, plan_local
 from realcore.system.batch_source import source_keys
 
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,127}")
@@ -64,18 +65,55 @@ def validate(cfg: ExperimentConfig) -> tuple[DataFlowGraph, AllocationMode]:
 
 
 def check_dtype(cfg: ExperimentConfig, role: str, backend: str, dtype: str) -> None:
-    """bfloat16 needs hardware that has it. Cluster nodes are not this machine: there the engine
-    checks its own device when it starts."""
+    """bfloat16 needs hardware that has it. Checked here for a local run on the CPU; a process placed
+    on a GPU (and every process on a cluster node) checks its own device when it starts: asking
+    here would open a CUDA context in the launcher, on a GPU another process is placed on."""
     if dtype != "bfloat16":
         return
-    if cfg.scheduler == "local":
-        import torch
-
+    if cfg.scheduler == "local" and not node_gpus(cfg)[0]:
         from realcore.backends.precision import bf16_unsupported
 
-        why = bf16_unsupported("cuda" if torch.cuda.is_available() else "cpu")
+        why = bf16_unsupported("cpu")
         if why is not None:
             raise ConfigError(f"{role}.{why}")
+
+
+def check_placement(cfg: ExperimentConfig, alloc: AllocationMode) -> Plan:
+    """scheduler=local: the plan of this node's GPUs (placement.py), and what it rules out."""
+    plan = plan_local(cfg, alloc)
+    servers = [f"gen_server/{i}" for i in range(alloc.gen.dp)] if alloc.gen is not None else []
+    if servers and alloc.backend == "local" and cfg.generation.device == "cuda" and not plan.gpus:
+        raise ConfigError(f"generation.device=cuda: this node has no GPU for the built-in servers ({plan.source}); "
+                          "use generation.device=auto or cpu")
+    shared = None
+    trainer = set(plan.gpus.get("model_worker/0", ()))
+    for name in servers:
+        common = sorted(trainer & set(plan.gpus.get(name, ())))
+        if common:
+            shared = f"{name} on GPU {common[0]}"
+            break
+    check_nccl(cfg, alloc, trainer_on_gpu=bool(trainer), servers_on_gpu=any(n in plan.gpus for n in servers),
+               shared=shared)
+    return plan
+
+
+def check_nccl(cfg: ExperimentConfig, alloc: AllocationMode, *, trainer_on_gpu: bool, servers_on_gpu: bool,
+               shared: str | None = None) -> None:
+    """rollout.weight_update=nccl joins trainer rank 0 and every server in one group: NCCL when the
+    trainer is on a GPU, gloo when it is on the CPU (every CPU run). NCCL refuses two ranks of a
+    group on one GPU (`shared`: the server placed with rank 0) and cannot reach a rank on the CPU."""
+    if alloc.gen is None or cfg.rollout.weight_update != "nccl":
+        return
+    instead = "rollout.weight_update=memory or disk" if alloc.backend == "local" else "rollout.weight_update=disk"
+    if shared is not None:
+        raise ConfigError(f"rollout.weight_update=nccl: trainer rank 0 and {shared} share a GPU (system.gpus), and "
+                          f"NCCL refuses two ranks of one group on one GPU; use {instead}, or GPUs of their own")
+    if trainer_on_gpu != servers_on_gpu:
+        where = {True: "on a GPU", False: "on the CPU"}
+        why = " (generation.device=cpu)" if alloc.backend == "local" and cfg.generation.device == "cpu" else ""
+        raise ConfigError(f"rollout.weight_update=nccl: NCCL needs both on GPUs, and the trainer is "
+                          f"{where[trainer_on_gpu]} while the generation servers are {where[servers_on_gpu]}{why}; "
+                          f"use {instead}")
 
 
 def check_names(cfg: ExperimentConfig) -> None:
@@ -235,14 +273,17 @@ def check_model_layout(cfg: ExperimentConfig, alloc: AllocationMode) -> None:
 
 
 def check_slurm(cfg: ExperimentConfig, alloc: AllocationMode, dry_run: bool) -> None:
+    """The job's steps can be built; slurm.gpus_per_node=None becomes what sinfo says."""
     import shutil
 
-    from realcore.launch.slurm import steps
+    from realcore.launch.slurm import resolve_gpus_per_node, steps
 
+    resolve_gpus_per_node(cfg)
     try:
-        steps(cfg, alloc)
+        gpus = {st.kind: st.gpus_per_task for st in steps(cfg, alloc)}
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    check_nccl(cfg, alloc, trainer_on_gpu=gpus["model_worker"] > 0, servers_on_gpu=gpus.get("gen_server", 0) > 0)
     if not dry_run:
         missing = [b for b in ("sbatch", "squeue", "scontrol", "scancel") if shutil.which(b) is None]
         if missing:
@@ -250,6 +291,7 @@ def check_slurm(cfg: ExperimentConfig, alloc: AllocationMode, dry_run: bool) -> 
 
 
 def check_ray(cfg: ExperimentConfig, alloc: AllocationMode) -> None:
+    """ray.gpus_per_worker=None is decided at ray.init (the cluster's GPUs): run_ray checks nccl then."""
     from realcore.launch.ray_scheduler import worker_specs
 
     if importlib.util.find_spec("ray") is None:
@@ -258,3 +300,13 @@ def check_ray(cfg: ExperimentConfig, alloc: AllocationMode) -> None:
         worker_specs(cfg, alloc)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if cfg.ray.gpus_per_worker is not None:
+        check_ray_gpus(cfg, alloc, cfg.ray.gpus_per_worker)
+
+
+def check_ray_gpus(cfg: ExperimentConfig, alloc: AllocationMode, gpus_per_worker: int) -> None:
+    from realcore.launch.ray_scheduler import mesh_bundles
+
+    meshes = mesh_bundles(cfg, alloc, gpus_per_worker)
+    check_nccl(cfg, alloc, trainer_on_gpu="GPU" in meshes["model_worker"][1],
+               servers_on_gpu="GPU" in meshes.get("gen_server", (0, {}))[1])

@@ -6,7 +6,10 @@ server must start on the node (and the GPUs) its job step or placement-group bun
 the task that Slurm or Ray starts there runs this function, which:
 - checks that the node's interpreter (rollout.server_python) has the engine: one line in the log
   and exit 1 otherwise (the login node need not have it);
-- starts the engine on a free port of this node with the run's bearer token (off the command line:
+- starts the engine on a free port of this node, on the GPUs its task was given (CUDA_VISIBLE_DEVICES,
+  set by Slurm or Ray; the CPU route where it sees none), with its memory share and dtype
+  (rollout.server_mem_fraction, else SERVER_MEM_FRACTION: Slurm and Ray give it GPUs of its own;
+  generation.dtype), with the run's bearer token (off the command line:
   SGLang's key file goes to OUTPUT_DIR/.engine/gen_server-I, mode 0600), in its own session, dying
   with this process (PDEATHSIG), its output in this task's log;
 - waits until it answers (system.startup_timeout_s), then publishes its address where the gserver
@@ -30,7 +33,7 @@ import time
 
 from realcore.api.alloc import parse_allocation_mode
 from realcore.api.config import ExperimentConfig
-from realcore.backends.server_launch import engine_available, server_command, wait_http_ready
+from realcore.backends.server_launch import SERVER_MEM_FRACTION, engine_available, server_command, wait_http_ready
 from realcore.system import keys
 from realcore.system.name_resolve import make_name_resolver
 from realcore.system.process import die_with_parent
@@ -81,7 +84,8 @@ def serve_engine(cfg: ExperimentConfig, index: int) -> int:
         engine, model_path=cfg.model.path, host=host, port=port, tp=alloc.gen.tp, pp=alloc.gen.pp,
         seed=cfg.seed + 1000 * index, max_batch_size=cfg.generation.max_batch_size,
         api_key=cfg.rollout.server_token, private_dir=private_dir(cfg, index), python=cfg.rollout.server_python,
-        lora=cfg.actor.lora)
+        lora=cfg.actor.lora, mem_fraction=cfg.rollout.server_mem_fraction or SERVER_MEM_FRACTION,
+        dtype=cfg.generation.dtype)
     url = f"http://{host}:{port}"
     log.info("starting %s server %d at %s (tp %d, pp %d, CUDA_VISIBLE_DEVICES=%s)", engine, index, url, alloc.gen.tp,
              alloc.gen.pp, os.environ.get("CUDA_VISIBLE_DEVICES", "unset"))
