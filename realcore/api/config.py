@@ -6,9 +6,13 @@ Hydra composes YAML from `experiments/` in `realcore/launch`; everything else re
 from __future__ import annotations
 
 import typing
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+
+# A CUDA_VISIBLE_DEVICES entry: an index or a GPU UUID; hydra hands `system.gpus=[0,1]` over as ints.
+GpuId = Annotated[str, BeforeValidator(lambda v: str(v) if isinstance(v, int) and not isinstance(v, bool) else v)]
 
 
 class _Strict(BaseModel):
@@ -174,10 +178,12 @@ class GenerationConfig(_Strict):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="where the built-in generation server's engine runs (weights, KV cache, sampling). auto: "
         "the GPU its process was placed on when it has one (system.gpus), else the CPU; cuda: a GPU or a one-line "
-        "error; cpu: the CPU even on a GPU node")
+        "error; cpu: the CPU even on a GPU node (the built-in servers are placed on no GPU; the training ranks take "
+        "the first ones)")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="weights of the built-in generation server's engine. auto: bfloat16 on a GPU (the whole "
-        "model in bf16, log-probs from its logits in float32), float32 on a CPU. On a CPU, float32: its linear layers "
+        "model in bf16, log-probs from its logits in float32), float32 on a CPU; SGLang/vLLM servers on GPUs get it "
+        "as --dtype (auto: bfloat16). On a CPU, float32: its linear layers "
         "multiply through oneDNN (as vLLM's CPU backend; torch's default BLAS was half as fast on an AMD CPU). "
         "bfloat16 stores and multiplies "
         "the decoder's linear layers in bf16 (1.5-1.6x the tokens/s of float32 on a CPU with avx512_bf16 / amx_bf16; "
@@ -246,7 +252,8 @@ class RolloutConfig(_Strict):
     weight_update: Literal["disk", "memory", "nccl"] = Field(
         "disk", description="how new weights reach the servers: disk: HF safetensors they load; memory: tensors over "
         "the authenticated wire (built-in servers); nccl: a bucketed broadcast from trainer rank 0 over a weight-update "
-        "group (SGLang's /init_weights_update_group + /update_weights_from_distributed; NCCL with CUDA, gloo without)")
+        "group (SGLang's /init_weights_update_group + /update_weights_from_distributed; NCCL with CUDA, gloo without: "
+        "trainer rank 0 and the servers on different GPUs, or both on the CPU; refused before start otherwise)")
     inflight_weight_update: bool = Field(
         False, description="built-in servers (local.*): a weight update lands between two decode steps (nccl, and a "
         "LoRA adapter from disk: the servers hold their requests while it arrives) and the running requests go on "
@@ -269,8 +276,8 @@ class RolloutConfig(_Strict):
         "derived from the run's secret (OUTPUT_DIR/.secret). Set it to call the servers yourself")
     server_mem_fraction: float | None = Field(
         None, gt=0, le=1, description="SGLang (--mem-fraction-static) and vLLM (--gpu-memory-utilization) on GPUs: the "
-        "share of each GPU's memory the server takes for weights and KV cache. None: 0.85 divided by the number of "
-        "processes placed on that GPU (system.gpus)")
+        "share of each GPU's memory the server takes for weights and KV cache. None: scheduler=local: 0.85 divided "
+        "by the number of processes placed on that GPU (system.gpus); Slurm/Ray: 0.85")
     server_python: str | None = Field(
         None, description="the interpreter that runs SGLang/vLLM servers (e.g. /opt/sglang-venv/bin/python), so the "
         "engine can live in its own environment; None: realcore's own (sys.executable)")
@@ -346,9 +353,11 @@ class SlurmConfig(_Strict):
     time_limit: str | None = Field(None, description="sbatch --time, e.g. 2-00:00:00")
     nodes: int | None = Field(None, gt=0, description="sbatch --nodes; None lets Slurm choose")
     gpus_per_node: int | None = Field(
-        None, ge=0, description="GPUs per node. N: each model worker and built-in server gets one GPU, each SGLang/vLLM "
-        "server tp*pp (allocation_mode) on one node of N. None: the same requests when the servers are SGLang/vLLM "
-        "(GPU engines; Slurm checks the fit), none otherwise. 0: no GPUs requested (CPU nodes)")
+        None, ge=0, description="GPUs per node. N: each model worker gets one GPU, each built-in server one (none "
+        "with generation.device=cpu), each SGLang/vLLM server tp*pp (allocation_mode) on one node of N (sbatch "
+        "--gpus-per-node=N). None: asked of Slurm (sinfo -o %G, of slurm.partition): the fewest GPUs of a node that "
+        "has some, 0 when no node has one; where sinfo cannot answer (no Slurm here), GPUs only when the servers are "
+        "SGLang/vLLM. 0: no GPUs requested (CPU nodes)")
     cpus_per_task: int = Field(1, gt=0, description="CPUs of every worker process")
     mem_per_cpu_mb: int | None = Field(None, gt=0, description="sbatch/srun --mem-per-cpu (needed where memory is a consumable)")
     container_prefix: str = Field("", description="prefix of every worker command, e.g. 'apptainer exec --nv image.sif'")
@@ -370,8 +379,9 @@ class RayConfig(_Strict):
     address: str | None = Field(None, description="ray.init address ('auto', 'ray://host:10001'); None starts a local Ray")
     cpus_per_worker: float = Field(1.0, gt=0, description="CPUs of every worker process (fractions allowed)")
     gpus_per_worker: int | None = Field(
-        None, ge=0, le=1, description="0: no GPU; 1: each model worker (one rank) and built-in server gets one GPU, "
-        "each SGLang/vLLM server tp*pp (allocation_mode). None: 1 when the Ray cluster has GPUs, else 0")
+        None, ge=0, le=1, description="0: no GPU; 1: each model worker (one rank) and built-in server (unless "
+        "generation.device=cpu) gets one GPU, each SGLang/vLLM server tp*pp (allocation_mode). None: 1 when the Ray "
+        "cluster has GPUs (ray.cluster_resources() at start), else 0")
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK", description="Ray strategy of each mesh's placement group (the model workers; the generation servers): "
         "PACK: few nodes; SPREAD: many; STRICT_PACK: one node; STRICT_SPREAD: one worker per node")
@@ -383,11 +393,13 @@ class SystemConfig(_Strict):
 
     threads_per_process: int = Field(
         1, gt=0, description="CPU threads of every worker process (torch.set_num_threads, OMP_NUM_THREADS, MKL_NUM_THREADS)")
-    gpus: list[str] | None = Field(
+    gpus: list[GpuId] | None = Field(
         None, description="scheduler=local: the node's GPU slots, as CUDA_VISIBLE_DEVICES entries, in the order "
-        "processes are placed on them (generation servers first, tp*pp each, then one per training rank). None: the "
+        "processes are placed on them: generation servers first (tp*pp each; a built-in server one, none with "
+        "generation.device=cpu), then one per training rank; without servers (dN) rank r takes slot r. None: the "
         "visible CUDA devices (none on a CPU machine: every process runs on the CPU). A GPU named twice holds two "
-        "processes (e.g. [0,0]: a server and a trainer on one GPU); [] runs everything on the CPU")
+        "processes (e.g. [0,0]: a server and a trainer on one GPU); [] runs everything on the CPU "
+        "(CUDA_VISIBLE_DEVICES=\"\" for every process)")
     host: str = Field("127.0.0.1", description="address workers bind and publish; 'auto': this node's address")
     interface: str | None = Field(None, description="bind on this network interface's IPv4 address (e.g. ib0); overrides host")
     heartbeat_interval_s: float = Field(
