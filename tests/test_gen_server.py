@@ -36,7 +36,7 @@ SERVER = """
 import json, os, sys
 from realcore.backends.gen_server import run_server
 run_server(sys.argv[1], seed=3, max_batch_size=8, token=sys.argv[2], secret=bytes.fromhex(os.environ["SECRET_HEX"]),
-           max_body_bytes=int(sys.argv[3]), on_ready=lambda a: print(json.dumps(a), flush=True))
+           max_body_bytes=int(sys.argv[3]), on_ready=lambda a: print(json.dumps(a), flush=True), device="cpu")
 """
 
 
@@ -184,6 +184,8 @@ def test_api_shapes_and_bad_bodies(server, models):
         assert await client.health()
         info = await client.server_info()
         assert {"weight_version", "num_running_reqs", "max_running_requests", "paused"} <= set(info)
+        # device cpu (exact comparisons with a float32 forward, on a GPU machine too), dtype auto: float32 there
+        assert (info["device"], info["dtype"]) == ("cpu", "float32")
         params = {**GREEDY, "max_new_tokens": 6, "top_k": -1}
         status, out = await post(url + "/generate", {"input_ids": PROMPT, "rid": "shape", "return_logprob": True, "sampling_params": params})
         meta = out["meta_info"]
