@@ -181,6 +181,13 @@ def test_the_sampler_draws_each_token_with_its_probability():
     rows[:, -5:] = 0
     idx = _inverse_cdf(rows, torch.full((800,), 1 - 2**-24))
     assert idx.max() < V and rows.gather(1, idx[:, None]).min() > 0
+    # ... also where whole chunks at the end hold nothing (a top-k's zeros, a padded vocabulary), and
+    # for u = 0 where the first tokens hold nothing: the pick is a possible token, with no second pass.
+    rows[:, -(_CDF_CHUNK + 500):] = 0
+    rows[:, :700] = 0
+    for u in (1 - 2**-24, 0.0):
+        idx = _inverse_cdf(rows, torch.full((800,), u))
+        assert idx.max() < V - _CDF_CHUNK - 500 and idx.min() >= 700 and rows.gather(1, idx[:, None]).min() > 0
 
 
 def test_sampled_rows_and_greedy_rows_share_a_batch():

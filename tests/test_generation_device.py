@@ -227,23 +227,30 @@ def test_nccl_receives_on_the_models_device_and_gloo_on_the_cpu():
 # --- on a GPU ----------------------------------------------------------------------------------
 
 
+def _run(engine: GenerationEngine, prompts, gconfigs) -> list[list[int]]:
+    rids = [engine.add_request(p, g) for p, g in zip(prompts, gconfigs)]
+    done = {}
+    while engine.has_unfinished():
+        done.update(engine.step())
+    return [done[r].output_ids for r in rids]
+
+
 @pytest.mark.skipif(not CUDA, reason="needs 1 CUDA GPU")
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_on_a_gpu_decode_steps_sync_once_and_match_the_cpu(model_tok, prompts, kind):
-    """On the GPU in float32: the CPU engine's tokens (greedy; sampled rows draw from CUDA's own
-    generators, so only their count is compared), and at most one synchronising CUDA call per
-    decode step by torch's sync debug mode (pageable copies included)."""
+    """On the GPU in float32: at most one synchronising CUDA call per decode step, by torch's sync
+    debug mode (pageable host-to-device copies included); greedy rows give the CPU engine's tokens
+    (sampled rows draw from CUDA's own generators: only their lengths are compared)."""
     import copy
 
     model, tok = model_tok
-    gpu_model = copy.deepcopy(model).cuda()
     gconfigs = _configs(kind, len(prompts))
-    engine = GenerationEngine(gpu_model, tok, seed=3, dtype="float32")
+    engine = GenerationEngine(copy.deepcopy(model).cuda(), tok, seed=3, dtype="float32")
     assert engine.sync_free and engine.dtype == torch.float32
-    for p, g in zip(prompts, gconfigs):
-        engine.add_request(p, g)
-    engine.step()
-    done, per_step = {}, []
+    rids = [engine.add_request(p, g) for p, g in zip(prompts, gconfigs)]
+    done = dict(engine.step())
+    assert engine._kv.keys[0].device.type == "cuda" and {r.rng.device.type for r in engine._running} == {"cuda"}
+    per_step = []
     torch.cuda.set_sync_debug_mode("warn")
     try:
         while engine.has_unfinished():
@@ -253,12 +260,11 @@ def test_on_a_gpu_decode_steps_sync_once_and_match_the_cpu(model_tok, prompts, k
             per_step.append(len([w for w in caught if "synchroniz" in str(w.message)]))
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert max(per_step) <= 1, per_step
-    cpu = GenerationEngine(model, tok, seed=3).generate(prompts, gconfigs[0]) if kind == "greedy" else None
-    assert len(done) == len(prompts)
-    if cpu is not None:
-        assert [done[r].output_ids for r in sorted(done)] == [r.output_ids for r in cpu]
-    assert {engine._kv.keys[0].device.type} == {"cuda"} or engine._kv.capacity == 0
+    assert per_step and max(per_step) <= 1, per_step
+    got = [done[r].output_ids for r in rids]
+    cpu = _run(GenerationEngine(model, tok, seed=3), prompts, gconfigs)
+    assert [len(x) for x in got] == [len(x) for x in cpu]
+    assert [x for x, g in zip(got, gconfigs) if g.greedy] == [x for x, g in zip(cpu, gconfigs) if g.greedy]
 
 
 @pytest.mark.skipif(not CUDA, reason="needs 1 CUDA GPU")
@@ -275,7 +281,9 @@ def test_on_a_gpu_bf16_is_the_whole_model_and_weights_land_in_it(model_tok, prom
         with torch.no_grad():
             logits = model(torch.tensor([prompt + res.output_ids])).logits[0, len(prompt) - 1 : -1]
         expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(res.output_ids)[:, None])[:, 0]
-        assert (torch.tensor(res.output_logprobs) - expected).abs().median() < 0.05
+        # a sanity bound (the whole model in bf16, this tiny model's sharp logits): the GPU check
+        # measures SmolLM2's figure
+        assert (torch.tensor(res.output_logprobs) - expected).abs().median() < 0.1
     state = {n: t.detach().clone() * 0.5 for n, t in model.state_dict().items()}
     engine.load_weights(state)
     for n, t in engine.model.state_dict().items():

@@ -130,7 +130,8 @@ def test_no_key_is_allowed_on_loopback_only_and_said(tiny, tmp_path):
         assert len(reply.output_ids) == 2
         info = await client.server_info()
         # no --device, no --dtype (auto): the process's GPU in bf16 where it has one, else the CPU in float32
-        assert (info["device"], info["dtype"]) == (("cuda", "bfloat16") if torch.cuda.is_available() else ("cpu", "float32"))
+        expected = ("cuda", "bfloat16") if torch.cuda.is_available() else ("cpu", "float32")
+        assert (info["device"], info["dtype"]) == expected
 
     with_keyless_client(server, port, check)
     text = (tmp_path / "open.log").read_text()

@@ -75,9 +75,9 @@ from aiohttp import web
 from realcore.api.config import GenerationConfig, SystemConfig
 from realcore.api.engine import GenerationResult
 from realcore.backends import http_schemas, lora, openai_api, weight_group
+from realcore.backends.device import select_device
 from realcore.backends.generation import GenerationEngine, read_hf_weights
 from realcore.backends.http_schemas import one_line
-from realcore.backends.device import select_device
 from realcore.backends.models import load_model, load_tokenizer
 from realcore.backends.precision import compute_dtype, resolve_dtype_name
 from realcore.system import wire
@@ -221,6 +221,7 @@ class EngineLoop:
     def __init__(self, model, tokenizer, *, seed: int, weight_version: str = "0", dtype: str = "float32"):
         self.engine = GenerationEngine(model, tokenizer, seed=seed, dtype=dtype)  # converts model to `dtype`
         self.dtype = dtype
+        self.device = next(model.parameters()).device  # the model's: where the engine runs and nccl receives
         self.model, self.tokenizer = model, tokenizer
         self.inbox: queue.Queue = queue.Queue()
         self.weight_version = weight_version
@@ -244,8 +245,8 @@ class EngineLoop:
 
     def run(self) -> None:
         try:
-            if self.engine.device.type == "cuda":  # the current device is per thread
-                torch.cuda.set_device(self.engine.device)
+            if self.device.type == "cuda":  # the current device is per thread
+                torch.cuda.set_device(self.device)
             while not self.stopping.is_set():
                 busy = self.paused is None and self.engine.has_unfinished()
                 self._drain(block=not busy)
@@ -498,7 +499,7 @@ class EngineLoop:
         return {
             "weight_version": self.weight_version,
             "dtype": self.dtype,  # the engine's weights: bfloat16 or float32 (a trainer casts a broadcast to it)
-            "device": self.engine.device.type,  # cuda or cpu, as SGLang's server info names its --device
+            "device": self.device.type,  # cuda or cpu, as SGLang's server info names its --device
             "lora_adapter": self.adapter,
             "paused": self.paused,
             "weights_incomplete": self.incomplete,  # a broadcast stopped between its buckets (realcore's field)
@@ -847,7 +848,7 @@ class Server:
                                                               f"of {body.world_size} ({body.backend})"})
 
     def _join(self, body: http_schemas.InitWeightsUpdateGroupRequest) -> WeightGroup:
-        device = receive_device(body.backend, self.core.engine.device)  # refuses nccl on a CPU server
+        device = receive_device(body.backend, self.core.device)  # refuses nccl on a CPU server
         if device.type == "cuda":  # this handler's own thread: NCCL binds the group to the current device
             torch.cuda.set_device(device)
         timeout = timedelta(seconds=WEIGHT_GROUP_TIMEOUT_S)
