@@ -12,17 +12,21 @@ Flags:
 - accepted and ignored, with a warning (they tune SGLang's kernels, memory or warm-up; the built-in
   engine has none of these): `--skip-server-warmup`, `--attention-backend`, `--max-total-tokens`,
   `--mem-fraction-static`, `--disable-cuda-graph`, `--trust-remote-code`.
-- `--dtype`: `bfloat16` runs the engine's bf16 mode (bf16 weights, each step's top logits
-  recomputed in float32: docs/generation-engine.md; needs a CPU with bf16 instructions, else a
-  one-line error); `float32`, `float` and
-  `auto` (SGLang's default) serve in float32, the default here as in realcore runs
-  (generation.dtype); `half`/`float16` are refused (no fp16 mode).
+- `--device` (SGLang's): `auto` (the default) serves on the process's GPU when it sees one (cuda:0 of
+  its CUDA_VISIBLE_DEVICES), else on the CPU; `cuda` on a GPU or a one-line error (exit 2) where the
+  process sees none; `cpu` on the CPU even on a GPU machine (generation.device).
+- `--dtype`: `auto` (SGLang's default, and realcore's generation.dtype) is bfloat16 on a GPU and
+  float32 on a CPU. On a GPU, `bfloat16` holds the whole model in bf16 and `float32`/`float` in
+  float32 (log-probs are taken in float32 from the logits either way). On a CPU, `bfloat16` runs the
+  engine's bf16 mode (the decoder's linears in bf16, each step's top logits recomputed in float32:
+  docs/generation-engine.md; needs a CPU with bf16 instructions, else a one-line error);
+  `half`/`float16` are refused (no fp16 mode).
 - LoRA (SGLang's): `--enable-lora`, `--max-lora-rank N` and `--lora-target-modules M ...` (bounds
   of the adapters /load_lora_adapter accepts), `--lora-paths NAME=PATH` (loaded at start; at most
   one: the built-in server holds one adapter, merged into its weights), `--max-loras-per-batch`
   (accepted; one adapter is one per batch).
 - accepted only with the value that holds here: `--tp-size`/`--tensor-parallel-size` 1,
-  `--dp-size` 1, `--device cpu`. Any other flag is an error (exit 2), never ignored silently.
+  `--dp-size` 1. Any other flag is an error (exit 2), never ignored silently.
 
 The API key: every endpoint needs `Authorization: Bearer <key>` when a key is set. Prefer
 `--config FILE` (mode 0600) or the REALCORE_API_KEY environment variable to `--api-key`: a command
@@ -74,14 +78,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="SGLang's YAML config: one key per flag (e.g. api-key)")
     p.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1, help="must be 1")
     p.add_argument("--dp-size", type=int, default=1, help="must be 1 (start one server per replica)")
-    p.add_argument("--device", default="cpu", help="must be cpu")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto: the process's GPU when it sees one, else the CPU")
     p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (/load_lora_adapter)")
     p.add_argument("--max-lora-rank", type=int, default=None, help="the largest adapter rank accepted")
     p.add_argument("--lora-target-modules", nargs="+", default=None, help="the modules an adapter may target")
     p.add_argument("--lora-paths", nargs="+", default=None, help="NAME=PATH (or PATH) of the adapter loaded at start")
     p.add_argument("--max-loras-per-batch", type=int, default=None, help="accepted (the built-in server holds one)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float", "bfloat16", "half", "float16"],
-                   help="bfloat16: the engine's bf16 mode; auto, float, float32: float32")
+                   help="auto: bfloat16 on a GPU, float32 on a CPU; on a CPU bfloat16 is the engine's bf16 mode")
     for name, takes_value in IGNORED.items():
         if takes_value:
             p.add_argument(f"--{name}", default=None, help="ignored (SGLang only)")
@@ -137,15 +142,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.tp_size != 1 or args.dp_size != 1:
         p.error(f"--tp-size {args.tp_size} --dp-size {args.dp_size}: the built-in engine serves one model copy "
                 "in one process (both must be 1; start one server per replica)")
-    if args.device != "cpu":
-        p.error(f"--device {args.device}: the built-in engine serves on CPU only (--device cpu)")
+    if args.device == "cuda":
+        from realcore.backends.device import process_device
+
+        try:
+            process_device("cuda")
+        except ValueError as e:  # no GPU in this process: before any model is read
+            p.error(f"--device cuda: {str(e).removeprefix('device cuda: ')}")
     if args.max_running_requests < 1:
         p.error(f"--max-running-requests must be >= 1, got {args.max_running_requests}")
     if not 0 <= args.port < 65536:
         p.error(f"--port must be in [0, 65535], got {args.port}")
     if args.dtype in ("half", "float16"):
         p.error(f"--dtype {args.dtype}: the built-in engine serves float32 or bfloat16 (no float16 mode)")
-    args.dtype = "bfloat16" if args.dtype == "bfloat16" else "float32"
+    args.dtype = {"float": "float32"}.get(args.dtype, args.dtype)  # auto: resolved for the device by run_server
     if args.lora_paths and len(args.lora_paths) > 1:
         p.error(f"--lora-paths: the built-in engine holds one adapter, got {len(args.lora_paths)}")
     return args
@@ -199,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run_server(args.model_path, host=args.host, port=args.port, seed=args.random_seed,
                    max_batch_size=args.max_running_requests, token=key, on_ready=ready, no_token_on_loopback=True,
-                   lora_serving=lora_serving(args), dtype=args.dtype)
+                   lora_serving=lora_serving(args), device=args.device, dtype=args.dtype)
     except KeyboardInterrupt:
         return 130
     except (ValueError, OSError) as e:  # a bad model path, a port in use: one line, no traceback

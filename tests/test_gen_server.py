@@ -36,7 +36,7 @@ SERVER = """
 import json, os, sys
 from realcore.backends.gen_server import run_server
 run_server(sys.argv[1], seed=3, max_batch_size=8, token=sys.argv[2], secret=bytes.fromhex(os.environ["SECRET_HEX"]),
-           max_body_bytes=int(sys.argv[3]), on_ready=lambda a: print(json.dumps(a), flush=True))
+           max_body_bytes=int(sys.argv[3]), on_ready=lambda a: print(json.dumps(a), flush=True), device="cpu")
 """
 
 
@@ -184,6 +184,8 @@ def test_api_shapes_and_bad_bodies(server, models):
         assert await client.health()
         info = await client.server_info()
         assert {"weight_version", "num_running_reqs", "max_running_requests", "paused"} <= set(info)
+        # device cpu (exact comparisons with a float32 forward, on a GPU machine too), dtype auto: float32 there
+        assert (info["device"], info["dtype"]) == ("cpu", "float32")
         params = {**GREEDY, "max_new_tokens": 6, "top_k": -1}
         status, out = await post(url + "/generate", {"input_ids": PROMPT, "rid": "shape", "return_logprob": True, "sampling_params": params})
         meta = out["meta_info"]
@@ -592,6 +594,44 @@ def test_weight_updates_from_disk_and_memory(server, models):
     assert b2.output_ids == b.output_ids and b2.weight_version == "3"
     assert b3.output_ids == b.output_ids and b3.weight_version == "3" and info["dropped_weight_messages"] >= 1
 
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 1 CUDA GPU")
+def test_on_a_gpu_the_server_serves_bf16_and_updates_land_there(models, forward, tmp_path):
+    """device and dtype auto on a GPU: the server reports cuda and bfloat16; a disk update and an
+    in-memory one (tensors arrive on the host, float32) land in the GPU's bf16 weights: B's tokens
+    after either, and log-probs near B's float32 forward."""
+    log = open(tmp_path / "server.log", "w+")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SECRET_HEX": SECRET.hex()}
+    script = SERVER.replace(', device="cpu")', ")")  # the defaults: auto, auto
+    proc = subprocess.Popen([sys.executable, "-c", script, models["A"], TOKEN, str(MAX_BODY)], stdout=subprocess.PIPE,
+                            stderr=log, env=env, text=True)
+    try:
+        line = proc.stdout.readline()
+        if not line:
+            log.seek(0)
+            pytest.fail(f"server did not start:\n{log.read()[-3000:]}")
+        gpu = json.loads(line)
+        params = {**GREEDY, "max_new_tokens": 24}
+
+        async def fn(client):
+            info = await client.server_info()
+            a = await client.generate(PROMPT, params, rid="g-a")
+            await client.update_weights_from_disk(models["B"], "1")
+            b = await client.generate(PROMPT, params, rid="g-b")
+            await client.update_weights_from_disk(models["A"], "2")
+            await asyncio.to_thread(push_weights, gpu["weights"], SECRET, "3", read_hf_weights(models["B"]), 30)
+            b2 = await client.generate(PROMPT, params, rid="g-b2")
+            return info, a, b, b2
+
+        info, a, b, b2 = drive(gpu, fn)
+        assert (info["device"], info["dtype"]) == ("cuda", "bfloat16")
+        assert b.output_ids != a.output_ids and b2.output_ids == b.output_ids and b2.weight_version == "3"
+        errors = (torch.tensor(b2.output_logprobs) - forward("B", PROMPT, b2.output_ids)).abs()
+        assert errors.median() < 0.1, errors
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
 
 def test_every_endpoint_needs_the_token(server, models):
     url = server["http"]

@@ -181,6 +181,13 @@ def test_the_sampler_draws_each_token_with_its_probability():
     rows[:, -5:] = 0
     idx = _inverse_cdf(rows, torch.full((800,), 1 - 2**-24))
     assert idx.max() < V and rows.gather(1, idx[:, None]).min() > 0
+    # ... also where whole chunks at the end hold nothing (a top-k's zeros, a padded vocabulary), and
+    # for u = 0 where the first tokens hold nothing: the pick is a possible token, with no second pass.
+    rows[:, -(_CDF_CHUNK + 500):] = 0
+    rows[:, :700] = 0
+    for u in (1 - 2**-24, 0.0):
+        idx = _inverse_cdf(rows, torch.full((800,), u))
+        assert idx.max() < V - _CDF_CHUNK - 500 and idx.min() >= 700 and rows.gather(1, idx[:, None]).min() > 0
 
 
 def test_sampled_rows_and_greedy_rows_share_a_batch():
@@ -197,3 +204,22 @@ def test_sampled_rows_and_greedy_rows_share_a_batch():
     temps = torch.tensor([1.0, 1.0, 0.5, 1.0, 1.0, 2.0])[:, None]
     expected = torch.log_softmax(logits / temps, -1).gather(1, tokens[:, None]).squeeze(1)
     torch.testing.assert_close(logprobs, expected)
+
+
+@pytest.mark.parametrize("sync_free", [False, True])
+def test_top_p_alone_takes_the_nucleus_of_the_whole_distribution(sync_free):
+    """Without top-k, top-p's nucleus is of the whole distribution (as transformers' warper), whether
+    the search stops at the first 64 tokens (they hold enough mass) or sorts every token: with
+    probabilities 0.8, 0.05, 0.05, then 0.02 over 61 tokens and 0.08 over the rest, top_p 0.88 keeps
+    the first three (0.85 lies above the third). Renormalising by the first 64 tokens' mass (0.92)
+    would keep two."""
+    from realcore.backends.generation import sample_tokens
+
+    probs = torch.cat([torch.tensor([0.8, 0.05, 0.05]), torch.full((61,), 0.02 / 61), torch.full((936,), 0.08 / 936)])
+    n = 600
+    logits = probs.log().expand(n, -1)
+    tokens, _ = sample_tokens(logits, temperature=[1.0] * n, top_k=[0] * n, top_p=[0.88] * n, greedy=[False] * n,
+                              rngs=[torch.Generator().manual_seed(i) for i in range(n)], sync_free=sync_free)
+    counts = torch.bincount(tokens, minlength=1000)
+    assert counts[3:].sum() == 0
+    assert abs(counts[2] / n - 0.05 / 0.9) < 0.03 and abs(counts[0] / n - 0.8 / 0.9) < 0.04

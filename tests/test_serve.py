@@ -128,11 +128,15 @@ def test_no_key_is_allowed_on_loopback_only_and_said(tiny, tmp_path):
     async def check(client):
         reply = await client.generate([1, 2], {"max_new_tokens": 2}, rid="open")
         assert len(reply.output_ids) == 2
-        assert (await client.server_info())["dtype"] == "float32"  # no --dtype: as realcore runs serve
+        info = await client.server_info()
+        # no --device, no --dtype (auto): the process's GPU in bf16 where it has one, else the CPU in float32
+        expected = ("cuda", "bfloat16") if torch.cuda.is_available() else ("cpu", "float32")
+        assert (info["device"], info["dtype"]) == expected
 
     with_keyless_client(server, port, check)
-    assert "no API key: every endpoint (weight loading included) answers any user of this machine" in \
-        (tmp_path / "open.log").read_text()
+    text = (tmp_path / "open.log").read_text()
+    assert "no API key: every endpoint (weight loading included) answers any user of this machine" in text
+    assert text.count("gen_server: the engine runs on ") == 1  # the device and dtype, once
 
 
 def test_dtype_bfloat16_serves_the_bf16_engine(tiny, tmp_path):
@@ -175,14 +179,16 @@ def test_flags_config_file_and_key_sources(tmp_path, monkeypatch):
     monkeypatch.delenv(API_KEY_ENV)
     assert api_key(parse_args(["--model-path", "m"])) is None
     args = parse_args(["--model", "m", "--tensor-parallel-size", "1", "--device", "cpu", "--max-running-requests", "3"])
-    assert (args.model_path, args.tp_size, args.max_running_requests, args.dtype) == ("m", 1, 3, "float32")
+    assert (args.model_path, args.tp_size, args.max_running_requests, args.dtype, args.device) == \
+        ("m", 1, 3, "auto", "cpu")
     assert [parse_args(["--model", "m", "--dtype", d]).dtype for d in ("auto", "float", "float32", "bfloat16")] == \
-        ["float32", "float32", "float32", "bfloat16"]
+        ["auto", "float32", "float32", "bfloat16"]  # auto: bfloat16 on a GPU, float32 on a CPU (run_server)
+    assert parse_args(["--model", "m"]).device == "auto"
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--model-path", "m", "--tp-size", "2"], "--tp-size 2 --dp-size 1: the built-in engine serves one model copy"),
-    (["--model-path", "m", "--device", "cuda"], "--device cuda: the built-in engine serves on CPU only"),
+    (["--model-path", "m", "--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
     (["--model-path", "m", "--speculative-algorithm", "EAGLE"], "unrecognized arguments: --speculative-algorithm EAGLE"),
     (["--model-path", "m", "--max-running-requests", "0"], "--max-running-requests must be >= 1"),
     (["--model-path", "m", "--dtype", "half"], "--dtype half: the built-in engine serves float32 or bfloat16"),

@@ -14,6 +14,13 @@ and counted) and queues them to the engine thread like a disk update. SGLang's
 group (gloo on CPU, NCCL on GPUs: realcore.backends.weight_group) and receive bucketed broadcasts
 on a worker thread, each bucket queued to the engine thread the same way.
 
+Devices (`run_server(device=, dtype=)`, GenerationConfig.device/dtype): the engine runs on the
+process's GPU when it sees one (cuda:0 of the CUDA_VISIBLE_DEVICES its launcher gave it), in bf16
+by default there, else on the CPU in float32; the log says which once, and `/get_server_info`
+reports `device` and `dtype`. Updates arrive on the host (disk, memory, gloo) or on the model's GPU
+(nccl, refused in one line for a model on the CPU) and land through `copy_`, which moves and casts
+them into the live parameters.
+
 Hardening (docs/security.md): every endpoint, /health included, answers 401 without the bearer
 token; bodies are bounded (`max_body_bytes`, 413) and validated by realcore.backends.http_schemas
 before the engine sees them (400, one line); a command or decode step that raises inside the engine
@@ -68,9 +75,11 @@ from aiohttp import web
 from realcore.api.config import GenerationConfig, SystemConfig
 from realcore.api.engine import GenerationResult
 from realcore.backends import http_schemas, lora, openai_api, weight_group
+from realcore.backends.device import select_device
 from realcore.backends.generation import GenerationEngine, read_hf_weights
 from realcore.backends.http_schemas import one_line
 from realcore.backends.models import load_model, load_tokenizer
+from realcore.backends.precision import compute_dtype, resolve_dtype_name
 from realcore.system import wire
 
 log = logging.getLogger(__name__)
@@ -212,6 +221,7 @@ class EngineLoop:
     def __init__(self, model, tokenizer, *, seed: int, weight_version: str = "0", dtype: str = "float32"):
         self.engine = GenerationEngine(model, tokenizer, seed=seed, dtype=dtype)  # converts model to `dtype`
         self.dtype = dtype
+        self.device = next(model.parameters()).device  # the model's: where the engine runs and nccl receives
         self.model, self.tokenizer = model, tokenizer
         self.inbox: queue.Queue = queue.Queue()
         self.weight_version = weight_version
@@ -235,6 +245,8 @@ class EngineLoop:
 
     def run(self) -> None:
         try:
+            if self.device.type == "cuda":  # the current device is per thread
+                torch.cuda.set_device(self.device)
             while not self.stopping.is_set():
                 busy = self.paused is None and self.engine.has_unfinished()
                 self._drain(block=not busy)
@@ -486,7 +498,8 @@ class EngineLoop:
     def info(self) -> dict:
         return {
             "weight_version": self.weight_version,
-            "dtype": self.dtype,  # the engine's weights (SGLang's server info names its --dtype too)
+            "dtype": self.dtype,  # the engine's weights: bfloat16 or float32 (a trainer casts a broadcast to it)
+            "device": self.device.type,  # cuda or cpu, as SGLang's server info names its --device
             "lora_adapter": self.adapter,
             "paused": self.paused,
             "weights_incomplete": self.incomplete,  # a broadcast stopped between its buckets (realcore's field)
@@ -564,6 +577,16 @@ class WeightsReceiver:
 
 
 # --- weight-update groups (SGLang's update_weights_from_distributed) -------------------------------
+
+
+def receive_device(backend: str, model_device: torch.device) -> torch.device:
+    """Where a bucket of `backend` is received: nccl on the model's GPU (refused, in one line, for a
+    model on the CPU), gloo on the CPU. Either way the engine's copy_ moves and casts it into the model."""
+    if backend == "nccl":
+        if model_device.type != "cuda":
+            raise ValueError("backend nccl: this server's model is not on a GPU (use gloo)")
+        return model_device
+    return torch.device("cpu")
 
 
 @dataclass
@@ -825,13 +848,14 @@ class Server:
                                                               f"of {body.world_size} ({body.backend})"})
 
     def _join(self, body: http_schemas.InitWeightsUpdateGroupRequest) -> WeightGroup:
-        if body.backend == "nccl" and next(self.core.model.parameters()).device.type != "cuda":
-            raise ValueError("backend nccl: this server's model is not on a GPU (use gloo)")
+        device = receive_device(body.backend, self.core.device)  # refuses nccl on a CPU server
+        if device.type == "cuda":  # this handler's own thread: NCCL binds the group to the current device
+            torch.cuda.set_device(device)
         timeout = timedelta(seconds=WEIGHT_GROUP_TIMEOUT_S)
         store = dist.TCPStore(body.master_address, body.master_port, body.world_size, False, timeout)
         pg = weight_group.new_group(body.backend, store, body.rank_offset, body.world_size, body.group_name,
                                     host=self.host, timeout=timeout)
-        return WeightGroup(pg, store, weight_group.device_of(body.backend))
+        return WeightGroup(pg, store, device)
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         """Receive one bucket broadcast by the trainer (rank 0) and apply it between decode steps,
@@ -867,6 +891,8 @@ class Server:
         return web.json_response({"success": True, "message": f"received {len(body.names)} tensors"})
 
     def _receive(self, group: WeightGroup, body: http_schemas.UpdateWeightsFromDistributedRequest) -> list[torch.Tensor]:
+        if group.device.type == "cuda":
+            torch.cuda.set_device(group.device)
         with group.lock:
             return weight_group.receive(group.pg, body.dtypes, body.shapes, group.device,
                                         timedelta(seconds=WEIGHT_GROUP_TIMEOUT_S))
@@ -958,7 +984,8 @@ def run_server(
     stop_on_sigterm: bool = True,
     no_token_on_loopback: bool = False,
     lora_serving: LoraServing | None = None,
-    dtype: str = "float32",
+    device: str = "auto",
+    dtype: str = "auto",
 ) -> None:
     """Serve `model_path` until SIGTERM (returns), SystemExit or KeyboardInterrupt (propagate).
 
@@ -969,7 +996,9 @@ def run_server(
     `max_body_bytes` answer 413. `on_ready({"http": "http://host:port", "weights": "tcp://host:port"
     or None})` is called once listening; "weights" is the in-memory update socket, present when
     `secret` is given. `lora_serving`: SGLang's LoRA flags (an adapter loaded before serving).
-    `dtype`: the engine's weights (GenerationConfig.dtype)."""
+    `device` (GenerationConfig.device): auto, cpu or cuda (the process's GPU, or a one-line
+    ValueError without one). `dtype` (GenerationConfig.dtype): the engine's weights; auto: bfloat16
+    on a GPU, float32 on a CPU."""
     if not token and not (no_token_on_loopback and is_loopback(host)):
         raise ValueError("gen_server: needs a token (every endpoint answers 401 without it; realcore derives one "
                          "from the run's secret, or takes rollout.server_token)")
@@ -977,7 +1006,15 @@ def run_server(
         raise ValueError(f"gen_server: max_batch_size must be > 0, got {max_batch_size}")
     if max_body_bytes <= 0:
         raise ValueError(f"gen_server: max_body_bytes must be > 0, got {max_body_bytes}")
-    core = EngineLoop(load_model(model_path), load_tokenizer(model_path), seed=seed, dtype=dtype)
+    on = select_device(device)  # before any CUDA tensor; ValueError: cuda asked of a process without a GPU
+    dtype = resolve_dtype_name(dtype, on)
+    # A GPU holds the whole model in `dtype` (loaded so: no float32 copy on the GPU); a CPU loads
+    # float32 and the engine converts what its bf16 mode runs in bf16.
+    weights = compute_dtype(dtype, on) if on.type != "cpu" else torch.float32
+    log.info("gen_server: the engine runs on %s in %s%s", on, dtype,
+             " (decoder linears; the rest float32)" if on.type == "cpu" and dtype == "bfloat16" else "")
+    core = EngineLoop(load_model(model_path, device=on, dtype=weights), load_tokenizer(model_path), seed=seed,
+                      dtype=dtype)
     if lora_serving is not None and lora_serving.initial is not None:
         name, path = lora_serving.initial
         config, tensors = lora.read_adapter(path)

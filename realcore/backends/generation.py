@@ -1,4 +1,5 @@
-"""The built-in generation engine: KV-cached, batched decoding of an HF causal LM (CPU first).
+"""The built-in generation engine: KV-cached, batched decoding of an HF causal LM, on the device
+its model is on (a CPU, or the process's GPU).
 
 It is structured for continuous batching (the async generation server will drive it): every
 request carries its own state (tokens, log-probs, random generator), and `step()` decodes one token
@@ -32,6 +33,21 @@ logit is off by up to 0.06 at a logit of 16, so only the unlikely tail keeps bf1
 the whole model in bf16: on SmolLM2-135M that doubles the log-prob error against the trainer's fp32
 recomputation (median 1.4e-2 vs 6e-3 per sampled token) at about the same speed, since the matmuls
 are the time.
+
+On a GPU (realcore.backends.gen_server loads the model there), "bfloat16" is the whole model in
+bf16 (the CPU's mixed mode above is a CPU speed path: oneDNN packing, a float32 residual stream)
+and "float32" the model in float32; the KV cache takes the model's dtype, decode attention's
+scores and softmax stay float32 (realcore.backends.kv_cache) and log-probs are computed in float32
+from the logits.
+
+Host syncs: on a GPU, reading a tensor's value on the host (`.item()`, `.tolist()`, `if t.any()`,
+`.nonzero()`, a boolean index) waits for every kernel queued before it, and so does a copy from
+pageable host memory to the device. A decode step reads the device once: one copy of its sampled
+tokens and log-probs (`_sample`). Everything else the host decides from what it already knows (each
+row's length, last token and sampling settings, kept in Python), and the few values a step needs
+on the device go up from pinned memory without waiting (`_to_device`). The prefill (once per
+admission) may sync a few times (inside HF's attention-mask code). The exception is the CPU's
+top-p search (`sync_free=False`, the CPU's default, where the device is the host and nothing waits).
 
 Log-probs: `output_logprobs[i] = log_softmax(logits / temperature)[token]`, over the full
 vocabulary, BEFORE top-k / top-p filtering, and with the configured temperature even when greedy.
@@ -82,10 +98,14 @@ class GenerationEngine:
     """Continuous-batching generation over one HF model (see the module docstring)."""
 
     def __init__(self, model, tokenizer, *, seed: int = 0, dtype: str | None = None):
-        """`dtype` (GenerationConfig.dtype) given: the engine owns `model` (a generation server) and
-        changes it in place: "bfloat16" converts its decoder linears, "float32" runs its float32
-        linears through oneDNN (realcore.backends.onednn_linear). None: `model` is shared (a
-        trainer's, which generates in sync mode, and routes its linears itself) and left as it is."""
+        """The engine runs on the device of `model`'s parameters (a CPU or a GPU).
+
+        `dtype` (GenerationConfig.dtype, resolved: "float32" or "bfloat16") given: the engine owns
+        `model` (a generation server) and changes it in place. On a CPU "bfloat16" converts its
+        decoder linears and "float32" runs its float32 linears through oneDNN
+        (realcore.backends.onednn_linear); on a GPU the whole model takes `dtype`. None: `model` is
+        shared (a trainer's, which generates in sync mode, and routes its linears itself) and left
+        as it is, on whatever device and in whatever dtype it is."""
         self.device = next(model.parameters()).device
         self._head: _Bf16Head | None = None
         if dtype not in (None, "float32", "bfloat16"):
@@ -94,13 +114,20 @@ class GenerationEngine:
         # The slot cache serves plain full-attention layers.
         if any(type(layer) is not DynamicLayer for layer in DynamicCache(config=config).layers):
             raise ValueError("generation: the built-in engine supports full-attention models only (no sliding window)")
-        if dtype == "bfloat16":
-            compute_dtype(dtype, self.device)  # ValueError where the device lacks bf16
+        weights = None if dtype is None else compute_dtype(dtype, self.device)  # ValueError where the device lacks bf16
+        if weights is not None and self.device.type != "cpu":
+            model.to(weights)  # a no-op when loaded in it (gen_server loads it so)
+        elif dtype == "bfloat16":
             _linears_to_bf16(model.get_decoder())
             self._head = _Bf16Head.attach(model.get_output_embeddings())
         elif dtype == "float32":
             use_onednn(model)
         self.dtype = model.dtype  # of activations and the KV cache (float32 unless the model is bf16)
+        # Whether a decode step reads nothing of the device but its sampled tokens (module
+        # docstring): always on an accelerator. On a CPU, top-p's search widens its top-k step by step
+        # instead, reading how much mass each width covers (no sync there: the CPU is the host), which
+        # is ~4 ms per row faster than the full sort the sync-free search takes.
+        self.sync_free = self.device.type != "cpu"
         # An owned model computes under inference mode (no version counters or autograd checks per op:
         # +5-10% tokens/s at batch 32); a shared one under no_grad, so no inference tensor reaches the
         # trainer (its KV cache and any buffer its forward sets stay ordinary tensors).
@@ -222,11 +249,12 @@ class GenerationEngine:
 
     def _decode(self) -> None:
         reqs = self._running
-        n = torch.tensor([r.n_tokens() for r in reqs], device=self.device)  # (B,) the last one is fed now
-        width = int(n.max())
+        n = [r.n_tokens() for r in reqs]  # the last token of each row is fed now
+        width = max(n)
         self._kv.reserve(len(reqs), width, live=(len(reqs), width - 1))
-        tokens = torch.tensor([[r.output_ids[-1]] for r in reqs], device=self.device)  # (B, 1)
-        pos = n - 1  # (B,) its position, and its column in the row's slot
+        # The host knows each row's last token and its position (its column in the row's slot).
+        fed = _to_device([[r.output_ids[-1] for r in reqs], [k - 1 for k in n]], self.device, torch.long)  # (2, B)
+        tokens, pos = fed[0, :, None], fed[1]  # (B, 1), (B,)
         self._kv.begin_decode(pos, width)
         config = self.model.config
         before, config._attn_implementation = config._attn_implementation, ATTENTION  # for this call only
@@ -266,12 +294,9 @@ class GenerationEngine:
         rows = [first.setdefault(tuple(s), len(first)) for s in seqs]  # request i -> its prefill row
         distinct = [list(s) for s in first]
         length = max(len(s) for s in distinct)
-        ids = torch.full((len(distinct), length), self.pad_token_id, dtype=torch.long)  # (U, L) left-padded
-        mask = torch.zeros((len(distinct), length), dtype=torch.long)
-        for i, seq in enumerate(distinct):
-            ids[i, length - len(seq) :] = torch.tensor(seq)
-            mask[i, length - len(seq) :] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
+        ids = [[self.pad_token_id] * (length - len(seq)) + seq for seq in distinct]  # (U, L) left-padded
+        mask = [[0] * (length - len(seq)) + [1] * len(seq) for seq in distinct]
+        ids, mask = _to_device([ids, mask], self.device, torch.long)  # one copy up
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # real-token positions; pads get 0
         cache = DynamicCache(config=self.model.config)
         out = self.model(
@@ -283,7 +308,7 @@ class GenerationEngine:
             logits_to_keep=1,  # only the last position is sampled; saves (U, L, V) logits
         )
         logits = out.logits[:, -1]  # (U, V)
-        rows_t = torch.tensor(rows, device=self.device) if len(distinct) < len(new) else None
+        rows_t = _to_device(rows, self.device, torch.long) if len(distinct) < len(new) else None
         self._sample(new, logits if rows_t is None else logits[rows_t], rows_t)
         B = len(self._running)
         width = max([r.n_tokens() - 1 for r in self._running] + [length])
@@ -319,12 +344,15 @@ class GenerationEngine:
             top_p=[r.gconfig.top_p for r in reqs],
             greedy=[r.gconfig.greedy for r in reqs],
             rngs=[r.rng for r in reqs],
+            sync_free=self.sync_free,
         )
         if self._head is not None:  # a token from the bf16 tail: its log-prob from its float32 logit
             batch = torch.arange(len(reqs), device=logits.device)
-            temps = torch.tensor([r.gconfig.temperature for r in reqs], device=logits.device)
+            temps = _to_device([r.gconfig.temperature for r in reqs], logits.device, torch.float32)
             logprobs = logprobs + (self._head.exact(tokens, rows) - logits[batch, tokens].float()) / temps
-        for r, tok, lp in zip(reqs, tokens.tolist(), logprobs.tolist()):
+        # The step's one read of the device: tokens and log-probs in one copy (float64 holds both exactly).
+        ids, lps = torch.stack((tokens.double(), logprobs.double())).tolist()
+        for r, tok, lp in zip(reqs, map(int, ids), lps):
             r.output_ids.append(tok)
             r.output_logprobs.append(lp)
             if tok in r.stop_ids:
@@ -418,6 +446,21 @@ def read_hf_weights(path: str) -> dict[str, torch.Tensor]:
     return out
 
 
+def _to_device(values, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Host values (nested lists) as a tensor on `device`, without waiting for the device: on a GPU
+    a copy from pageable memory waits for every kernel queued before it, one from pinned memory
+    with non_blocking does not (torch's pinned-memory cache keeps the buffer until the copy ran)."""
+    host = torch.tensor(values, dtype=dtype, device="cpu")
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def _take(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """Rows `rows` of `t` (None: all of them, no copy)."""
+    return t if rows is None else t.index_select(0, rows)
+
+
 def sample_tokens(
     logits: torch.Tensor,
     *,
@@ -426,35 +469,45 @@ def sample_tokens(
     top_p: list[float],
     greedy: list[bool],
     rngs: list[torch.Generator],
+    sync_free: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row with per-row settings. logits: (B, V) -> tokens (B,), logprobs (B,).
+    """Sample one token per row with per-row settings. logits: (B, V) -> tokens (B,), logprobs (B,),
+    on the logits' device.
 
     The log-prob is of the temperature-scaled, unfiltered distribution (module docstring). Each
-    row draws one uniform from its own generator and samples by inverse CDF.
+    row draws one uniform from its own generator (on the logits' device) and samples by inverse CDF.
+
+    Nothing here reads the device on the host (module docstring: host syncs): which rows are greedy,
+    plain or filtered is known from the settings, so their rows go up as index lists. `sync_free`
+    (None: unless the logits are on a CPU) False lets top-p widen its search by reading the device.
 
     Every full-vocabulary pass costs ~1-4 ms per step at batch 32 and 49k tokens on a CPU (a
     fresh (B, V) tensor each): rows without top-k / top-p sample from exp(log_softmax), computed
     once for the log-probs, and the greedy choice is taken only for greedy rows.
     """
     dev = logits.device
+    sync_free = dev.type != "cpu" if sync_free is None else sync_free
     scaled = logits.float()  # (B, V)
     if any(t != 1.0 for t in temperature):  # x / 1.0 == x: skip a (B, V) division in the common case
-        scaled = scaled / torch.tensor(temperature, device=dev)[:, None]
+        scaled = scaled / _to_device(temperature, dev, torch.float32)[:, None]
     logprobs = torch.log_softmax(scaled, dim=-1)
-    tokens = torch.zeros(len(greedy), dtype=torch.long, device=dev)
     u = torch.cat([torch.rand(1, generator=g, device=dev) for g in rngs])  # (B,) drawn even for greedy rows
     plain = [not g and k == 0 and p >= 1.0 for g, k, p in zip(greedy, top_k, top_p)]
     filtered = [not g and not pl for g, pl in zip(greedy, plain)]
-    for mask, pick in ((greedy, lambda rows: scaled[rows].argmax(dim=-1)),
-                       (plain, lambda rows: _inverse_cdf(logprobs[rows].exp(), u[rows])),
-                       (filtered, lambda rows: _sample_top_k_top_p(
-                           torch.softmax(scaled[rows], dim=-1), u[rows],
-                           torch.tensor(top_k, device=dev)[rows], torch.tensor(top_p, device=dev)[rows]))):
+    tokens = None
+    for mask, pick in ((greedy, lambda rows, idx: _take(scaled, rows).argmax(dim=-1)),
+                       (plain, lambda rows, idx: _inverse_cdf(_take(logprobs, rows).exp(), _take(u, rows))),
+                       (filtered, lambda rows, idx: _sample_top_k_top_p(
+                           torch.softmax(_take(scaled, rows), dim=-1), _take(u, rows), [top_k[i] for i in idx],
+                           [top_p[i] for i in idx], sync_free=sync_free))):
         if all(mask):
-            tokens = pick(slice(None))  # every row: no (B, V) index copy
+            tokens = pick(None, range(len(mask)))  # every row: no (B, V) index copy
         elif any(mask):
-            rows = torch.tensor(mask, device=dev).nonzero().squeeze(1)
-            tokens[rows] = pick(rows)
+            idx = [i for i, m in enumerate(mask) if m]
+            rows = _to_device(idx, dev, torch.long)
+            if tokens is None:
+                tokens = torch.zeros(len(mask), dtype=torch.long, device=dev)
+            tokens.index_copy_(0, rows, pick(rows, idx))
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
 
 
@@ -466,51 +519,67 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     probs: (B, n) unnormalised, u: (B,) in [0, 1).
 
     A cumulative sum over a 49k vocabulary is a sequential (B, V) pass (~1.5 ms at batch 32): the
-    chunk holding u is found from the chunks' sums first, and only that chunk is summed up."""
+    chunk holding u is found from the chunks' sums first, and only that chunk is summed up.
+
+    Rounding can put u * total at or past a sum's end (the chunks' sums and one chunk's own
+    cumulative sum round differently): a search past the end is held at the last token (or chunk)
+    with mass, found by the same search for the total, so no row needs a second pass (whose
+    condition the host would have to read)."""
     B, n = probs.shape
     if n <= 2 * _CDF_CHUNK:
         return _one_level(probs, u)
     chunks = F.pad(probs, (0, -n % _CDF_CHUNK)).view(B, -1, _CDF_CHUNK)  # (B, C, chunk)
     before = chunks.sum(dim=-1).cumsum(dim=-1)  # (B, C) mass up to the end of each chunk
-    target = u * before[:, -1]  # (B,)
-    c = torch.searchsorted(before, target[:, None], right=True).clamp(max=before.shape[1] - 1)  # (B, 1)
+    target = u[:, None] * before[:, -1:]  # (B, 1)
+    c = torch.minimum(torch.searchsorted(before, target, right=True), _last_with_mass(before))  # (B, 1)
     # A chunk's tokens before u: mass below target minus what the earlier chunks hold.
-    rest = target - torch.where(c[:, 0] > 0, before.gather(1, (c - 1).clamp(min=0))[:, 0], 0.0)
+    rest = target - torch.where(c > 0, before.gather(1, (c - 1).clamp(min=0)), 0.0)  # (B, 1)
     inner = chunks.gather(1, c[:, :, None].expand(B, 1, _CDF_CHUNK))[:, 0].cumsum(dim=-1)  # (B, chunk)
-    i = torch.searchsorted(inner, rest[:, None], right=True).clamp(max=_CDF_CHUNK - 1)  # (B, 1)
-    idx = (c * _CDF_CHUNK + i).squeeze(1)
-    # Rounding between the two levels can land on padding or a zero-probability token: such a
-    # row is searched again in one level.
-    bad = (idx >= n) | (probs.gather(1, idx.clamp(max=n - 1)[:, None])[:, 0] == 0)
-    if bad.any():
-        idx[bad] = _one_level(probs[bad], u[bad])
-    return idx
+    i = torch.minimum(torch.searchsorted(inner, rest, right=True), _last_with_mass(inner))  # (B, 1)
+    return (c * _CDF_CHUNK + i).squeeze(1)
 
 
 def _one_level(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     cdf = probs.cumsum(dim=-1)  # (B, n)
-    idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)  # (B, 1)
-    return idx.clamp(max=probs.shape[1] - 1).squeeze(1)
+    idx = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True)  # (B, 1)
+    return torch.minimum(idx, _last_with_mass(cdf)).squeeze(1)
 
 
-def _sample_top_k_top_p(probs: torch.Tensor, u: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
-    """Top-k (0 = off), then top-p on the renormalised top-k distribution. probs: (B, V).
+def _last_with_mass(cdf: torch.Tensor) -> torch.Tensor:
+    """(B, 1) the last index of each row's cumulative sum (B, n) where it grows: its last term > 0.
+    The first index that reaches the row's total: sums of terms >= 0 never fall."""
+    return torch.searchsorted(cdf, cdf[:, -1:].contiguous(), right=False)
 
-    Why topk in a widening loop instead of one sort: sorting a 49k vocabulary costs ~4 ms per row
-    on this CPU (more than a decode step of a 135M model); the nucleus is usually a few dozen
-    tokens, and once the first k tokens hold `top_p` of the mass the nucleus lies inside them.
+
+def _sample_top_k_top_p(probs: torch.Tensor, u: torch.Tensor, ks: list[int], ps: list[float], *,
+                        sync_free: bool) -> torch.Tensor:
+    """Top-k (0 = off), then top-p on the renormalised top-k distribution (the whole distribution
+    without top-k), as transformers' warpers apply them. probs: (B, V); ks, ps: per row.
+
+    Only the top of each row is sorted (`topk`): the top-k, or, where a row has top-p without top-k,
+    as many tokens as its nucleus needs. sync_free: every token (a full sort; fast on a GPU, and
+    top-p below 1 is rare in RL, where it biases the behaviour log-probs). Otherwise a widening
+    loop, reading on the host whether the first k tokens hold `top_p` of the mass (then the nucleus
+    lies inside them): sorting a 49k vocabulary costs ~4 ms per row on a CPU (more than a decode
+    step of a 135M model), and the nucleus is usually a few dozen tokens.
     """
     V = probs.shape[1]
-    k = min(V, 64)
+    # Rows with top-k are covered once k reaches theirs; rows with top-p alone by their mass.
+    k = min(V, max(ks))
+    open_ended = [kk == 0 and p < 1.0 for kk, p in zip(ks, ps)]
+    if any(open_ended):
+        k = V if sync_free else max(k, min(V, 64))
+    ks_t = _to_device(ks, probs.device, torch.long)
+    ps_t = _to_device(ps, probs.device, torch.float32)
     while True:
         vals, order = probs.topk(k, dim=-1)  # (B, k), sorted descending
-        covered = ((ks > 0) & (ks <= k)) | (vals.sum(dim=-1) >= ps)
-        if k == V or bool(covered.all()):
+        if k == V or not any(open_ended) or bool(((ks_t > 0) | (vals.sum(dim=-1) >= ps_t)).all()):
             break
         k = min(V, k * 8)
     ranks = torch.arange(k, device=probs.device)[None, :]
-    keep = (ks[:, None] == 0) | (ranks < ks[:, None])  # top-k, in rank space
+    keep = (ks_t[:, None] == 0) | (ranks < ks_t[:, None])  # top-k, in rank space
     vals = vals * keep
-    vals = vals / vals.sum(dim=-1, keepdim=True)
-    keep &= (vals.cumsum(dim=-1) - vals) < ps[:, None]  # mass ranked above < top_p: the first always stays
+    # The top-k's mass, or the whole row's (a softmax: 1) without top-k.
+    vals = vals / torch.where(ks_t > 0, vals.sum(dim=-1), 1.0)[:, None]
+    keep &= (vals.cumsum(dim=-1) - vals) < ps_t[:, None]  # mass ranked above < top_p: the first always stays
     return order.gather(1, _inverse_cdf(vals * keep, u)[:, None]).squeeze(1)

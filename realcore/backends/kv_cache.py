@@ -1,6 +1,7 @@
 """A preallocated KV cache for the built-in engine: one slot (row) per running request, written in place.
 
-Layout: per layer, keys and values of shape (slots, kv_heads, capacity, head_dim). Row i of the
+Layout: per layer, keys and values of shape (slots, kv_heads, capacity, head_dim), on the engine's
+device (a CPU or a GPU) in the model's dtype. Row i of the
 running batch lives in slot i, its token at position p in column p (no padding on the left), so
 a decode step writes one column per row and attends over a view of the first `width` columns:
 no concatenation and no copy of the cache per step (what `DynamicCache` costs). Running rows are
@@ -103,7 +104,9 @@ def slot_decode_attention(module, query, key, value, attention_mask, dropout: fl
     Why not transformers' sdpa: with a mask it repeats every key/value head for its query heads
     (a copy of the cache per layer and step) and runs a flash kernel made for long queries; two
     batched matmuls per kv head group cost a third of that here. Scores and softmax in float32
-    whatever the cache's dtype (bf16 cache: no bf16 rounding of the scores)."""
+    whatever the cache's dtype (bf16 cache: no bf16 rounding of the scores); on a GPU with a bf16
+    cache that is a float32 copy of the attended keys and values per layer and step (not measured
+    on a GPU yet; a fused kernel reading bf16 would avoid it)."""
     B, H, _, D = query.shape
     kv_heads, width = key.shape[1], key.shape[2]
     scale = scaling if scaling is not None else D**-0.5

@@ -94,13 +94,12 @@ def run(args, cfg: ExperimentConfig, secret: bytes) -> int:
         import json
 
         from realcore.backends.gen_server import run_server
-        from realcore.backends.precision import resolve_dtype_name
         from realcore.system import keys, wire
         from realcore.system.name_resolve import make_name_resolver
 
         resolver = make_name_resolver(cfg.system.name_resolve)
         run_server(cfg.model.path, host=cfg.system.host, port=0, seed=cfg.seed + 1000 * args.index,
-                   max_batch_size=cfg.generation.max_batch_size, dtype=resolve_dtype_name(cfg.generation.dtype, "cpu"), token=cfg.rollout.server_token, secret=secret,
+                   max_batch_size=cfg.generation.max_batch_size, device=cfg.generation.device, dtype=cfg.generation.dtype, token=cfg.rollout.server_token, secret=secret,
                    max_body_bytes=cfg.system.max_http_body_bytes, limits=wire.Limits.of(cfg.system), stop_on_sigterm=not args.ignore_sigterm,
                    on_ready=lambda addrs: resolver.put(keys.gen_server(cfg, args.index), json.dumps(addrs), replace=True))
     elif args.type == "gserver_manager":
