@@ -34,11 +34,16 @@ def bf16_unsupported(device_type: str, cpuinfo: str = "/proc/cpuinfo") -> str | 
 
 
 def resolve_dtype_name(name: str, device: torch.device | str) -> str:
-    """"auto" -> "bfloat16" on a GPU, "float32" elsewhere (a CPU keeps float32: bf16 there is an
-    opt-in speed mode with a log-prob cost); other names as given."""
+    """"auto" -> "bfloat16" on a GPU that has it (float32 on older GPUs, e.g. a V100), "float32" on a
+    CPU (bf16 there is an opt-in speed mode with a log-prob cost); other names as given. A launcher
+    that sees no GPU itself (it plans for the node's) takes a GPU to have bf16."""
     if name != "auto":
         return name
-    return "bfloat16" if torch.device(device).type == "cuda" else "float32"
+    if torch.device(device).type != "cuda":
+        return "float32"
+    if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        return "float32"
+    return "bfloat16"
 
 
 def compute_dtype(name: str, device: torch.device) -> torch.dtype:
