@@ -4,8 +4,9 @@ megatron-core's local `DotProductAttention` takes only a (T x T) mask; its packe
 TransformerEngine's. This subclass takes `PackedSeqParams(qkv_format="thd")` too: Megatron's
 `Attention` then hands it query (T, heads, dim) and key/value (T, groups, dim) with RoPE already
 applied per sequence (positions restart at 0 at each boundary), and it attends causally within each
-sequence (`packed_causal_attention`: flash-attn varlen on CUDA when installed, SDPA per sequence
-elsewhere). Memory grows with the packed tokens, not their square. Without packed params it is the
+sequence (`packed_causal_attention`: flash-attn's or torch's fused varlen kernel on a GPU in
+bf16, SDPA per sequence elsewhere), the longest sequence taken from the params (a host integer: no
+host sync per layer). Memory grows with the packed tokens, not their square. Without packed params it is the
 parent class, unchanged.
 """
 
@@ -31,12 +32,12 @@ class VarlenDotProductAttention(DotProductAttention):
         # The parent divides its scale by the layer number under query-key layer scaling and its
         # softmax multiplies it back: undo the division, there is no such softmax here.
         scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
-        cu = packed_seq_params.cu_seqlens_q
+        cu, longest = packed_seq_params.cu_seqlens_q, packed_seq_params.max_seqlen_q
         if dropout and not self.config.sequence_parallel:  # the parent's RNG discipline for attention dropout
             with tensor_parallel.get_cuda_rng_tracker().fork():
-                out = packed_causal_attention(query, key, value, cu, scale=scale, dropout=dropout)
+                out = packed_causal_attention(query, key, value, cu, scale=scale, dropout=dropout, max_len=longest)
         else:
-            out = packed_causal_attention(query, key, value, cu, scale=scale, dropout=dropout)
+            out = packed_causal_attention(query, key, value, cu, scale=scale, dropout=dropout, max_len=longest)
         return out.reshape(out.shape[0], -1)  # (T, heads/tp * dim); Attention adds the batch dim back
 
 
