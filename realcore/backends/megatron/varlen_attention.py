@@ -45,8 +45,12 @@ def packed_seq_params(lens: list[int], padded: list[int], device):
     """THD params of one packed row: true and padded sequence lengths (equal without context parallel)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    cu = torch.tensor([0] + lens, device=device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    cu_padded = torch.tensor([0] + padded, device=device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    from realcore.backends.dist_device import to_device
+
+    # Built on the host, copied without blocking: no host sync per micro-batch.
+    cu = to_device(torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32), torch.device(device))
+    cu_padded = to_device(torch.tensor([0] + padded, dtype=torch.int32).cumsum(0, dtype=torch.int32),
+                          torch.device(device))
     longest = max(padded)
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded,
                            cu_seqlens_kv_padded=cu_padded, max_seqlen_q=longest, max_seqlen_kv=longest)
