@@ -144,8 +144,8 @@ class TorchEngine(Engine):
                 out.append(lp.float())
             for _ in range(idle):
                 self._idle_pass(backward=False)
-        order = [i for mb in mbs for i in mb]  # split_by_budget keeps the order: this is range(n)
-        return list(torch.cat(out).cpu().split([lens[i] for i in order])) if out else []
+        sizes = [lens[i] for mb in mbs for i in mb]  # split_by_budget keeps the sequences' order
+        return list(torch.cat(out).cpu().split(sizes)) if out else []
 
     def _idle_passes(self, n_passes: int) -> int:
         """Hook: passes this rank adds to its `n_passes` so that every rank of the group runs as many
