@@ -258,7 +258,11 @@ def _packed_worker(rank, world, port):
     from realcore.backends.megatron import varlen_attention as mva
 
     longest, attend = [], mva.packed_causal_attention
-    mva.packed_causal_attention = lambda *a, max_len=None, **kw: longest.append(max_len) or attend(*a, max_len=max_len, **kw)
+    def spy(*args, max_len=None, **kwargs):
+        longest.append(max_len)
+        return attend(*args, max_len=max_len, **kwargs)
+
+    mva.packed_causal_attention = spy
 
     packed = model(tokens[None], None, None, packed_seq_params=packed_seq_params(PACKED_LENS, PACKED_LENS, "cpu"),
                    runtime_gather_output=True)[0]

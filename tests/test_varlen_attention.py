@@ -143,8 +143,8 @@ class StandIn:
         self.kind, self.calls = kind, []
 
     def __call__(self, q, k, v, cu_q, cu_k, max_q, max_k, **kw):
-        self.calls.append({"dtypes": {q.dtype, k.dtype, v.dtype}, "cu": (cu_q.dtype, cu_q.device), "same_cu": cu_q is cu_k,
-                           "max": (type(max_q), max_q, max_k), "kw": kw})
+        self.calls.append({"dtypes": {q.dtype, k.dtype, v.dtype}, "cu": (cu_q.dtype, cu_q.device),
+                           "same_cu": cu_q is cu_k, "max": (type(max_q), max_q, max_k), "kw": kw})
         lens = (cu_q[1:] - cu_q[:-1]).tolist()
         scale = kw["softmax_scale"] if self.kind == "flash" else kw["scale"]
         return _reference(q, k, v, lens, scale).to(q.dtype)
@@ -197,7 +197,8 @@ def test_fused_kernel_gets_compute_dtype_int32_bounds_a_host_max_and_causal(gpu_
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
     ref = _reference(q.bfloat16(), k.bfloat16(), v, LENS, 0.25)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=0)
-    assert [r.getMessage() for r in caplog.records] == [f"packed attention: {'flash_attn' if kind == 'flash' else 'torch_varlen'}"]
+    path = "flash_attn" if kind == "flash" else "torch_varlen"
+    assert [r.getMessage() for r in caplog.records] == [f"packed attention: {path}"]
 
 
 def test_fused_kernel_returns_the_query_dtype_without_autocast(gpu_kernels):
@@ -252,7 +253,8 @@ GPU = "needs 1 GPU (the fused varlen kernels are CUDA-only; the CPU path and the
 def _fused_path() -> str | None:
     if varlen_attention._flash_attn() is not None:
         return "flash_attn"
-    if varlen_attention._torch_varlen() is not None and varlen_attention._torch_varlen_runs_on(torch.cuda.current_device()):
+    if varlen_attention._torch_varlen() is not None and varlen_attention._torch_varlen_runs_on(
+            torch.cuda.current_device()):
         return "torch_varlen"
     return None
 

@@ -73,7 +73,8 @@ class TorchEngine(Engine):
         # A trainable role's parameters stay float32 (the optimizer's master copy), `dtype` is then the
         # autocast dtype; an inference-only one on a GPU holds them in `dtype` (module docstring).
         self.param_dtype = self.dtype if not role.trainable and self.device.type == "cuda" else torch.float32
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, attn_implementation="sdpa", dtype=self.param_dtype)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, attn_implementation="sdpa",
+                                                          dtype=self.param_dtype)
         use_packed_attention(self.model)  # packed rows by cu_seqlens; generation switches back to sdpa
         if role.lora is not None:  # PEFT wrapper: base weights frozen, only the adapters train
             self.model = lora.apply_lora(self.model, role.lora, seed=seed)

@@ -298,7 +298,8 @@ class MegatronEngine(Engine):
         def loss_func_for(mb, logprob_fn):
             def loss_func(logits):
                 lp, _ = logprob_fn(logits, temperature, False)  # left on the device: one copy at the end
-                return logits.sum() * 0.0, torch.zeros((), dtype=torch.int, device=logits.device), {"lp": lp.detach().float()}
+                no_tokens = torch.zeros((), dtype=torch.int, device=logits.device)
+                return logits.sum() * 0.0, no_tokens, {"lp": lp.detach().float()}
             return loss_func
 
         self._eval()
