@@ -33,7 +33,9 @@ REL = 1e-4  # the issue's bound on the relative error of the loss trajectory
 
 
 def _role(**kw) -> RoleConfig:
-    return trainable_role(BUDGET).model_copy(update=kw)
+    # float32 unless a test says otherwise: "auto" would be bf16 on GPUs, and the replicated engine
+    # (autocast) and FSDP (bf16 gathers) differ in bf16 by more than these exact comparisons allow.
+    return trainable_role(BUDGET).model_copy(update={"dtype": "float32", **kw})
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -69,11 +71,20 @@ def _train(eng, data, **kw):
 
 def _worker(rank: int, port: int, model_dir: str, out: str, bf16: bool, backend: str = "gloo") -> None:
     torch.set_num_threads(1)
+    device = {}
     if backend == "nccl":
-        torch.cuda.set_device(rank)  # the engines use the current CUDA device
+        device = {"device_id": torch.device("cuda", rank)}
+        torch.cuda.set_device(rank)  # each rank its own GPU, before its group: the engines use the current one
+        # The resume check compares losses exactly: deterministic kernels (cuBLAS workspace, sort-based
+        # embedding backward, SDPA's math kernel), as the CPU's are.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(False)
     # A deadline: ranks whose collectives do not match fail instead of hanging the test.
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=120))
+                            timeout=timedelta(seconds=120), **device)
     from realcore.backends.fsdp_engine import FSDPEngine
     from realcore.backends.torch_engine import TorchEngine
 
@@ -348,9 +359,11 @@ def test_async_run_with_fsdp_actor_pushes_weights_in_memory(tmp_path):
     assert all(m["staleness/head"] == 0 for m in metrics)
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (FSDP over NCCL); the CPU tests above run "
-                    "the same code over gloo")
+@pytest.mark.gpu(2)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (FSDP over NCCL, one rank per GPU); the CPU "
+                    "tests above run the same code over gloo")
 def test_the_same_checks_on_two_gpus_over_nccl(model_dir, tmp_path):
+    """Every check above on cuda:0 and cuda:1 over NCCL, in float32 (bf16 in the bf16 check)."""
     out = str(tmp_path)
     mp.spawn(_worker, args=(_free_port(), model_dir, out, torch.cuda.is_bf16_supported(), "nccl"), nprocs=2, join=True)
     results = out, [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=True) for r in (0, 1)]

@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 
 pytest.importorskip("megatron.core")
 from safetensors.torch import load_file  # noqa: E402
-from test_megatron_engine import STEPS, _data, _free_port, _loss_fn, _n_tokens, _reference_dir  # noqa: E402
+from test_megatron_engine import STEPS, _data, _free_port, _loss_fn, _n_tokens, _reference_dir, init_dist  # noqa: E402
 
 from realcore.backends.precision import cpu_has_bf16  # noqa: E402
 
@@ -37,7 +37,7 @@ def _worker(rank, world, port, hf_path, out, mesh):
     from realcore.api.alloc import parse_mesh
     from realcore.backends.megatron.engine import MegatronEngine
 
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    init_dist(rank, world, port)  # NCCL, each rank on its own GPU, where there are GPUs
     dims = parse_mesh(mesh)
     engine = MegatronEngine(hf_path, _role(), dims, total_steps=STEPS)
     params = [p for c in engine.chunks for p in c.parameters()]
@@ -66,7 +66,7 @@ def _worker(rank, world, port, hf_path, out, mesh):
         from realcore.api.config import RoleConfig
         from realcore.backends.torch_engine import TorchEngine
 
-        reloaded = TorchEngine(saved, RoleConfig(backend="torch"), total_steps=1)
+        reloaded = TorchEngine(saved, RoleConfig(backend="torch", dtype="float32"), total_steps=1)
         for a, b in zip(reloaded.logprobs(data["input_ids"]), engine.logprobs(data["input_ids"])):
             assert _rel(a, b) < RTOL
     else:
@@ -91,8 +91,12 @@ def test_bf16_training_follows_fp32(root, mesh):
     mp.spawn(_worker, args=(world, _free_port(), hf_path, out, mesh), nprocs=world, join=True)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                    reason="needs 2 GPUs (NCCL); the CPU test above runs the same code over gloo")
-def test_bf16_training_follows_fp32_on_gpus(root):
+@pytest.mark.gpu(2)
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="needs 2 GPUs (NCCL, one rank per GPU); the CPU test above runs the same code over gloo")
+@pytest.mark.parametrize("mesh", ["d1p1t2", "d2p1t1"])
+def test_bf16_training_follows_fp32_on_gpus(root, mesh):
+    """TP=2 (sequence parallel, torch's RMSNorm) and DP=2 on cuda:0 and cuda:1 over NCCL: log-probs
+    through the fused varlen kernel, stats and the HF gather on the GPUs' collectives."""
     hf_path, out = _reference_dir(root, "untied")
-    mp.spawn(_worker, args=(2, _free_port(), hf_path, out, "d1p1t2"), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, _free_port(), hf_path, out, mesh), nprocs=2, join=True)

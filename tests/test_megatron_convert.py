@@ -174,6 +174,38 @@ def test_logits_match_hf(mcore, family, tied):
     torch.testing.assert_close(logits, ref, atol=1e-4, rtol=0)
 
 
+def test_local_spec_norms_are_torch_rmsnorm_even_where_apex_is_installed(mcore, monkeypatch):
+    """Where apex is installed (GPU images) megatron-core's default norm is apex's FusedLayerNorm,
+    which asserts on RMSNorm: every norm of realcore's local spec, the decoder's final one included,
+    must be torch's RMSNorm whatever megatron-core's default is (mocked here: no apex on CPU)."""
+    from megatron.core.models import backends
+    from megatron.core.models.gpt import GPTModel, gpt_layer_specs
+    from megatron.core.transformer import transformer_block
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from realcore.backends.megatron.convert import block_spec, layer_spec
+
+    class ApexNorm(torch.nn.Module):
+        def __init__(self, *args, **kwargs):
+            raise AssertionError("apex's FusedLayerNorm: RMSNorm is not supported")
+
+    for module, name in ((backends, "LNImpl"), (gpt_layer_specs, "LNImpl"), (transformer_block, "LayerNormImpl")):
+        monkeypatch.setattr(module, name, ApexNorm)
+    cfg = _hf_config("llama", False)
+    config = mcore_config_from_hf(cfg)
+    spec = block_spec(layer_spec(cfg), config, None)
+    assert len(spec.layer_specs) == cfg.num_hidden_layers and spec.layer_norm is WrappedTorchNorm
+    assert spec.layer_specs[0].submodules.input_layernorm is WrappedTorchNorm
+    assert spec.layer_specs[0].submodules.pre_mlp_layernorm is WrappedTorchNorm
+    gpt = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=cfg.vocab_size,
+                   max_sequence_length=cfg.max_position_embeddings, position_embedding_type="rope")
+    norms = [m for m in gpt.modules() if isinstance(m, torch.nn.RMSNorm)]
+    assert len(norms) == 2 * cfg.num_hidden_layers + 1 and isinstance(gpt.decoder.final_layernorm, torch.nn.RMSNorm)
+    conv = hf_to_mcore(_hf_model("llama", False)[1].state_dict(), cfg, tp=1, pp=1, tp_rank=0, pp_rank=0)
+    missing, unexpected = gpt.load_state_dict(conv, strict=False)  # the same parameter names
+    assert not unexpected and all(k.endswith("_extra_state") for k in missing)
+
+
 def test_validation_errors():
     cfg = _hf_config("llama", False)
     hf = {}

@@ -255,10 +255,20 @@ def _packed_worker(rank, world, port):
                                         with_kwargs=True)
     tokens = torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(3))
     assert sum(PACKED_LENS) == SEQ
+    from realcore.backends.megatron import varlen_attention as mva
+
+    longest, attend = [], mva.packed_causal_attention
+    def spy(*args, max_len=None, **kwargs):
+        longest.append(max_len)
+        return attend(*args, max_len=max_len, **kwargs)
+
+    mva.packed_causal_attention = spy
 
     packed = model(tokens[None], None, None, packed_seq_params=packed_seq_params(PACKED_LENS, PACKED_LENS, "cpu"),
                    runtime_gather_output=True)[0]
     assert masks and all(mask is None and p.qkv_format == "thd" for mask, p in masks)
+    # The fused kernels' longest sequence comes from the params, a host int: no host sync per layer.
+    assert longest == [max(PACKED_LENS)] * 2 and all(type(n) is int for n in longest)
     (packed.float().square().mean()).backward()
     packed_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
@@ -280,3 +290,35 @@ def _packed_worker(rank, world, port):
 def test_packed_thd_attention_matches_sequences_alone():
     """TP=2 with grouped-query attention (one KV group per rank)."""
     _spawn(_packed_worker, 2, 2, _free_port())
+
+
+COMPAT_ONLY = """
+import torch
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from realcore.backends.megatron.compat import apply_compat
+
+current_device = torch.cuda.current_device
+apply_compat()
+apply_compat()
+assert torch.cuda.current_device is current_device  # nothing of the CPU layer
+assert moe_utils.te_general_gemm is None  # defined: the router's matmul runs without TransformerEngine
+config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, tensor_model_parallel_size=2,
+                           sequence_parallel=True, normalization="RMSNorm", use_cpu_initialization=True)
+norm = WrappedTorchNorm(config, 8, eps=1e-6)
+assert isinstance(norm, torch.nn.RMSNorm) and all(p.sequence_parallel for p in norm.parameters())
+print("ok")
+"""
+
+
+def test_the_compat_layer_for_every_device_stands_alone():
+    """compat.py (applied on GPUs too): MoE routing without TransformerEngine and sequence parallel
+    with torch's RMSNorm, and none of the CPU layer's patches (a fresh process)."""
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", COMPAT_ONLY], cwd=repo, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": repo})
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]

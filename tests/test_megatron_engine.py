@@ -105,8 +105,21 @@ def _n_tokens(data):
 def _role(**megatron):
     from realcore.api.config import OptimizerConfig, RoleConfig
 
-    return RoleConfig(backend="megatron", trainable=True, max_tokens_per_mb=24, megatron=megatron,
+    # float32 against the float32 reference ("auto" would be bf16 on a GPU)
+    return RoleConfig(backend="megatron", trainable=True, max_tokens_per_mb=24, megatron=megatron, dtype="float32",
                       optimizer=OptimizerConfig(lr=1e-2, warmup_steps=1, max_grad_norm=1.0))
+
+
+def init_dist(rank: int, world: int, port: int) -> None:
+    """The mesh's default group as a model worker makes it: on GPUs (one per rank) each rank selects
+    cuda:rank first, then NCCL bound to it; on a CPU gloo."""
+    if torch.cuda.device_count() >= world:
+        torch.cuda.set_device(rank)
+        torch.distributed.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                             world_size=world, device_id=torch.device("cuda", rank))
+    else:
+        torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                             world_size=world)
 
 
 def _reference(hf_path: str, out: str):
@@ -116,21 +129,22 @@ def _reference(hf_path: str, out: str):
     from realcore.backends.torch_engine import TorchEngine
 
     engine = TorchEngine(hf_path, _role(), total_steps=STEPS)
-    model, data = engine.model, _data()
+    model, data, device = engine.model, _data(), engine.device  # the model's device: a GPU where there is one
     lps, ents = [], []
     for ids in data["input_ids"]:
+        ids = ids.to(device)
         logits = model(input_ids=ids[None]).logits[0]
-        starts = torch.zeros(len(ids), dtype=torch.bool)
+        starts = torch.zeros(len(ids), dtype=torch.bool, device=device)
         starts[0] = True
         lp, ent = token_logprobs(logits, ids, starts, 1.0, True)
         lps.append(lp)
         ents.append(ent)
-    packed = {k: torch.cat(v) for k, v in data.items()}
+    packed = {k: torch.cat(v).to(device) for k, v in data.items()}
     loss, _ = _loss_fn(torch.cat(lps), torch.cat(ents), packed)
     loss.backward()
-    tensors = {f"lp.{i}": lp.detach() for i, lp in enumerate(lps)}
+    tensors = {f"lp.{i}": lp.detach().cpu() for i, lp in enumerate(lps)}
     hub = _hub_names({n: p.grad for n, p in model.named_parameters()}, model.config.model_type == "mixtral")
-    tensors.update({f"grad.{n}": g.contiguous() for n, g in hub.items()})
+    tensors.update({f"grad.{n}": g.cpu().contiguous() for n, g in hub.items()})
     model.zero_grad(set_to_none=True)
     losses = [engine.train_batch(data, _loss_fn, _n_tokens)["loss"] for _ in range(STEPS)]
     save_file(tensors, f"{out}/ref.st")
@@ -148,7 +162,7 @@ def _worker(rank, world, port, hf_path, out, mesh, megatron):
     from realcore.api.alloc import parse_mesh
     from realcore.backends.megatron.engine import MegatronEngine
 
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    init_dist(rank, world, port)
     dims = parse_mesh(mesh)
     engine = MegatronEngine(hf_path, _role(**megatron), dims, total_steps=STEPS)
     from megatron.core import parallel_state as ps
@@ -182,7 +196,7 @@ def _worker(rank, world, port, hf_path, out, mesh, megatron):
         from realcore.api.config import RoleConfig
         from realcore.backends.torch_engine import TorchEngine
 
-        reloaded = TorchEngine(saved, RoleConfig(backend="torch"), total_steps=1)
+        reloaded = TorchEngine(saved, RoleConfig(backend="torch", dtype="float32"), total_steps=1)
         for a, b in zip(reloaded.logprobs(data["input_ids"]), after):
             _assert_close(a, b, "reloaded logprobs")
     torch.distributed.destroy_process_group()
@@ -250,7 +264,7 @@ def _recompute_worker(rank, world, port, hf_path, mesh):
     from realcore.backends.batching import split_by_budget
     from realcore.backends.megatron.engine import MegatronEngine
 
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    init_dist(rank, world, port)
     dims, data = parse_mesh(mesh), _data()
     n_mb = len(split_by_budget([len(x) for x in data["input_ids"]], 24))
     plain = MegatronEngine(hf_path, _role(), dims, total_steps=STEPS)

@@ -308,3 +308,93 @@ def test_the_lr_schedule_ends_at_the_runs_last_optimizer_step():
                        "ppo.ppo_epochs=3"])
     assert optimizer_steps(cfg, "actor") == 42
     assert optimizer_steps(load_config(["experiment=sft-math", "model=tiny", "trainer.total_steps=7"]), "actor") == 7
+
+
+# ---- devices, precision, resume ----
+
+
+def test_auto_dtype_is_float32_on_a_cpu(model_dir):
+    """RoleConfig.dtype's default "auto" keeps a CPU user's float32, trainable or not."""
+    for trainable in (True, False):
+        eng = TorchEngine(model_dir, RoleConfig(trainable=trainable), total_steps=1)
+        assert eng.device == torch.device("cpu") and eng.dtype == torch.float32
+        assert {p.dtype for p in eng.model.parameters()} == {torch.float32}
+
+
+def test_resume_restores_the_random_state(model_dir, tmp_path):
+    eng = TorchEngine(model_dir, trainable_role(10_000), total_steps=5)
+    eng.train_batch(make_data([6, 9], seed=11), nll_loss, n_loss_tokens)
+    eng.save_state(str(tmp_path))
+    expected = torch.rand(8)
+    torch.rand(100)  # the generator moves on
+    resumed = TorchEngine(model_dir, trainable_role(10_000), total_steps=5)
+    resumed.load_state(str(tmp_path))
+    assert resumed.version == 1 and torch.equal(torch.rand(8), expected)
+
+
+def test_resume_on_a_gpu_reads_the_states_on_the_host_and_restores_the_gpu_generator(model_dir, tmp_path, monkeypatch):
+    """Mocks CUDA, which a CPU cannot run: the engine believes it computes on cuda:0 and torch.cuda's
+    generator functions are stand-ins. The file must load on the host (loading it onto the GPU
+    handed torch.set_rng_state a CUDA tensor), and the GPU generator is saved and restored."""
+    eng = TorchEngine(model_dir, trainable_role(10_000), total_steps=5)
+    gpu = {"state": torch.arange(16, dtype=torch.uint8)}
+    restored = []
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": gpu["state"].clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state",
+                        lambda state, device="cuda": restored.append((state.clone(), state.device, device)))
+    eng.device = torch.device("cuda", 0)
+    eng.save_state(str(tmp_path))
+    expected = torch.rand(4)
+    gpu["state"] = torch.zeros(16, dtype=torch.uint8)
+    eng.load_state(str(tmp_path))
+    assert torch.equal(torch.rand(4), expected)
+    (state, where, device), = restored
+    assert torch.equal(state, torch.arange(16, dtype=torch.uint8)) and where.type == "cpu"
+    assert device == torch.device("cuda", 0)
+
+
+class _ReadOnHost(torch.Tensor):
+    """A loss statistic that fails when the host reads it (float(), .item()): on a GPU each read
+    waits for the device."""
+
+    def __float__(self):
+        raise AssertionError("a loss statistic read on the host per micro-batch")
+
+    def item(self):
+        raise AssertionError("a loss statistic read on the host per micro-batch")
+
+
+def test_loss_statistics_stay_on_the_device_until_the_minibatch_ends(model_dir):
+    """_train_minibatch sums each statistic on the device over micro-batches, and reduce_weighted
+    reads them all in one copy: none is read per micro-batch, and the numbers are those of floats."""
+    def device_only(logprobs, entropy, data):
+        loss, stats = nll_loss(logprobs, entropy, data)
+        return loss, {k: v.as_subclass(_ReadOnHost) for k, v in stats.items()}
+
+    data = make_data([7, 12, 3, 20, 9], seed=2)
+    got = TorchEngine(model_dir, trainable_role(8), total_steps=2).train_batch(data, device_only, n_loss_tokens)
+    want = TorchEngine(model_dir, trainable_role(8), total_steps=2).train_batch(data, nll_loss, n_loss_tokens)
+    assert len(split_by_budget([len(x) for x in data["input_ids"]], 8)) == 5 and got == want
+
+
+@pytest.mark.gpu(1)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 1 GPU (the CPU route runs the same code above)")
+def test_on_a_gpu_auto_is_bf16_a_frozen_role_holds_bf16_and_resume_restores_both_generators(model_dir, tmp_path):
+    actor = TorchEngine(model_dir, trainable_role(10_000), total_steps=5)
+    ref = TorchEngine(model_dir, RoleConfig(trainable=False), total_steps=1)
+    assert actor.device == ref.device == torch.device("cuda", torch.cuda.current_device())
+    assert actor.dtype == ref.dtype == torch.bfloat16
+    assert {p.dtype for p in actor.model.parameters()} == {torch.float32}  # AdamW's master copy
+    assert {p.dtype for p in ref.model.parameters()} == {torch.bfloat16}  # inference only: bf16 weights
+    data = make_data([7, 12, 3, 20], seed=12)
+    for a, b in zip(actor.logprobs(data["input_ids"]), ref.logprobs(data["input_ids"])):
+        torch.testing.assert_close(a, b, atol=5e-2, rtol=0)
+    stats = actor.train_batch(data, nll_loss, n_loss_tokens)
+    assert math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])
+    actor.save_state(str(tmp_path))
+    expected = torch.rand(4), torch.rand(4, device=actor.device)
+    resumed = TorchEngine(model_dir, trainable_role(10_000), total_steps=5)
+    resumed.load_state(str(tmp_path))
+    assert torch.equal(torch.rand(4), expected[0]) and torch.equal(torch.rand(4, device=actor.device), expected[1])
+    for n, p in resumed.model.named_parameters():
+        assert p.device == actor.device and torch.equal(p, dict(actor.model.named_parameters())[n]), n

@@ -118,11 +118,185 @@ def test_untrainable_role_refuses_train_batch(model_dir):
         engine.train_batch(make_data([5], seed=0), nll_loss, n_loss_tokens)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash-attn's varlen kernel needs CUDA; the CPU path is tested above")
-def test_flash_varlen_on_gpu_equals_one_forward_per_sequence(model_dir):
-    pytest.importorskip("flash_attn", reason="flash-attn is not installed")
-    engine = TorchEngine(model_dir, _role(dtype="bfloat16"), total_steps=1)
-    assert varlen_attention._flash_varlen() is not None
-    data = make_data([7, 12, 5, 16, 9], seed=1)
+# ---- the fused GPU kernels, their inputs checked by stand-ins on the CPU ----
+
+LENS = [7, 12, 5, 16, 9]
+
+
+def _reference(q, k, v, lens, scale):
+    """Causal attention per sequence in float32: (T, H, D) from q (T, H, D), k/v (T, Hkv, D)."""
+    out, start = [], 0
+    for n in lens:
+        sl = slice(start, start + n)
+        qs, ks, vs = (t[sl].float().transpose(0, 1) for t in (q, k, v))  # (H, n, D)
+        out.append(torch.nn.functional.scaled_dot_product_attention(
+            qs, ks, vs, is_causal=True, scale=scale, enable_gqa=qs.shape[0] != ks.shape[0]).transpose(0, 1))
+        start += n
+    return torch.cat(out)
+
+
+class StandIn:
+    """Mocks a GPU-only kernel (flash-attn's `flash_attn_varlen_func`, or torch's `varlen_attn`, both
+    CUDA-only) on the CPU: checks what it receives and computes the reference from it."""
+
+    def __init__(self, kind: str):
+        self.kind, self.calls = kind, []
+
+    def __call__(self, q, k, v, cu_q, cu_k, max_q, max_k, **kw):
+        self.calls.append({"dtypes": {q.dtype, k.dtype, v.dtype}, "cu": (cu_q.dtype, cu_q.device),
+                           "same_cu": cu_q is cu_k, "max": (type(max_q), max_q, max_k), "kw": kw})
+        lens = (cu_q[1:] - cu_q[:-1]).tolist()
+        scale = kw["softmax_scale"] if self.kind == "flash" else kw["scale"]
+        return _reference(q, k, v, lens, scale).to(q.dtype)
+
+
+def _packed_qkv(seed: int = 0):
+    """q (T, 4, 16) and k (T, 2, 16) in float32 and v in bf16, as HF's rotary leaves them under
+    autocast, with their boundaries."""
+    g = torch.Generator().manual_seed(seed)
+    t = sum(LENS)
+    q, k = torch.randn(t, 4, 16, generator=g), torch.randn(t, 2, 16, generator=g)
+    v = torch.randn(t, 2, 16, generator=g).to(torch.bfloat16)
+    return q, k, v, torch.tensor([0, *torch.tensor(LENS).cumsum(0).tolist()], dtype=torch.int32)
+
+
+@pytest.fixture
+def gpu_kernels(monkeypatch):
+    """Pretend the CPU tensors are on a GPU where a fused kernel runs; which one: set by the test."""
+    monkeypatch.setattr(varlen_attention, "_on_gpu", lambda t: True)
+    monkeypatch.setattr(varlen_attention, "_logged", set())
+    kernels = {"flash": StandIn("flash"), "torch": StandIn("torch")}
+    monkeypatch.setattr(varlen_attention, "_flash_attn", lambda: kernels["flash"])
+    monkeypatch.setattr(varlen_attention, "_torch_varlen", lambda: kernels["torch"])
+    monkeypatch.setattr(varlen_attention, "_torch_varlen_runs_on", lambda index: True)
+    return kernels, monkeypatch
+
+
+@pytest.mark.parametrize("kind", ["flash", "torch"])
+def test_fused_kernel_gets_compute_dtype_int32_bounds_a_host_max_and_causal(gpu_kernels, kind, caplog):
+    """Under bf16 autocast, q and k in float32 beside a bf16 v (HF's rotary): the kernel gets all
+    three in bf16, int32 boundaries on their device, the longest sequence as a host int, a causal
+    mask, and its output (autocast's dtype) equals causal attention per sequence."""
+    kernels, monkeypatch = gpu_kernels
+    if kind == "torch":
+        monkeypatch.setattr(varlen_attention, "_flash_attn", lambda: None)
+    q, k, v, cu = _packed_qkv()
+    caplog.set_level("INFO", logger="realcore.varlen_attention")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for _ in range(3):  # three layers: the path is logged once
+            out = varlen_attention.packed_causal_attention(q, k, v, cu, scale=0.25, max_len=max(LENS))
+    calls = kernels[kind].calls
+    assert len(calls) == 3 and not kernels["torch" if kind == "flash" else "flash"].calls
+    c = calls[0]
+    assert c["dtypes"] == {torch.bfloat16} and c["cu"] == (torch.int32, q.device) and c["same_cu"]
+    assert c["max"] == (int, 16, 16)
+    if kind == "flash":
+        assert c["kw"] == {"dropout_p": 0.0, "softmax_scale": 0.25, "causal": True}
+    else:  # torch's kernel: causal is the window (-1, 0); GQA (2 key/value heads for 4) natively
+        assert c["kw"] == {"scale": 0.25, "window_size": (-1, 0), "enable_gqa": True}
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    ref = _reference(q.bfloat16(), k.bfloat16(), v, LENS, 0.25)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=0)
+    path = "flash_attn" if kind == "flash" else "torch_varlen"
+    assert [r.getMessage() for r in caplog.records] == [f"packed attention: {path}"]
+
+
+def test_fused_kernel_returns_the_query_dtype_without_autocast(gpu_kernels):
+    """A bf16 model (no autocast): bf16 in, bf16 out; the longest sequence read from the
+    boundaries when no caller gave it."""
+    kernels, _ = gpu_kernels
+    q, k, v, cu = _packed_qkv()
+    out = varlen_attention.packed_causal_attention(q.bfloat16(), k.bfloat16(), v, cu, scale=None)
+    assert out.dtype == torch.bfloat16 and kernels["flash"].calls[0]["max"] == (int, 16, 16)
+
+
+def test_float32_dropout_and_the_cpu_take_sdpa(gpu_kernels, monkeypatch):
+    """The fused kernels take fp16/bf16 only: a float32 role on a GPU attends with SDPA per sequence;
+    torch's kernel has no dropout (flash-attn has); a CPU never calls a kernel."""
+    kernels, _ = gpu_kernels
+    q, k, v, cu = _packed_qkv()
+    out = varlen_attention.packed_causal_attention(q, k, v.float(), cu, scale=0.25, max_len=16)
+    assert not kernels["flash"].calls and not kernels["torch"].calls
+    torch.testing.assert_close(out, _reference(q, k, v.float(), LENS, 0.25), atol=1e-5, rtol=0)
+    monkeypatch.setattr(varlen_attention, "_flash_attn", lambda: None)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        varlen_attention.packed_causal_attention(q, k, v, cu, scale=0.25, dropout=0.1, max_len=16)
+    assert not kernels["torch"].calls
+    monkeypatch.setattr(varlen_attention, "_on_gpu", lambda t: t.is_cuda)  # the real check: a CPU tensor
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        varlen_attention.packed_causal_attention(q, k, v, cu, scale=0.25, max_len=16)
+    assert not kernels["torch"].calls and not kernels["flash"].calls
+
+
+def test_the_engine_hands_the_longest_sequence_as_a_host_int(model_dir, monkeypatch):
+    """transformers passes packed_kwargs' max_length_q down to every layer: the fused kernels get
+    the longest sequence of the micro-batch from the host, never read from the device."""
+    seen = []
+    real = varlen_attention.packed_causal_attention
+
+    def spy(*args, max_len=None, **kwargs):
+        seen.append(max_len)
+        return real(*args, max_len=max_len, **kwargs)
+
+    monkeypatch.setattr(varlen_attention, "packed_causal_attention", spy)
+    engine = TorchEngine(model_dir, _role(), total_steps=1)
+    engine.logprobs(make_data(LENS, seed=1)["input_ids"])
+    assert seen and all(type(m) is int for m in seen)
+    assert seen == [16, 16, 9, 9]  # 2 layers x micro-batches of <= 40 tokens: [7, 12, 5, 16], [9]
+
+
+# ---- on a GPU ----
+
+GPU = "needs 1 GPU (the fused varlen kernels are CUDA-only; the CPU path and their stand-ins run above)"
+
+
+def _fused_path() -> str | None:
+    if varlen_attention._flash_attn() is not None:
+        return "flash_attn"
+    if varlen_attention._torch_varlen() is not None and varlen_attention._torch_varlen_runs_on(
+            torch.cuda.current_device()):
+        return "torch_varlen"
+    return None
+
+
+@pytest.mark.gpu(1)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=GPU)
+def test_fused_kernel_on_a_gpu_matches_per_sequence_attention_without_a_host_sync():
+    """The real kernel (flash-attn's where installed, else torch's): fp32 q/k and a bf16 v under
+    autocast, as HF's rotary leaves them; no host sync in the call (CUDA's sync debug mode raises on
+    one); its gradients are finite."""
+    if _fused_path() is None:
+        pytest.skip("no fused varlen kernel on this GPU (flash-attn absent, compute capability < 8.0)")
+    q, k, v, cu = (t.cuda() for t in _packed_qkv())
+    q.requires_grad_(True)
+    torch.cuda.synchronize()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = varlen_attention.packed_causal_attention(q, k, v, cu, scale=0.25, max_len=max(LENS))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), _reference(q.detach().bfloat16(), k.bfloat16(), v, LENS, 0.25),
+                               atol=2e-2, rtol=0)
+    out.float().square().sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+@pytest.mark.gpu(1)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=GPU)
+def test_bf16_packed_logprobs_on_a_gpu_equal_one_forward_per_sequence(model_dir, monkeypatch, caplog):
+    """dtype auto is bf16 on a GPU: packed rows through the fused kernel (named once in the log)
+    give each sequence's log-probs alone, and a training step runs."""
+    monkeypatch.setattr(varlen_attention, "_logged", set())
+    caplog.set_level("INFO", logger="realcore.varlen_attention")
+    engine = TorchEngine(model_dir, _role(), total_steps=1)
+    assert engine.device.type == "cuda" and engine.dtype == torch.bfloat16
+    data = make_data(LENS, seed=1)
     for ids, lp in zip(data["input_ids"], engine.logprobs(data["input_ids"])):
-        assert torch.allclose(lp, engine.logprobs([ids])[0], atol=2e-2)
+        assert lp.dtype == torch.float32 and lp.device.type == "cpu"
+        torch.testing.assert_close(lp, engine.logprobs([ids])[0], atol=5e-2, rtol=0)
+    stats = engine.train_batch(data, nll_loss, n_loss_tokens)
+    assert all(torch.isfinite(torch.tensor(stats[k])) for k in ("loss", "grad_norm"))
+    path = _fused_path() or "sdpa"
+    assert f"packed attention: {path}" in [r.getMessage() for r in caplog.records]

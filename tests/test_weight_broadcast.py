@@ -243,31 +243,138 @@ def test_update_without_a_group_is_refused(servers):
     assert info["weight_version"] == "0" and info["weight_update_groups"] == []
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="NCCL needs CUDA GPUs (the gloo tests above run the same protocol)")
-def test_nccl_broadcast_between_two_processes(tmp_path):
-    """The NCCL group of weight_group on GPU 0 (trainer) and the same or next GPU (receiver)."""
-    script = """
-import sys, datetime, torch, torch.distributed as dist
+NCCL_SCRIPT = """
+import os, sys, time, datetime, torch, torch.distributed as dist
 from realcore.backends import weight_group as wg
 rank, port = int(sys.argv[1]), int(sys.argv[2])
-torch.cuda.set_device(rank % torch.cuda.device_count())
+torch.cuda.set_device(rank)  # NCCL ranks on distinct GPUs (NCCL refuses two ranks of one GPU)
 T = datetime.timedelta(seconds=60)
 store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, T, wait_for_workers=False)
 g = wg.new_group("nccl", store, rank, 2, "g", host="127.0.0.1", timeout=T)
-x = torch.arange(1000, dtype=torch.bfloat16, device="cuda")
+assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ  # set for the group's creation only
+assert os.environ["NCCL_SOCKET_IFNAME"] == "=" + wg.gloo_ifname("127.0.0.1")
+x = torch.arange(1000, device="cuda").to(torch.bfloat16)
 if rank == 0:
     wg.send(g, [x], T)
 else:
     got, = wg.receive(g, ["bfloat16"], [[1000]], wg.device_of("nccl"), T)
-    assert torch.equal(got, x)
+    assert torch.equal(got, x) and got.device == torch.device("cuda", 1)
+# Rank 1 posts nothing more: rank 0's next broadcast times out. It must raise here, in the caller,
+# and the watchdog must not kill the process afterwards (torch's default error handling would).
+if rank == 0:
+    t0 = time.monotonic()
+    try:
+        wg.send(g, [x], datetime.timedelta(seconds=5))
+    except Exception as e:
+        print(f"raised after {time.monotonic() - t0:.0f} s: {type(e).__name__}", flush=True)
+    else:
+        sys.exit("the broadcast without a peer did not raise")
+    time.sleep(20)  # the watchdog has handled the failed work by now (dump wait shortened below)
+    print("alive", flush=True)
+    store.set("done", "1")
+else:
+    store.wait(["done"], datetime.timedelta(seconds=120))
 """
+
+
+@pytest.mark.gpu(2)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL: one rank per GPU); the gloo tests "
+                    "above run the same protocol")
+def test_nccl_broadcast_between_two_gpus_and_a_timeout_that_raises(tmp_path):
+    """The NCCL group of weight_group, the trainer on GPU 0 and a receiver on GPU 1: a bf16 tensor
+    arrives on the receiver's GPU; a broadcast its peer never joins raises in rank 0's caller after
+    its deadline and leaves the process alive (TORCH_NCCL_ASYNC_ERROR_HANDLING=2 for the group)."""
     import socket
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, "-c", script, str(r), str(port)], cwd=REPO) for r in (0, 1)]
-    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    env = {**os.environ, "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "1000"}
+    procs = [subprocess.Popen([sys.executable, "-c", NCCL_SCRIPT, str(r), str(port)], cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=150)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs
+    raised = re.search(r"raised after (\d+) s", outs[0])
+    assert raised and 5 <= int(raised.group(1)) < 30 and "alive" in outs[0], outs[0]
+
+
+# ---- the trainer's side: timeouts, sockets, dtype ----
+
+
+def test_nccl_errors_raise_only_while_a_group_is_made(monkeypatch):
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    with weight_group.nccl_errors_raise():
+        assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    with weight_group.nccl_errors_raise():
+        assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"  # the user's value, for the other groups
+
+
+def test_nccl_bootstraps_on_the_interface_of_the_host(monkeypatch):
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    weight_group.bind_nccl_to("127.0.0.1")
+    assert os.environ["NCCL_SOCKET_IFNAME"] == "=" + weight_group.gloo_ifname("127.0.0.1")  # that one exactly
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib")
+    weight_group.bind_nccl_to("127.0.0.1")
+    assert os.environ["NCCL_SOCKET_IFNAME"] == "ib"  # the user's choice stays
+
+
+def test_the_group_outlives_a_buckets_wait():
+    cfg = SimpleNamespace(
+        system=SimpleNamespace(host="127.0.0.1", startup_timeout_s=300.0, request_timeout_s=1800.0),
+        rollout=SimpleNamespace(server_token=TOKEN, request_timeout_s=30.0, weight_bucket_mb=1))
+    s = WeightSender(cfg, engine="local", tp=1)
+    assert s.group_timeout.total_seconds() == 1800 and s.join_timeout.total_seconds() == 300
+
+
+def test_weights_go_in_the_servers_dtype():
+    from realcore.system.weight_broadcast import dtype_of_servers, wire_tensor
+
+    assert dtype_of_servers(["bfloat16", "bfloat16"]) == torch.bfloat16
+    assert dtype_of_servers(["float32"]) == torch.float32 and dtype_of_servers(["half"]) == torch.float16
+    for mixed in (["bfloat16", "float32"], ["auto"], [None], ["bfloat16", None], ["int8"]):
+        assert dtype_of_servers(mixed) is None, mixed  # then the trainer's own dtype
+    w, ids = torch.randn(3, 4), torch.arange(5)
+    sent = wire_tensor(w.t(), torch.device("cpu"), torch.bfloat16)
+    assert sent.dtype == torch.bfloat16 and sent.is_contiguous() and torch.equal(sent, w.t().bfloat16())
+    assert wire_tensor(ids, torch.device("cpu"), torch.bfloat16).dtype == torch.int64  # only floating point
+    assert wire_tensor(w, torch.device("cpu"), None).dtype == torch.float32
+
+
+def test_a_broadcast_to_bf16_servers_sends_bf16_in_a_group_that_outlives_a_buckets_wait(servers, models, monkeypatch):
+    """Servers that report bf16 (their /get_server_info "dtype", stood in for here: the CPU servers
+    hold float32) get every floating-point tensor in bf16, cast by the trainer before the
+    broadcast; the group is made with the longer of the join and bucket deadlines."""
+    url = servers.start()
+    real_info, real_new_group, real_send = GenClient.server_info, weight_group.new_group, weight_group.send
+    made, sent = [], []
+
+    async def bf16_info(self):
+        return {**(await real_info(self)), "dtype": "bfloat16"}
+
+    def new_group(*args, timeout, **kwargs):
+        made.append(timeout)
+        return real_new_group(*args, timeout=timeout, **kwargs)
+
+    def send(group, tensors, timeout):
+        sent.extend(t.dtype for t in tensors)
+        return real_send(group, tensors, timeout)
+
+    monkeypatch.setattr(GenClient, "server_info", bf16_info)
+    monkeypatch.setattr(weight_group, "new_group", new_group)
+    monkeypatch.setattr(weight_group, "send", send)
+    s = sender()
+    s.group_timeout = s.timeout * 2  # as if system.request_timeout_s were the longer
+    assert s.send(read_hf_weights(models["B"]), 1, [url]) == []
+    assert s.dtype == torch.bfloat16 and sent and set(sent) == {torch.bfloat16}
+    assert made == [s.timeout * 2]
+    assert greedy(url).weight_version == "1"
 
 
 def test_async_run_with_broadcast_updates(tmp_path):

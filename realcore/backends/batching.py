@@ -115,7 +115,8 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, starts: torch.Tensor
 
 def union_keys(keys: list[str], group, device) -> list[str]:
     """Sorted union of stat names over the group (a rank with an empty minibatch has none).
-    Names travel as padded UTF-8 byte tensors: no pickle."""
+    Names travel as padded UTF-8 byte tensors on `device` (the group backend's: dist_device.group_device):
+    no pickle."""
     raw = "\n".join(sorted(keys)).encode("utf-8")
     n = torch.tensor([len(raw)], dtype=torch.int64, device=device)
     dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
@@ -144,13 +145,29 @@ def mean_over_minibatches(results: list[dict[str, float]]) -> dict[str, float]:
     return {k: sum(r[k] for r in results if k in r) / sum(k in r for r in results) for k in sorted(keys)}
 
 
-def reduce_weighted(sums: dict[str, float], weights: dict[str, float], group, world_size: int,
+def reduce_weighted(sums: dict[str, float | torch.Tensor], weights: dict[str, float], group, world_size: int,
                     device=None) -> dict[str, float]:
-    """sum(w * stat) / sum(w) per stat name over the ranks of `group` (keys may differ by rank)."""
+    """sum(w * stat) / sum(w) per stat name over the ranks of `group` (keys may differ by rank).
+    `sums`: numbers, or scalar tensors left on the compute device (they are read in one copy, not one
+    host sync each); `device`: where the collective's tensors live (the group backend's; None: CPU)."""
+    device = torch.device("cpu") if device is None else torch.device(device)
     keys = sorted(sums) if world_size == 1 else union_keys(list(sums), group, device)
-    vec = torch.tensor([sums.get(k, 0.0) for k in keys] + [weights.get(k, 0.0) for k in keys],
-                       dtype=torch.float64, device=device)  # (2 * n_keys,)
+    if not keys:
+        return {}
+    s = torch.stack([stat_on(sums[k], device) if k in sums else torch.zeros((), dtype=torch.float64, device=device)
+                     for k in keys])  # (n_keys,)
+    w = [weights.get(k, 0.0) for k in keys]
     if world_size > 1:
+        vec = torch.cat([s, torch.tensor(w, dtype=torch.float64).to(device)])  # (2 * n_keys,)
         dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=group)
-    s, w = vec[: len(keys)].tolist(), vec[len(keys):].tolist()
-    return {k: (sk / wk if wk > 0 else 0.0) for k, sk, wk in zip(keys, s, w)}
+        s_host, w = vec[: len(keys)].tolist(), vec[len(keys):].tolist()
+    else:
+        s_host = s.tolist()
+    return {k: (sk / wk if wk > 0 else 0.0) for k, sk, wk in zip(keys, s_host, w)}
+
+
+def stat_on(v: float | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A loss statistic (a tensor, or a number) as a float64 scalar on `device`, without reading it."""
+    if torch.is_tensor(v):
+        return v.detach().to(device=device, dtype=torch.float64).reshape(())
+    return torch.tensor(float(v), dtype=torch.float64).to(device)

@@ -7,8 +7,11 @@ TorchEngine; what differs:
   each micro-batch's loss is already scaled by its share of the global token count).
 - Every forward gathers collectively, so every rank runs the same number of passes: a rank with
   fewer micro-batches adds idle ones (zero gradients).
-- dtype=bfloat16 gathers the parameters in bf16 and reduces gradients in fp32 (MixedPrecisionPolicy);
-  the sharded fp32 parameters are the optimizer's master copy.
+- dtype=bfloat16 (the default "auto" on a GPU) gathers the parameters in bf16 and reduces gradients
+  in fp32 (MixedPrecisionPolicy); the sharded fp32 parameters are the optimizer's master copy. On a
+  GPU an inference-only role in bf16 shards bf16 parameters (TorchEngine's docstring says why).
+- The mesh is the data-parallel group on this rank's device (its GPU under NCCL, set before the
+  group was created; the CPU under gloo).
 - save_hf / hf_state_dict gather the full weights to rank 0 (collective); save_state writes each
   rank's own shards, so a run resumes on the same data-parallel size.
 - LoRA (role.lora): TorchEngine wraps the model with PEFT before `_parallelize`, so each block's
@@ -36,7 +39,7 @@ from torch.distributed.tensor import DTensor
 from realcore.api.engine import GenerationResult
 from realcore.backends import lora
 from realcore.backends.fsdp import apply_ac, apply_fsdp
-from realcore.backends.torch_engine import TorchEngine
+from realcore.backends.torch_engine import TorchEngine, rng_state, set_rng_state
 
 
 class FSDPEngine(TorchEngine):
@@ -49,7 +52,7 @@ class FSDPEngine(TorchEngine):
             apply_ac(self.model)
         # The model is still on the CPU: fully_shard moves each unit to the mesh's device as it shards
         # it, so a GPU never holds more than the shards plus one whole unit.
-        mesh = DeviceMesh.from_group(self.group, self.device.type)
+        mesh = DeviceMesh.from_group(self.group, self.device.type)  # cuda: the current device, this rank's GPU
         apply_fsdp(self.model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32))
         for m in self.model.modules():
             if isinstance(m, FSDPModule):
@@ -60,7 +63,7 @@ class FSDPEngine(TorchEngine):
         return contextlib.nullcontext()  # the MixedPrecisionPolicy casts the gathered parameters instead
 
     def _idle_passes(self, n_passes: int) -> int:
-        n = torch.tensor([n_passes], dtype=torch.int64, device=self.device)
+        n = torch.tensor([n_passes], dtype=torch.int64, device=self.comm_device)
         dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.group)
         return int(n) - n_passes
 
@@ -122,11 +125,12 @@ class FSDPEngine(TorchEngine):
         torch.save({
             "model": _local(model), "optimizer": _local(optim),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "version": self.version, "rng": torch.get_rng_state(), "dp": [self.rank, self.world_size],
+            "version": self.version, **rng_state(self.device), "dp": [self.rank, self.world_size],
         }, os.path.join(path, "engine.pt"))
 
     def load_state(self, path: str) -> None:
-        state = torch.load(os.path.join(path, "engine.pt"), map_location=self.device, weights_only=True)
+        # On the host: the RNG states must be CPU tensors; _like moves each shard to its parameter's device.
+        state = torch.load(os.path.join(path, "engine.pt"), map_location="cpu", weights_only=True)
         if state["dp"] != [self.rank, self.world_size]:
             raise ValueError(f"load_state: {path} holds the shards of data-parallel rank {state['dp'][0]} of "
                              f"{state['dp'][1]}, this is rank {self.rank} of {self.world_size} (resume on the same mesh)")
@@ -149,7 +153,7 @@ class FSDPEngine(TorchEngine):
         else:
             set_model_state_dict(self.model, _like(state["model"], model), options=options)
         self.version = state["version"]
-        torch.set_rng_state(state["rng"])
+        set_rng_state(state, self.device)
 
 
 def _local(tree):

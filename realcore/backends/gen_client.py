@@ -323,6 +323,8 @@ def push_weights(
 ) -> None:
     """Send weights to a built-in server's in-memory update socket (`on_ready(...)["weights"]`)
     and wait until they are applied. The tensors must stay unchanged until this returns (zero-copy).
+    Tensors on a GPU are copied to the host here: a caller pushing one state to several servers
+    copies it to the host once beforehand (model_worker.publish_weights); host tensors are not copied.
     `lora` ({"name", "config": adapter_config.json's fields}): the tensors are a LoRA adapter (PEFT's
     names), which the server loads as /load_lora_adapter would. `abort_all_requests`: the server's
     running requests end (output so far, old version) as the weights change, so it decodes while

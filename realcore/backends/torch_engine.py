@@ -3,8 +3,20 @@
 Sequences are packed without padding: a micro-batch is one row (1, T) with position ids restarting
 at 0 per sequence, and attention sees the row's sequence boundaries (cu_seqlens, varlen_attention.py),
 never a dense (T, T) mask. Gradients are summed across the data-parallel group by hand (one
-flat bucket per dtype), so the loss is the token-level mean over the global batch whatever the
-micro-batch split or DP size. Parameters are float32; `role.dtype=bfloat16` autocasts the forward.
+flat bucket per dtype, after the whole backward: no overlap with it, kept simple while DP
+replicas are small; backend=fsdp overlaps its reduce-scatters), so the loss is the token-level mean
+over the global batch whatever the micro-batch split or DP size.
+
+Device and precision: the engine computes on this process's current device (dist_device.py: the
+GPU the process selected before its process group, else the CPU). `role.dtype` "auto" is bfloat16
+on a GPU, float32 on a CPU. A trainable role keeps float32 parameters (AdamW's master copy) and
+bfloat16 autocasts its forward. On a GPU an inference-only role (a reference) in bfloat16 holds its
+parameters in bfloat16 instead: half the memory and no per-forward weight casts, the numbers a bf16
+server (or FSDP's bf16 gather) computes; its log-probs are still taken in float32. (On a CPU, where
+bf16 is an opt-in speed mode with its own measured numbers, every role keeps float32 parameters and
+autocasts, as before.) An explicit float32 role on a GPU computes in true float32: TF32 matmuls stay
+off (torch's default), so its log-probs match float32 generation servers exactly, not to TF32's
+10-bit mantissa.
 
 FSDPEngine (fsdp_engine.py) shards the same engine through the hooks `_parallelize`, `_autocast`,
 `_idle_passes` and `_reduce_grads`.
@@ -22,8 +34,9 @@ import torch.distributed as dist
 from realcore.api.config import RoleConfig
 from realcore.api.engine import Engine, GenerationResult, LossFn, LossWeightFn
 from realcore.backends import lora, onednn_linear
-from realcore.backends.batching import (cu_seqlens, lr_factor, reduce_weighted, split_by_budget, token_logprobs,
-                                        train_batch)
+from realcore.backends.batching import (cu_seqlens, lr_factor, reduce_weighted, split_by_budget, stat_on,
+                                        token_logprobs, train_batch)
+from realcore.backends.dist_device import compute_device, group_device, to_device
 from realcore.backends.precision import compute_dtype
 from realcore.backends.varlen_attention import packed_kwargs, standard_attention, use_packed_attention
 
@@ -49,14 +62,19 @@ class TorchEngine(Engine):
         from transformers import AutoModelForCausalLM
 
         self.role, self.seed, self.version = role, seed, 0
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = compute_device()
         self.distributed = dist.is_available() and dist.is_initialized()
         self.group = group if group is not None or not self.distributed else dist.group.WORLD
         self.world_size = dist.get_world_size(self.group) if self.distributed else 1
         self.rank = dist.get_rank(self.group) if self.distributed else 0
-        self.dtype = compute_dtype(role.dtype, self.device)  # ValueError where bf16 cannot run
-        # Parameters stay float32 (the optimizer's master copy); `dtype` is the compute dtype.
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, attn_implementation="sdpa", dtype=torch.float32)
+        # Small collectives (counts, stats) on the device of the group's backend (NCCL: the GPU).
+        self.comm_device = group_device(self.group) if self.distributed else self.device
+        self.dtype = compute_dtype(role.dtype, self.device)  # "auto" resolved; ValueError where bf16 cannot run
+        # A trainable role's parameters stay float32 (the optimizer's master copy), `dtype` is then the
+        # autocast dtype; an inference-only one on a GPU holds them in `dtype` (module docstring).
+        self.param_dtype = self.dtype if not role.trainable and self.device.type == "cuda" else torch.float32
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, attn_implementation="sdpa",
+                                                          dtype=self.param_dtype)
         use_packed_attention(self.model)  # packed rows by cu_seqlens; generation switches back to sdpa
         if role.lora is not None:  # PEFT wrapper: base weights frozen, only the adapters train
             self.model = lora.apply_lora(self.model, role.lora, seed=seed)
@@ -91,18 +109,19 @@ class TorchEngine(Engine):
 
     def _autocast(self):
         # dtype=bfloat16: matmuls in bf16 on float32 parameters; log-probs are still taken in float32.
-        if self.dtype == torch.bfloat16:
+        if self.dtype == torch.bfloat16 and self.param_dtype == torch.float32:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     def _forward_packed(self, seqs: list[torch.Tensor], temperature: float, with_entropy: bool):
         """Forward one packed micro-batch -> per-token (logprobs, entropy|None), each (T,)."""
         lens = [int(s.numel()) for s in seqs]
-        ids = torch.cat(seqs).to(self.device, torch.int64)  # (T,)
+        ids = to_device(torch.cat(seqs).to(torch.int64), self.device)  # (T,)
         pos = torch.cat([torch.arange(n, device=self.device) for n in lens])  # (T,)
+        cu = to_device(cu_seqlens(lens), self.device)
         with self._autocast():  # varlen attention: the row's sequence boundaries, no (T, T) mask
             logits = self.model(input_ids=ids[None], position_ids=pos[None], use_cache=False,
-                                **packed_kwargs(cu_seqlens(lens, self.device), lens)).logits[0]  # (T, V)
+                                **packed_kwargs(cu, lens)).logits[0]  # (T, V)
         return token_logprobs(logits, ids, pos == 0, temperature, with_entropy)
 
     @contextlib.contextmanager
@@ -116,17 +135,18 @@ class TorchEngine(Engine):
 
     def logprobs(self, input_ids: list[torch.Tensor], temperature: float = 1.0, *,
                  max_tokens_per_mb: int | None = None) -> list[torch.Tensor]:
-        out: list[torch.Tensor] = []
+        out: list[torch.Tensor] = []  # per micro-batch, on the device: one copy to the host at the end
         lens = [int(x.numel()) for x in input_ids]
         mbs = split_by_budget(lens, max_tokens_per_mb or self.role.max_tokens_per_mb) if lens else []
         idle = self._idle_passes(len(mbs))
         with torch.no_grad(), self._eval_mode():
             for mb in mbs:
                 lp, _ = self._forward_packed([input_ids[i] for i in mb], temperature, with_entropy=False)
-                out.extend(lp.float().cpu().split([lens[i] for i in mb]))
+                out.append(lp.float())
             for _ in range(idle):
                 self._idle_pass(backward=False)
-        return out
+        sizes = [lens[i] for mb in mbs for i in mb]  # split_by_budget keeps the sequences' order
+        return list(torch.cat(out).cpu().split(sizes)) if out else []
 
     def _idle_passes(self, n_passes: int) -> int:
         """Hook: passes this rank adds to its `n_passes` so that every rank of the group runs as many
@@ -153,24 +173,25 @@ class TorchEngine(Engine):
         lens = [int(x.numel()) for x in data["input_ids"]]
         mbs = []
         for idx in split_by_budget(lens, max_tokens_per_mb or self.role.max_tokens_per_mb, group_sizes) if lens else []:
-            packed = {k: torch.cat([v[i] for i in idx]).to(self.device) for k, v in data.items()}
-            packed["cu_seqlens"] = cu_seqlens([lens[i] for i in idx], self.device)  # sequence boundaries for the loss
-            mbs.append((idx, packed, float(loss_weight_fn(packed))))
+            packed = {k: torch.cat([v[i] for i in idx]) for k, v in data.items()}
+            packed["cu_seqlens"] = cu_seqlens([lens[i] for i in idx])  # sequence boundaries for the loss
+            w = float(loss_weight_fn(packed))  # on the host's copy: no device sync per micro-batch
+            mbs.append((idx, {k: to_device(v, self.device) for k, v in packed.items()}, w))
         global_w = self._allreduce_scalar(sum(w for _, _, w in mbs))
         mbs = [mb for mb in mbs if mb[2] != 0]  # contributes nothing, and its mean may be 0/0
         idle = self._idle_passes(len(mbs))
-        sums: dict[str, float] = {}
+        sums: dict[str, torch.Tensor] = {}  # on the device, read once per minibatch (reduce_weighted)
         weights: dict[str, float] = {}
         for idx, packed, w in mbs:
             lp, ent = self._forward_packed([data["input_ids"][i] for i in idx], temperature, with_entropy=True)
             loss, stats = loss_fn(lp, ent, packed)
             (loss * (w / global_w)).backward()
             for k, v in stats.items():
-                sums[k] = sums.get(k, 0.0) + float(v) * w
+                sums[k] = sums.get(k, 0.0) + stat_on(v, self.device) * w
                 weights[k] = weights.get(k, 0.0) + w
         for _ in range(idle):
             self._idle_pass(backward=True)
-        stats = reduce_weighted(sums, weights, self.group, self.world_size, self.device)
+        stats = reduce_weighted(sums, weights, self.group, self.world_size, self.comm_device)
         stats["lr"] = self.optimizer.param_groups[0]["lr"]
         stats["grad_norm"] = self._step()
         return stats
@@ -178,7 +199,7 @@ class TorchEngine(Engine):
     def _allreduce_scalar(self, x: float) -> float:
         if self.world_size == 1:
             return x
-        t = torch.tensor([x], dtype=torch.float64, device=self.device)
+        t = torch.tensor([x], dtype=torch.float64, device=self.comm_device)
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         return float(t)
 
@@ -268,14 +289,15 @@ class TorchEngine(Engine):
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "version": self.version,
-            "rng": torch.get_rng_state(),
+            **rng_state(self.device),
             # Generation seeds each request from (seed, request counter): the counter is random state.
             "gen_next_rid": self._gen_engine.next_rid if self._gen_engine is not None else 0,
         }
         torch.save(state, os.path.join(path, "engine.pt"))
 
     def load_state(self, path: str) -> None:
-        state = torch.load(os.path.join(path, "engine.pt"), map_location=self.device, weights_only=True)
+        # On the host: the RNG states must be CPU tensors; load_state_dict copies the rest to the device.
+        state = torch.load(os.path.join(path, "engine.pt"), map_location="cpu", weights_only=True)
         if self.role.lora is not None:
             lora.load_recover_state(self.model, state["model"])
         else:
@@ -284,12 +306,28 @@ class TorchEngine(Engine):
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
         self.version = state["version"]
-        torch.set_rng_state(state["rng"])
+        set_rng_state(state, self.device)
         if state["gen_next_rid"]:
             from realcore.backends.generation import GenerationEngine
 
             self._gen_engine = GenerationEngine(self.model, self.tokenizer, seed=self.seed)
             self._gen_engine.next_rid = state["gen_next_rid"]
+
+
+def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    """The random state a resume restores: the CPU generator's, and the GPU's on a GPU."""
+    state = {"rng": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda_rng"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    """Restore what rng_state saved (CPU tensors, whatever map_location said). A GPU state saved by a
+    CPU run is absent and one saved by a GPU run resumed on a CPU is ignored."""
+    torch.set_rng_state(state["rng"].cpu())
+    if device.type == "cuda" and state.get("cuda_rng") is not None:
+        torch.cuda.set_rng_state(state["cuda_rng"].cpu(), device)
 
 
 def _load_tokenizer(model_path: str):

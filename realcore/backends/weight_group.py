@@ -11,13 +11,18 @@ An update is a sequence of buckets; each bucket is one HTTP request carrying the
 shapes, and one broadcast from rank 0 per tensor, in that order (what SGLang's receiver does).
 
 Backend: "nccl" when the trainer has CUDA, else "gloo" (CPU runs and tests); the trainer decides
-and sends it in the init request. Every collective waits at most `timeout`.
+and sends it in the init request. Every collective waits at most `timeout`, and a timed-out NCCL
+collective raises in its caller: the group's NCCL watchdog only aborts its communicators
+(TORCH_NCCL_ASYNC_ERROR_HANDLING=2 while the group is made, `nccl_errors_raise`) instead of killing
+the process, as torch's default (3) does. Both gloo and NCCL open their sockets on `host`'s
+interface (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME), unless the user named one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 import threading
 from datetime import timedelta
@@ -46,7 +51,9 @@ def new_group(backend: str, store: dist.Store, rank: int, world_size: int, group
     group constructor, which prefixes again per device and, for gloo, makes one gloo group per device
     type and agrees a sequence number through the store. Any other layout of keys never meets
     SGLang's (seen against SGLang 0.5.23: the join waited until its deadline).
-    Gloo listens on `host`'s interface (GLOO_SOCKET_IFNAME), not the machine's hostname."""
+    Gloo listens on `host`'s interface (GLOO_SOCKET_IFNAME), not the machine's hostname, NCCL
+    bootstraps there (NCCL_SOCKET_IFNAME). An NCCL group's timed-out collective raises in the caller
+    (nccl_errors_raise): `timeout` must cover the longest wait of a collective on it."""
     from torch.distributed.distributed_c10d import _new_process_group_helper, _world
 
     if backend == "nccl" and not (dist.is_nccl_available() and torch.cuda.is_available()):
@@ -55,8 +62,13 @@ def new_group(backend: str, store: dist.Store, rank: int, world_size: int, group
         raise ValueError(f"weight update group: backend must be nccl or gloo, got {backend!r}")
     if backend == "gloo":
         bind_gloo_to(host)
-    pg, _ = _new_process_group_helper(world_size, rank, [], dist.Backend(backend), dist.PrefixStore(group_name, store),
-                                      group_name=group_name, timeout=timeout)
+        scope = contextlib.nullcontext()
+    else:
+        bind_nccl_to(host)
+        scope = nccl_errors_raise()
+    with scope:  # ProcessGroupNCCL reads its error handling once, in its constructor
+        pg, _ = _new_process_group_helper(world_size, rank, [], dist.Backend(backend),
+                                          dist.PrefixStore(group_name, store), group_name=group_name, timeout=timeout)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
 
@@ -67,6 +79,41 @@ def close_group(pg) -> None:
         dist.destroy_process_group(pg)
     except Exception:  # broken already, or never fully built: nothing more to release
         pass
+
+
+# torch 2.13's ProcessGroupNCCL (ErrorHandlingMode in ProcessGroupNCCL.hpp): 0 no handling, 1 abort
+# and tear the process down, 2 (CleanUpOnly) abort the communicators and keep the process, 3 (the
+# default, SkipCleanUp) tear down without aborting. The watchdog rethrows a timed-out work's error
+# on its own thread (killing the process) only when tearing down; under 2 it aborts the
+# communicators and marks the work failed, and `work.wait(timeout)` rethrows that error in the
+# caller (its blocking-wait branch: "throw exception from the main CPU thread").
+NCCL_ERRORS_RAISE = "2"
+_env_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def nccl_errors_raise():
+    """Within the block, a new NCCL process group raises a timed-out collective in its caller
+    instead of killing the process (TORCH_NCCL_ASYNC_ERROR_HANDLING=2); the variable is restored after."""
+    with _env_lock:
+        before = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = NCCL_ERRORS_RAISE
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
+            else:
+                os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = before
+
+
+def bind_nccl_to(host: str) -> None:
+    """NCCL's bootstrap (and socket transport) on the interface that holds `host`, exactly that one
+    ("=name"; process-wide, read when NCCL first starts), unless NCCL_SOCKET_IFNAME is set already.
+    A wildcard or unknown address leaves NCCL's default."""
+    name = gloo_ifname(host)
+    if name is not None and "NCCL_SOCKET_IFNAME" not in os.environ:
+        os.environ["NCCL_SOCKET_IFNAME"] = f"={name}"
 
 
 def bind_gloo_to(host: str) -> None:

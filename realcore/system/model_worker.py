@@ -139,9 +139,13 @@ class ModelWorker:
                                 timeout_s=r.request_timeout_s, ready_timeout_s=timeout)
 
     def _init_process_group(self) -> None:
+        """This rank's device first (its GPU becomes the current one), then the mesh's group on it."""
+        from realcore.backends.device import select_device
         from realcore.system.rendezvous import init_mesh
 
-        init_mesh(self.cfg, self.resolver, self.index, self.world)
+        self.device = select_device()
+        log.info("model worker %d computes on %s", self.index, self.device)
+        init_mesh(self.cfg, self.resolver, self.index, self.world, self.device)
 
     def fetch(self, msg: Fetch) -> Fetched:
         """Samples for the master's ids: the next of this dataset shard (sync), or up to `n`
@@ -272,6 +276,8 @@ class ModelWorker:
                 adapter = {"name": lora.LORA_NAME, "config": lora.adapter_config(lora_cfg)}
             else:
                 state = engine.hf_state_dict() if sharded or self.index == 0 else None
+            if state is not None and self.index == 0:  # to the host once for every server, not once each
+                state = {k: t.detach().cpu() for k, t in state.items()}
             failed = []
             for address in msg.servers if self.index == 0 else []:
                 try:  # a server that died is caught up after its restart; the others get the weights now

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from realcore.api.config import ExperimentConfig
-from realcore.backends.weight_group import bind_gloo_to
+from realcore.backends.weight_group import bind_gloo_to, bind_nccl_to
 from realcore.system import keys
 
 
@@ -52,9 +52,15 @@ def parse_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def init_mesh(cfg: ExperimentConfig, resolver, rank: int, world: int) -> None:
+def init_mesh(cfg: ExperimentConfig, resolver, rank: int, world: int, device: torch.device | None = None) -> None:
     """torch.distributed over the run's training mesh: rank 0 serves the store on system.host and
-    publishes its address under keys.dist_init; the others wait for it (system.startup_timeout_s)."""
+    publishes its address under keys.dist_init; the others wait for it (system.startup_timeout_s).
+
+    `device` (the one the process selected, realcore.backends.device.select_device; None: the CPU):
+    on a GPU the group is NCCL, bound to that GPU (`device_id`: its communicator is made at once, on
+    the rank's own GPU, not on whatever GPU is current at the first collective); on the CPU gloo.
+    Gloo (Megatron adds gloo groups beside NCCL ones) and NCCL open their sockets on system.host's
+    interface."""
     host = cfg.system.host
     timeout = timedelta(seconds=cfg.system.request_timeout_s)
     if rank == 0:
@@ -63,7 +69,9 @@ def init_mesh(cfg: ExperimentConfig, resolver, rank: int, world: int) -> None:
     else:
         peer, port = parse_address(resolver.wait(keys.dist_init(cfg), timeout_s=cfg.system.startup_timeout_s))
         store = dist.TCPStore(peer, port, world, False, timeout)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "gloo":
-        bind_gloo_to(host)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    bind_gloo_to(host)
+    if device is not None and device.type == "cuda":
+        bind_nccl_to(host)
+        dist.init_process_group("nccl", store=store, rank=rank, world_size=world, timeout=timeout, device_id=device)
+    else:
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)

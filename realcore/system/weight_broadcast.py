@@ -10,7 +10,14 @@ that died fails /health and is left out). Servers it did not update keep their o
 the gserver manager lists them as behind.
 
 Every wait has a deadline: the rendezvous `system.startup_timeout_s`, HTTP calls
-`rollout.request_timeout_s`, each bucket's broadcast `system.request_timeout_s`.
+`rollout.request_timeout_s`, each bucket's broadcast `system.request_timeout_s`. The group's own
+timeout (NCCL's watchdog) is the longer of the two, so it never ends a bucket its caller still
+waits for; a timed-out NCCL broadcast raises here (weight_group.nccl_errors_raise) and drops the group.
+
+The tensors travel in the servers' dtype (their /get_server_info "dtype": the built-in server's
+weights, SGLang's --dtype), cast on the trainer's device before the broadcast: a bf16 server gets
+bf16, half the bytes of the trainer's float32. A server that reports none (or "auto") gets the
+trainer's own dtype.
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ class WeightSender:
         self.token, self.http_timeout_s = cfg.rollout.server_token, cfg.rollout.request_timeout_s
         self.join_timeout = timedelta(seconds=cfg.system.startup_timeout_s)
         self.timeout = timedelta(seconds=cfg.system.request_timeout_s)
+        self.group_timeout = max(self.join_timeout, self.timeout)  # never shorter than a bucket's wait
         self.bucket_bytes = max(1, int(cfg.rollout.weight_bucket_mb * 2**20))
         self.backend = weight_group.default_backend()  # new_group binds gloo to self.host
         self.device = weight_group.device_of(self.backend)
@@ -61,6 +69,7 @@ class WeightSender:
         self.group = None
         self._store = None  # the group's TCPStore: it lives as long as the group
         self.group_name = ""
+        self.dtype: torch.dtype | None = None  # the members' weights (None: send the trainer's dtype)
         self.n_groups = 0
         self.tag = f"{os.getpid()}-{secrets.token_hex(3)}"  # group names are unique per process and sender
         self.stats: dict[str, float] = {}  # of the last send: seconds to (re)build the group, to broadcast
@@ -137,7 +146,7 @@ class WeightSender:
                 raise
 
         own = weight_group.in_thread(weight_group.new_group, self.backend, store, 0, world, name, host=self.host,
-                         timeout=self.join_timeout)
+                                     timeout=self.group_timeout)
         try:
             group, *_ = await _all_or_first_failure([own, *(init(k, u) for k, u in enumerate(clients))],
                                                     self.join_timeout.total_seconds())
@@ -148,7 +157,9 @@ class WeightSender:
                 log.warning("weight-update group %s did not form: %s", name, e)
             return [u for u in clients if u not in refused]
         self.group, self._store, self.group_name, self.members = group, store, name, tuple(clients)
-        log.info("weight-update group %s: %d servers, %s", name, len(clients), self.backend)
+        self.dtype = await _servers_dtype(clients)
+        log.info("weight-update group %s: %d servers, %s, in %s", name, len(clients), self.backend,
+                 weight_group.dtype_name(self.dtype) if self.dtype is not None else "the trainer's dtype")
         return list(clients)
 
     async def _broadcast(self, clients: dict, state: dict[str, torch.Tensor], version: int,
@@ -165,7 +176,7 @@ class WeightSender:
             await self._fail(clients, members)
             return []
         for i, names in enumerate(order):
-            tensors = [state[n].detach().to(self.device).contiguous() for n in names]
+            tensors = [wire_tensor(state[n], self.device, self.dtype) for n in names]
             dtypes = [weight_group.dtype_name(t.dtype) for t in tensors]
             shapes = [list(t.shape) for t in tensors]
             last = i == len(order) - 1
@@ -192,6 +203,36 @@ class WeightSender:
         await asyncio.gather(*(asyncio.wait_for(c.end_weight_update(), HEALTH_TIMEOUT_S) for c in members.values()),
                              return_exceptions=True)
         await self._drop(clients)
+
+
+def wire_tensor(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None) -> torch.Tensor:
+    """A weight as it is broadcast: on the group's device, then cast there (a GPU casts a bucket in
+    microseconds; floating-point tensors only), contiguous."""
+    t = t.detach().to(device)
+    if dtype is not None and t.is_floating_point():
+        t = t.to(dtype)
+    return t.contiguous()
+
+
+def dtype_of_servers(reported: list) -> torch.dtype | None:
+    """The dtype every server reported (/get_server_info "dtype"), or None when one reported none,
+    "auto", or something else than the others."""
+    names = {r if isinstance(r, str) else None for r in reported}
+    if len(names) != 1:
+        return None
+    name = {"half": "float16", "float": "float32", "bf16": "bfloat16"}.get(*names, *names)
+    dtype = weight_group.DTYPES.get(name)
+    return dtype if dtype is not None and dtype.is_floating_point else None
+
+
+async def _servers_dtype(clients: dict) -> torch.dtype | None:
+    infos = await asyncio.gather(*(asyncio.wait_for(c.server_info(), HEALTH_TIMEOUT_S) for c in clients.values()),
+                                 return_exceptions=True)
+    dtype = dtype_of_servers([i.get("dtype") if isinstance(i, dict) else None for i in infos])
+    if dtype is None:
+        log.warning("weight-update group: the servers reported no common dtype (%s); sending the trainer's",
+                    [i.get("dtype") if isinstance(i, dict) else repr(i) for i in infos])
+    return dtype
 
 
 async def _begin_session(client) -> None:

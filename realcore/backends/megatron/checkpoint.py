@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from realcore.backends.dist_device import group_device
 from realcore.backends.megatron.convert import hf_to_mcore, mcore_to_hf
 
 
@@ -69,14 +70,16 @@ def _is_expert(key: str) -> bool:
 
 def gather_hf(local: dict[int, dict[str, Tensor]], meta: dict[str, Tensor], hf_config, *, tp: int, pp: int,
               n_stages: int, coords: tuple[int, int, int, int], ep: int = 1, group=None) -> dict[str, Tensor] | None:
-    """Collective over the mesh: rank 0 of `group` returns the HF state dict, others None.
+    """Collective over the mesh: rank 0 of `group` returns the HF state dict (float32, on the CPU),
+    others None. Messages travel on the device of the group's backend (NCCL: this rank's GPU).
 
     local: this rank's tensors by stage (its model chunks' state dicts or grads, HF-convertible keys);
     coords: this rank's (tp_rank, pp_rank, replica, ep_rank); dense tensors come from replica 0,
     each EP rank's experts from the first rank holding them; meta: `LazyHFState.meta()`.
     """
     me = dist.get_rank(group)
-    mine = torch.tensor(list(coords), dtype=torch.int64)
+    device = group_device(group)
+    mine = torch.tensor(list(coords), dtype=torch.int64).to(device)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
     table = [tuple(x.tolist()) for x in everyone]
@@ -92,7 +95,7 @@ def gather_hf(local: dict[int, dict[str, Tensor]], meta: dict[str, Tensor], hf_c
     for t in range(tp):
         for stage in range(n_stages):
             dense = {k: v for k, v in layout(t, stage, 0).items() if not _is_expert(k)}
-            got = _collect(local, stage, dense, dense_owner[(t, stage % pp)], me, group)
+            got = _collect(local, stage, dense, dense_owner[(t, stage % pp)], me, group, device)
             if got is not None:
                 shards[(t, stage)] = got
     for stage in range(n_stages):
@@ -100,7 +103,7 @@ def gather_hf(local: dict[int, dict[str, Tensor]], meta: dict[str, Tensor], hf_c
             experts = {k: v for k, v in layout(0, stage, e).items() if _is_expert(k)}
             if not experts:
                 break  # a dense model
-            got = _collect(local, stage, experts, expert_owner[(stage % pp, e)], me, group)
+            got = _collect(local, stage, experts, expert_owner[(stage % pp, e)], me, group, device)
             if got is not None:  # local expert j of EP rank e is global expert e * per + j
                 per = len({k.split("local_experts.")[1].split(".")[0] for k in experts})
                 shards[(0, stage)].update({_renumber(k, e * per): v for k, v in got.items()})
@@ -115,18 +118,22 @@ def _renumber(key: str, offset: int) -> str:
     return f"{head}local_experts.{int(j) + offset}.{rest}"
 
 
-def _collect(local, stage: int, layout: dict[str, Tensor], src: int, me: int, group) -> dict[str, Tensor] | None:
-    """Rank 0 gets `layout`'s tensors of `stage` from rank `src` (one flat message); None elsewhere."""
+def _collect(local, stage: int, layout: dict[str, Tensor], src: int, me: int, group,
+             device: torch.device) -> dict[str, Tensor] | None:
+    """Rank 0 gets `layout`'s tensors of `stage` from rank `src` (one flat message on `device`), on
+    the CPU; None elsewhere."""
     keys = sorted(layout)
     if src == me:
         if me == 0:
-            return {k: local[stage][k].detach().float().clone() for k in keys}
-        dist.send(torch.cat([local[stage][k].detach().float().reshape(-1) for k in keys]), dst=_global(0, group), group=group)
+            return {k: local[stage][k].detach().to("cpu", torch.float32, copy=True) for k in keys}
+        flat = torch.cat([local[stage][k].detach().to(device, torch.float32).reshape(-1) for k in keys])
+        dist.send(flat, dst=_global(0, group), group=group)
         return None
     if me != 0:
         return None
-    flat = torch.empty(sum(layout[k].numel() for k in keys), dtype=torch.float32)
+    flat = torch.empty(sum(layout[k].numel() for k in keys), dtype=torch.float32, device=device)
     dist.recv(flat, src=_global(src, group), group=group)
+    flat = flat.cpu()
     return {k: p.view(layout[k].shape) for k, p in zip(keys, flat.split([layout[k].numel() for k in keys]))}
 
 

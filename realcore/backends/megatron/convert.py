@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen2_moe", "mixtral")
+NORMALIZATION = "RMSNorm"  # every supported family's norm
 # Where each MoE family keeps its router and experts (the hub/on-disk names transformers saves).
 _MOE_NAMES = {
     "mixtral": {"block": "block_sparse_moe", "gate": "w1", "up": "w3", "down": "w2"},
@@ -111,7 +112,7 @@ def mcore_config_from_hf(hf_config, **overrides):
         num_query_groups=nkv,
         kv_channels=hd,
         ffn_hidden_size=hf_config.intermediate_size,
-        normalization="RMSNorm",
+        normalization=NORMALIZATION,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
@@ -143,7 +144,9 @@ def mcore_config_from_hf(hf_config, **overrides):
 def layer_spec(hf_config, *, transformer_engine: bool = False):
     """The Megatron layer spec: local modules (run anywhere) with realcore's packed (THD) core
     attention, or TransformerEngine's (GPU; needed for context parallel attention). Both have the
-    same parameter names for these models."""
+    same parameter names for these models. The local spec's norms are torch's RMSNorm
+    (`normalization`): without it megatron-core picks apex's FusedLayerNorm where apex is installed
+    (GPU images), which asserts on RMSNorm."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     from realcore.backends.megatron.varlen_attention import VarlenDotProductAttention
@@ -151,9 +154,20 @@ def layer_spec(hf_config, *, transformer_engine: bool = False):
     if transformer_engine:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts(hf_config), moe_grouped_gemm=False)
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=num_experts(hf_config), moe_grouped_gemm=False)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=num_experts(hf_config), moe_grouped_gemm=False,
+                                                    normalization=NORMALIZATION)
     spec.submodules.self_attention.submodules.core_attention = VarlenDotProductAttention
     return spec
+
+
+def block_spec(spec, config, vp_stage: int | None):
+    """The decoder of one model chunk: `spec`'s layers (as many as this pipeline stage builds) and
+    a final norm of the layers' own norm class. Given a layer spec alone, megatron-core picks the
+    final norm itself (TransformerEngine's, else apex's FusedLayerNorm, which asserts on RMSNorm)."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
+                                      layer_norm=spec.submodules.input_layernorm)
 
 
 # TransformerEngine's spec fuses the pre-attention (and, dense MLP only, pre-MLP) norm into the

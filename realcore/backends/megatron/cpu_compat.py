@@ -6,6 +6,8 @@ CUDA, `apply_cpu_compat()` patches those spots so the real Megatron code (TP, SP
 optimizers) runs over gloo with the same numerics as a single-process reference.
 
 Everything here is a no-op when `torch.cuda.is_available()` is True: GPU runs are never touched.
+The two Megatron fixes that are not about the CPU (MoE routing without TransformerEngine, sequence
+parallel with torch's norm) live in compat.py, applied on GPUs too; this layer applies them as well.
 
 Usage:
     apply_cpu_compat()                 # before building Megatron models
@@ -18,6 +20,8 @@ import types
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from realcore.backends.megatron.compat import apply_compat
 
 _applied = False
 
@@ -38,7 +42,7 @@ def apply_cpu_compat() -> bool:
     _shim_cuda_moves()
     _patch_megatron_rng()
     _patch_megatron_moe()
-    _patch_megatron_norm()
+    apply_compat()
     _applied = True
     return True
 
@@ -151,9 +155,6 @@ def _patch_megatron_rng():
 def _patch_megatron_moe():
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
-    # Without TransformerEngine `te_general_gemm` is never defined (NameError): a Megatron bug.
-    moe_utils.te_general_gemm = None
-
     # The alltoall dispatcher expects numpy split sizes, but only converts CUDA tensors.
     def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
         if torch.is_tensor(tensor) and as_numpy:
@@ -162,33 +163,6 @@ def _patch_megatron_moe():
 
     moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
     token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
-
-
-def _patch_megatron_norm():
-    # The torch-norm fallback refuses sequence parallel; a norm is elementwise over tokens, so
-    # it is fine as long as its (replicated) params are tagged for the SP grad all-reduce.
-    from megatron.core.transformer import torch_norm
-
-    original_new = torch_norm.WrappedTorchNorm.__new__
-
-    def __new__(cls, config, hidden_size, eps=1e-5, **kwargs):
-        if not config.sequence_parallel:
-            return original_new(cls, config, hidden_size, eps, **kwargs)
-        config_no_sp = _copy_with(config, sequence_parallel=False)
-        norm = original_new(cls, config_no_sp, hidden_size, eps, **kwargs)
-        for param in norm.parameters():
-            param.sequence_parallel = True
-        return norm
-
-    torch_norm.WrappedTorchNorm.__new__ = staticmethod(__new__)
-
-
-def _copy_with(obj, **changes):
-    """Shallow copy of `obj` with some attributes replaced (skips dataclass __post_init__)."""
-    new = object.__new__(type(obj))
-    new.__dict__.update(obj.__dict__)
-    new.__dict__.update(changes)
-    return new
 
 
 # ---- device="cuda" rewriting ------------------------------------------------------------------

@@ -10,6 +10,13 @@ global token mean as the torch engine, for any split.
 
 Log-probs come from logits gathered over TP (full vocabulary on the last stage), then are
 broadcast from the last PP stage so every rank returns them.
+
+Devices: the engine computes on this process's current device (its GPU, selected before the mesh's
+process group, or the CPU). Every collective realcore adds (stat names and sums, the PP broadcast of
+log-probs, the EP micro-batch count, an empty shard's token count, the HF gather of checkpoint.py)
+moves tensors on the device of its group's backend (NCCL: the GPU; gloo: the CPU). `role.dtype`
+"auto" is bf16 on a GPU, float32 on a CPU. Loss statistics stay on the device until one copy per
+minibatch.
 """
 
 from __future__ import annotations
@@ -23,10 +30,12 @@ import torch.distributed as dist
 from realcore.api.alloc import ParallelDims
 from realcore.api.config import RoleConfig
 from realcore.api.engine import Engine, GenerationResult, LossFn, LossWeightFn
-from realcore.backends.batching import (cu_seqlens, lr_factor, reduce_weighted, split_by_budget,
+from realcore.backends.batching import (cu_seqlens, lr_factor, reduce_weighted, split_by_budget, stat_on,
                                         token_logprobs, train_batch)
+from realcore.backends.dist_device import compute_device, group_device, to_device
 from realcore.backends.logprobs import logprobs_and_entropy
 from realcore.backends.megatron.checkpoint import LazyHFState, gather_hf, load_shard
+from realcore.backends.megatron.compat import apply_compat
 from realcore.backends.megatron.cpu_compat import apply_cpu_compat, cuda_to_cpu_mode
 from realcore.backends.megatron.parallel import check_megatron_config, init_parallel_state, sequence_parallel
 from realcore.backends.megatron.varlen_attention import packed_seq_params
@@ -43,6 +52,7 @@ class MegatronEngine(Engine):
 
         from realcore.backends.torch_engine import _load_tokenizer
 
+        apply_compat()  # on every device
         apply_cpu_compat()  # no-op with CUDA
         self.role, self.dims, self.version, self.total_steps = role, dims, 0, total_steps
         self.mcfg = role.megatron
@@ -57,8 +67,9 @@ class MegatronEngine(Engine):
         self.vpp = self.mcfg.virtual_pipeline_stages or 1
         self.n_stages = dims.pp * self.vpp
         self.sp = sequence_parallel(self.mcfg, dims)
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.dtype = compute_dtype(role.dtype, self.device)
+        self.device = compute_device()
+        self.comm_device = group_device()  # of the mesh's default group: Megatron's groups share its backend
+        self.dtype = compute_dtype(role.dtype, self.device)  # "auto" resolved for the device
         self.config = self._transformer_config()
         self.model_path = model_path
         self.tokenizer = _load_tokenizer(model_path)
@@ -100,11 +111,14 @@ class MegatronEngine(Engine):
         from megatron.core import parallel_state as ps
         from megatron.core.models.gpt import GPTModel
 
-        from realcore.backends.megatron.convert import layer_spec, rope_base, to_te_names
+        from realcore.backends.megatron.convert import block_spec, layer_spec, rope_base, to_te_names
 
         vp = v if self.vpp > 1 else None
+        spec = layer_spec(self.hf_config, transformer_engine=self.dims.cp > 1)
+        if self.dims.cp == 1:  # the local spec's final norm is of the layers' class (convert.block_spec)
+            spec = block_spec(spec, self.config, vp)
         model = GPTModel(
-            config=self.config, transformer_layer_spec=layer_spec(self.hf_config, transformer_engine=self.dims.cp > 1),
+            config=self.config, transformer_layer_spec=spec,
             vocab_size=self.hf_config.vocab_size, max_sequence_length=self.hf_config.max_position_embeddings,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
@@ -176,7 +190,7 @@ class MegatronEngine(Engine):
         if self.dims.ep > 1:
             from megatron.core import parallel_state as ps
 
-            t = torch.tensor([n], dtype=torch.int64)
+            t = torch.tensor([n], dtype=torch.int64, device=self.comm_device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group(with_context_parallel=True))
             n = int(t)
         if self.vpp > 1 and n:
@@ -197,7 +211,7 @@ class MegatronEngine(Engine):
             ids = mb["ids"]
             pad = seq_len - ids.numel()
             lens = mb["lens"] + ([pad] if pad else [])  # padding is one more "sequence"
-            tokens = torch.cat([ids, ids.new_zeros(pad)]).to(device)[None]  # (1, seq_len)
+            tokens = to_device(torch.cat([ids, ids.new_zeros(pad)]), device)[None]  # (1, seq_len)
             # Attention by boundaries (THD, varlen_attention.py), RoPE restarting at each sequence: no mask.
             output = model(tokens, None, None, packed_seq_params=packed_seq_params(lens, lens, device),
                            runtime_gather_output=True)
@@ -283,8 +297,9 @@ class MegatronEngine(Engine):
 
         def loss_func_for(mb, logprob_fn):
             def loss_func(logits):
-                lp, _ = logprob_fn(logits, temperature, False)
-                return logits.sum() * 0.0, torch.tensor(0, dtype=torch.int), {"lp": lp.detach().float().cpu()}
+                lp, _ = logprob_fn(logits, temperature, False)  # left on the device: one copy at the end
+                no_tokens = torch.zeros((), dtype=torch.int, device=logits.device)
+                return logits.sum() * 0.0, no_tokens, {"lp": lp.detach().float()}
             return loss_func
 
         self._eval()
@@ -293,10 +308,13 @@ class MegatronEngine(Engine):
                 out = self._run(batches, seq_len, loss_func_for, forward_only=True) if batches else []
         finally:
             self._train()
-        flat = torch.cat([d["lp"] for d in out]) if ps.is_pipeline_last_stage() and out else torch.zeros(sum(lens))
+        if ps.is_pipeline_last_stage() and out:
+            flat = torch.cat([d["lp"] for d in out]).to(self.comm_device)
+        else:
+            flat = torch.zeros(sum(lens), device=self.comm_device)
         if self.dims.pp > 1:  # the last stage has them; every rank returns them
             dist.broadcast(flat, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
-        return list(flat.split(lens))
+        return list(flat.cpu().split(lens))
 
     # ---- training ----
 
@@ -321,28 +339,35 @@ class MegatronEngine(Engine):
                                            group_sizes)
         batches = []
         for idx in mbs:
-            packed = {k: torch.cat([v[i] for i in idx]).to(self.device) for k, v in data.items()}
+            packed = {k: torch.cat([v[i] for i in idx]) for k, v in data.items()}
             lens = [int(data["input_ids"][i].numel()) for i in idx]
-            packed["cu_seqlens"] = cu_seqlens(lens, self.device)  # the loss function's sequence boundaries
-            batches.append({"ids": packed["input_ids"].long(), "lens": lens, "data": packed})
+            packed["cu_seqlens"] = cu_seqlens(lens)  # the loss function's sequence boundaries
+            w = float(loss_weight_fn(packed))  # on the host's copy: no device sync per micro-batch
+            batches.append({"ids": packed["input_ids"].long(), "lens": lens, "w": w,
+                            "data": {k: to_device(t, self.device) for k, t in packed.items()}})
         batches = self._pad_micro_batches(batches)
 
         first_cp = ps.get_context_parallel_rank() == 0
+        device = self.device
+
+        def no_tokens():  # on the device: Megatron all-reduces the count over DP (NCCL on GPUs)
+            return torch.zeros((), dtype=torch.int, device=device)
 
         def loss_func_for(mb, logprob_fn):
             def loss_func(logits):
                 if mb.get("dummy"):
-                    return logits.sum() * 0.0, torch.tensor(0, dtype=torch.int), {}
+                    return logits.sum() * 0.0, no_tokens(), {}
                 lp, ent = logprob_fn(logits, temperature, True)
-                w = float(loss_weight_fn(mb["data"]))
+                w = mb["w"]
                 if w == 0:  # contributes nothing; its mean may be 0/0 (the schedule still needs a graph)
-                    return logits.sum() * 0.0, torch.tensor(0, dtype=torch.int), {}
+                    return logits.sum() * 0.0, no_tokens(), {}
                 loss, stats = loss_fn(lp, ent, mb["data"])
-                reported = {k: torch.tensor([float(v) * w, w], dtype=torch.float64) for k, v in stats.items()}
+                # (w * stat) on the device, w beside it on the host: read once per minibatch.
+                reported = {k: (stat_on(v, device) * w, w) for k, v in stats.items()}
                 # CP ranks compute the same loss, each back-propagating through its own positions:
                 # count the tokens once (finalize_model_grads sums them over DP x CP).
                 n_tokens = round(w) if first_cp else 0
-                return loss * w, torch.tensor(n_tokens, dtype=torch.int), reported
+                return loss * w, torch.full((), n_tokens, dtype=torch.int, device=device), reported
             return loss_func
 
         if batches:
@@ -350,15 +375,15 @@ class MegatronEngine(Engine):
         else:  # an empty DP shard still joins the gradient reduction
             out = []
             with cuda_to_cpu_mode():
-                finalize_model_grads(self.chunks, num_tokens=torch.tensor(0, dtype=torch.int))
-        sums: dict[str, float] = {}
+                finalize_model_grads(self.chunks, num_tokens=no_tokens())
+        sums: dict[str, torch.Tensor] = {}
         weights: dict[str, float] = {}
         if ps.is_pipeline_last_stage() and self.tp_rank == 0 and first_cp:  # one report per DP replica
             for d in out:
-                for k, v in d.items():
-                    sums[k] = sums.get(k, 0.0) + float(v[0])
-                    weights[k] = weights.get(k, 0.0) + float(v[1])
-        return reduce_weighted(sums, weights, None, dist.get_world_size())
+                for k, (s, w) in d.items():
+                    sums[k] = sums.get(k, 0.0) + s
+                    weights[k] = weights.get(k, 0.0) + w
+        return reduce_weighted(sums, weights, None, dist.get_world_size(), self.comm_device)
 
     def _train_minibatch(self, data, loss_fn, loss_weight_fn, temperature, max_tokens_per_mb,
                          group_sizes=None) -> dict[str, float]:

@@ -162,9 +162,11 @@ def _rng_state() -> dict:
 
 
 def _set_rng_state(state: dict) -> None:
+    """Restore _rng_state's (generator states are CPU byte tensors, wherever a load put them). The
+    CUDA generator's is restored on a GPU only (a CPU run's checkpoint has none)."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    torch.set_rng_state(state["cpu"])
-    get_cuda_rng_tracker().set_states(state["tracker"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"])
+    torch.set_rng_state(state["cpu"].cpu())
+    get_cuda_rng_tracker().set_states({name: t.cpu() for name, t in state["tracker"].items()})
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"].cpu())

@@ -4,8 +4,9 @@ megatron-core's local `DotProductAttention` takes only a (T x T) mask; its packe
 TransformerEngine's. This subclass takes `PackedSeqParams(qkv_format="thd")` too: Megatron's
 `Attention` then hands it query (T, heads, dim) and key/value (T, groups, dim) with RoPE already
 applied per sequence (positions restart at 0 at each boundary), and it attends causally within each
-sequence (`packed_causal_attention`: flash-attn varlen on CUDA when installed, SDPA per sequence
-elsewhere). Memory grows with the packed tokens, not their square. Without packed params it is the
+sequence (`packed_causal_attention`: flash-attn's or torch's fused varlen kernel on a GPU in
+bf16, SDPA per sequence elsewhere), the longest sequence taken from the params (a host integer: no
+host sync per layer). Memory grows with the packed tokens, not their square. Without packed params it is the
 parent class, unchanged.
 """
 
@@ -31,12 +32,12 @@ class VarlenDotProductAttention(DotProductAttention):
         # The parent divides its scale by the layer number under query-key layer scaling and its
         # softmax multiplies it back: undo the division, there is no such softmax here.
         scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
-        cu = packed_seq_params.cu_seqlens_q
+        cu, longest = packed_seq_params.cu_seqlens_q, packed_seq_params.max_seqlen_q
         if dropout and not self.config.sequence_parallel:  # the parent's RNG discipline for attention dropout
             with tensor_parallel.get_cuda_rng_tracker().fork():
-                out = packed_causal_attention(query, key, value, cu, scale=scale, dropout=dropout)
+                out = packed_causal_attention(query, key, value, cu, scale=scale, dropout=dropout, max_len=longest)
         else:
-            out = packed_causal_attention(query, key, value, cu, scale=scale, dropout=dropout)
+            out = packed_causal_attention(query, key, value, cu, scale=scale, dropout=dropout, max_len=longest)
         return out.reshape(out.shape[0], -1)  # (T, heads/tp * dim); Attention adds the batch dim back
 
 
@@ -44,8 +45,12 @@ def packed_seq_params(lens: list[int], padded: list[int], device):
     """THD params of one packed row: true and padded sequence lengths (equal without context parallel)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    cu = torch.tensor([0] + lens, device=device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    cu_padded = torch.tensor([0] + padded, device=device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    from realcore.backends.dist_device import to_device
+
+    # Built on the host, copied without blocking: no host sync per micro-batch.
+    cu = to_device(torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32), torch.device(device))
+    cu_padded = to_device(torch.tensor([0] + padded, dtype=torch.int32).cumsum(0, dtype=torch.int32),
+                          torch.device(device))
     longest = max(padded)
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded,
                            cu_seqlens_kv_padded=cu_padded, max_seqlen_q=longest, max_seqlen_kv=longest)
