@@ -1,10 +1,13 @@
 from setuptools import find_packages, setup
 
-# torch is pinned to the release whose CPU wheel CI installs; a bare `torch` would pull a multi-GB
-# CUDA build on a machine with no torch. GPU users install their CUDA build of the same release.
+# Ranges that admit a GPU machine's own CUDA build of torch and its transformers (seen: torch 2.11 +
+# transformers 5.17 on an H200 image). transformers stops at the newest release tested (5.17 and
+# 5.23 here), so a CI run always gets a known one. The README's and CI's command installs
+# torch==2.13.0 itself, which resolves to the CPU wheel here: with no torch installed, a bare
+# `pip install -e .` would take a multi-GB CUDA build.
 install_requires = [
-    "torch==2.13.0",
-    "transformers==5.23.0",
+    "torch>=2.11",
+    "transformers>=5.17,<=5.23.0",
     "tokenizers>=0.22",
     "safetensors>=0.4",
     "accelerate>=1.0",
@@ -23,7 +26,7 @@ install_requires = [
     "aiohttp>=3.9",
     "psutil>=5.9",
     "openai==3.54.0",  # the client of OpenAI-compatible servers; its types shape the workflow chat client
-    "peft==0.21.2",  # LoRA adapters (actor.lora); pure Python, uses the torch above (no CUDA build pulled)
+    "peft>=0.21",  # LoRA adapters (actor.lora); pure Python, uses the torch above (no CUDA build pulled)
 ]
 
 setup(

@@ -69,18 +69,22 @@ def test_local_and_unknown_engines_are_refused():
 
 
 def _own_env(env: dict) -> dict:
-    """The engine's env without GLOO_SOCKET_IFNAME (the serving address's interface, checked below)."""
-    return {k: v for k, v in env.items() if k != "GLOO_SOCKET_IFNAME"}
+    """The engine's env without GLOO/NCCL_SOCKET_IFNAME (the serving address's interface, checked below)."""
+    return {k: v for k, v in env.items() if k not in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
 
 
-def test_engine_gloo_binds_to_the_serving_address(monkeypatch):
+def test_engine_gloo_and_nccl_bind_to_the_serving_address(monkeypatch):
     from realcore.backends.weight_group import gloo_ifname
 
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
     _, env = server_command("sglang", **COMMON, cuda=True)
     assert env["GLOO_SOCKET_IFNAME"] == gloo_ifname("127.0.0.1") is not None  # loopback's interface
+    assert env["NCCL_SOCKET_IFNAME"] == "=" + env["GLOO_SOCKET_IFNAME"]  # the weight-update group's bootstrap
+    assert "NCCL_SOCKET_IFNAME" not in server_command("sglang", **COMMON, cuda=False)[1]  # no NCCL on a CPU
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth9")  # the user's choice wins (inherited, not overridden)
-    assert "GLOO_SOCKET_IFNAME" not in server_command("sglang", **COMMON, cuda=True)[1]
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")
+    assert not {"GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"} & set(server_command("sglang", **COMMON, cuda=True)[1])
 
 
 def test_sglang_command_on_gpu_and_cpu():

@@ -596,7 +596,7 @@ def test_weight_updates_from_disk_and_memory(server, models):
 
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 1 CUDA GPU")
+@pytest.mark.gpu(1)
 def test_on_a_gpu_the_server_serves_bf16_and_updates_land_there(models, forward, tmp_path):
     """device and dtype auto on a GPU: the server reports cuda and bfloat16; a disk update and an
     in-memory one (tensors arrive on the host, float32) land in the GPU's bf16 weights: B's tokens

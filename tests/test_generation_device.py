@@ -235,7 +235,7 @@ def _run(engine: GenerationEngine, prompts, gconfigs) -> list[list[int]]:
     return [done[r].output_ids for r in rids]
 
 
-@pytest.mark.skipif(not CUDA, reason="needs 1 CUDA GPU")
+@pytest.mark.gpu(1)
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_on_a_gpu_decode_steps_sync_once_and_match_the_cpu(model_tok, prompts, kind):
     """On the GPU in float32: at most one synchronising CUDA call per decode step, by torch's sync
@@ -267,7 +267,7 @@ def test_on_a_gpu_decode_steps_sync_once_and_match_the_cpu(model_tok, prompts, k
     assert [x for x, g in zip(got, gconfigs) if g.greedy] == [x for x, g in zip(cpu, gconfigs) if g.greedy]
 
 
-@pytest.mark.skipif(not CUDA, reason="needs 1 CUDA GPU")
+@pytest.mark.gpu(1)
 def test_on_a_gpu_bf16_is_the_whole_model_and_weights_land_in_it(model_tok, prompts):
     """dtype bfloat16 on a GPU: every parameter bf16, log-probs float32 and close to the fp32
     model's; a float32 CPU state dict lands in it (copy_ moves and casts)."""

@@ -1,4 +1,4 @@
-"""MegatronEngine on 2 GPUs over NCCL, in float32 against the float32 reference of
+"""MegatronEngine on 1 and 2 GPUs over NCCL, in float32 against the float32 reference of
 test_megatron_engine.py (relative error < 1e-4): the meshes whose collectives ran on CPU tensors
 before (the PP broadcast of log-probs, the HF gather's send/recv of every checkpoint and gradient,
 the expert-parallel micro-batch count, the stats' all-reduce). TF32 stays off for float32 roles,
@@ -11,12 +11,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-pytestmark = [
-    pytest.mark.gpu(2),
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL, one rank per GPU); the CPU "
-                       "tests of test_megatron_engine.py run the same meshes over gloo"),
-    pytest.mark.timeout(600),
-]
+pytestmark = [pytest.mark.timeout(600)]
 
 CASES = [
     ("d1p2t1", "tied", {}),  # PP=2: log-probs broadcast from the last stage, tied embeddings
@@ -25,6 +20,20 @@ CASES = [
 ]
 
 
+@pytest.mark.gpu(1)
+def test_float32_on_one_gpu_matches_the_reference(tmp_path):
+    """Megatron on one GPU (the mesh d1p1t1 over a one-rank NCCL group): model build with torch's
+    RMSNorm, packed attention on the GPU, training, the HF export; what the one-GPU check can run."""
+    import torch.multiprocessing as mp
+
+    from tests.test_megatron_engine import _free_port, _reference_dir, _worker
+
+    hf_path, out = _reference_dir(str(tmp_path), "untied")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    mp.spawn(_worker, args=(1, _free_port(), hf_path, out, "d1p1t1", {}), nprocs=1, join=True)
+
+
+@pytest.mark.gpu(2)
 @pytest.mark.parametrize("mesh,kind,megatron", CASES, ids=[m for m, _, _ in CASES])
 def test_float32_meshes_on_two_gpus_match_the_reference(tmp_path, mesh, kind, megatron):
     import torch.multiprocessing as mp

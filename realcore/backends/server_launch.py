@@ -181,9 +181,13 @@ def server_command(
             argv += ["--lora-backend", "torch_native"]
     from realcore.backends.weight_group import gloo_ifname
 
-    ifname = None if "GLOO_SOCKET_IFNAME" in os.environ else gloo_ifname(host)
-    if ifname is not None:  # the engine's gloo groups (its CPU groups, a gloo weight-update group) on `host`
+    ifname = gloo_ifname(host)
+    # The engine's gloo groups (its CPU groups, a gloo weight-update group) on `host`; on GPUs also
+    # NCCL's bootstrap of the weight-update group (exactly that interface: "=name"), as the trainer's.
+    if ifname is not None and "GLOO_SOCKET_IFNAME" not in os.environ:
         env["GLOO_SOCKET_IFNAME"] = ifname
+    if ifname is not None and cuda and "NCCL_SOCKET_IFNAME" not in os.environ:
+        env["NCCL_SOCKET_IFNAME"] = f"={ifname}"
     if not _is_own(python):
         env["PATH"] = os.pathsep.join(p for p in (os.path.dirname(python), os.environ.get("PATH", "")) if p)
     if api_key and engine == "vllm":

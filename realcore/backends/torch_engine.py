@@ -94,7 +94,11 @@ class TorchEngine(Engine):
         self.model.to(self.device)
         onednn_linear.use_onednn(self.model)  # float32 on a CPU: oneDNN's GEMMs, not MKL's (module docstring)
         if self.role.gradient_checkpointing:
-            self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            enable = getattr(self.model, "activation_checkpointing_enable", None)
+            if enable is not None:
+                enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:  # transformers < 5.2x names it gradient_checkpointing_enable
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     def _init_training(self, role: RoleConfig, total_steps: int) -> None:
         opt = role.optimizer
