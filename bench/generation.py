@@ -178,8 +178,9 @@ def hf_generate(model, pad_id: int, prompts: list[list[int]], n_new: int, sample
         use_cache=True,
         pad_token_id=pad_id,
     )
-    with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config)
+    with torch.no_grad():  # on the model's device (bench/gpu_check.py runs this on a GPU)
+        out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                             generation_config=gen_config)
     return out[:, length:].tolist()  # (B, n_new)
 
 

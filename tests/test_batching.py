@@ -54,7 +54,7 @@ def test_collectives_use_the_device_of_their_groups_backend(monkeypatch):
     GPU, a gloo group's on the CPU; engines compute on the current GPU when there is one."""
     import torch.distributed as dist
 
-    from realcore.backends.dist_device import compute_device, group_device
+    from realcore.backends.device import compute_device, group_device
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")

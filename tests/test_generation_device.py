@@ -23,11 +23,10 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from realcore.api.config import GenerationConfig, ModelConfig
+from realcore.api.config import GenerationConfig
 from realcore.backends import generation
 from realcore.backends.generation import GenerationEngine, sample_tokens
-from realcore.backends.models import load_model, load_tokenizer, prepare_model
-from tiny_models import spread_weights
+from test_generation import model_tok  # noqa: F401  (the fixture: tiny model, weights spread out)
 
 torch.set_num_threads(1)
 CUDA = torch.cuda.is_available()
@@ -60,14 +59,6 @@ class HostReads(TorchFunctionMode):
                 or (name == "where" and len(args) + len(kwargs) == 1)):
             self.names.append(name)
         return func(*args, **kwargs)
-
-
-@pytest.fixture(scope="module")
-def model_tok(tmp_path_factory):
-    path = prepare_model(ModelConfig(cache_dir=str(tmp_path_factory.mktemp("models"))), seed=0)
-    model, tok = load_model(path), load_tokenizer(path)
-    spread_weights(model, seed=1)
-    return model, tok
 
 
 @pytest.fixture(scope="module")

@@ -122,7 +122,8 @@ def test_nccl_refused_when_trainer_rank_0_shares_a_gpu_with_a_server():
 
 def test_nccl_refused_with_one_side_on_the_cpu(monkeypatch):
     from realcore.launch.slurm import steps
-    from realcore.launch.validate import check_nccl, check_placement
+    from realcore.launch.placement import check_nccl
+    from realcore.launch.validate import check_placement
 
     monkeypatch.setenv(TEST_SWITCH, "8")
     cfg = cfg_of("allocation_mode=local.d2+d2", "rollout.weight_update=nccl", "generation.device=cpu")

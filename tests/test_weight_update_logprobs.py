@@ -31,13 +31,13 @@ import torch
 
 from realcore.api.config import LoraConfig, OptimizerConfig, RoleConfig
 from realcore.backends import lora, weight_group
-from realcore.backends.gen_client import GenClient, push_weights
+from realcore.backends.gen_client import push_weights
 from realcore.backends.torch_engine import TorchEngine
 from realcore.system.weight_broadcast import WeightSender
+from test_weight_broadcast import TOKEN, call  # `fn(client)` in a fresh event loop, with the same token
 
 pytestmark = pytest.mark.timeout(120)
 torch.set_num_threads(1)
-TOKEN = "test-token"
 SECRET = b"w" * 32
 TOLERANCE = 1e-3  # server vs trainer, float32 on both sides (observed: ~1e-5)
 MIN_MOVE = 0.05  # mean |log-prob change| per training step, over the generated tokens
@@ -77,20 +77,6 @@ def server(model_dir, tmp_path_factory):
     finally:
         proc.terminate()  # SIGTERM: run_server returns, the process exits 0
         assert proc.wait(timeout=30) == 0
-
-
-def call(url: str, fn):
-    """`fn(client)` in a fresh event loop with a client of the server at `url`."""
-
-    async def main():
-        client = GenClient(url, token=TOKEN, timeout_s=30)
-        try:
-            await client.wait_ready(30)
-            return await fn(client)
-        finally:
-            await client.close()
-
-    return asyncio.run(main())
 
 
 def trainer(model_dir: str, with_lora: bool) -> TorchEngine:

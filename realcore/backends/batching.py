@@ -115,7 +115,7 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, starts: torch.Tensor
 
 def union_keys(keys: list[str], group, device) -> list[str]:
     """Sorted union of stat names over the group (a rank with an empty minibatch has none).
-    Names travel as padded UTF-8 byte tensors on `device` (the group backend's: dist_device.group_device):
+    Names travel as padded UTF-8 byte tensors on `device` (the group backend's: device.group_device):
     no pickle."""
     raw = "\n".join(sorted(keys)).encode("utf-8")
     n = torch.tensor([len(raw)], dtype=torch.int64, device=device)

@@ -6,6 +6,10 @@ process uses the first device it sees, `cuda:0`, unless LOCAL_RANK (torchrun's c
 another one, and the CPU when it sees none. A process selects its device before it creates a
 process group or a CUDA tensor (`select_device`), so that NCCL and every `torch.cuda` call that
 takes the current device agree with it.
+
+Engines then compute on the current device (`compute_device`: a test or a launcher that calls
+`torch.cuda.set_device(rank)` places them too), and a collective takes tensors on the device of its
+group's backend (`group_device`): NCCL only moves CUDA tensors, gloo CPU ones.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
 
 
 def local_gpu_index() -> int:
@@ -46,3 +51,26 @@ def select_device(name: str = "auto") -> torch.device:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return device
+
+
+def compute_device() -> torch.device:
+    """This process's current CUDA device when it sees a GPU, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def group_device(group=None) -> torch.device:
+    """The device of the tensors a collective over `group` (None: the default group) moves: this
+    process's GPU for an NCCL group, the CPU otherwise (gloo)."""
+    if "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` (on the CPU) on `device`. To a GPU through pinned memory without blocking: a copy from
+    pageable memory may wait for the device's queue, a host sync per micro-batch."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)

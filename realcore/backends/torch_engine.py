@@ -7,7 +7,7 @@ flat bucket per dtype, after the whole backward: no overlap with it, kept simple
 replicas are small; backend=fsdp overlaps its reduce-scatters), so the loss is the token-level mean
 over the global batch whatever the micro-batch split or DP size.
 
-Device and precision: the engine computes on this process's current device (dist_device.py: the
+Device and precision: the engine computes on this process's current device (device.py: the
 GPU the process selected before its process group, else the CPU). `role.dtype` "auto" is bfloat16
 on a GPU, float32 on a CPU. A trainable role keeps float32 parameters (AdamW's master copy) and
 bfloat16 autocasts its forward. On a GPU an inference-only role (a reference) in bfloat16 holds its
@@ -36,7 +36,7 @@ from realcore.api.engine import Engine, GenerationResult, LossFn, LossWeightFn
 from realcore.backends import lora, onednn_linear
 from realcore.backends.batching import (cu_seqlens, lr_factor, reduce_weighted, split_by_budget, stat_on,
                                         token_logprobs, train_batch)
-from realcore.backends.dist_device import compute_device, group_device, to_device
+from realcore.backends.device import compute_device, group_device, to_device
 from realcore.backends.precision import compute_dtype
 from realcore.backends.varlen_attention import packed_kwargs, standard_attention, use_packed_attention
 

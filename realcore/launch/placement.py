@@ -162,3 +162,22 @@ def describe(cfg: ExperimentConfig, alloc: AllocationMode, plan: Plan, commands:
         if name in commands:
             lines.append(f"  {'':<{width}}    $ {shlex.join(commands[name])}")
     return "\n".join(lines)
+
+
+def check_nccl(cfg: ExperimentConfig, alloc: AllocationMode, *, trainer_on_gpu: bool, servers_on_gpu: bool,
+               shared: str | None = None) -> None:
+    """rollout.weight_update=nccl joins trainer rank 0 and every server in one group: NCCL when the
+    trainer is on a GPU, gloo when it is on the CPU (every CPU run). NCCL refuses two ranks of a
+    group on one GPU (`shared`: the server placed with rank 0) and cannot reach a rank on the CPU."""
+    if alloc.gen is None or cfg.rollout.weight_update != "nccl":
+        return
+    instead = "rollout.weight_update=memory or disk" if alloc.backend == "local" else "rollout.weight_update=disk"
+    if shared is not None:
+        raise ConfigError(f"rollout.weight_update=nccl: trainer rank 0 and {shared} share a GPU (system.gpus), and "
+                          f"NCCL refuses two ranks of one group on one GPU; use {instead}, or GPUs of their own")
+    if trainer_on_gpu != servers_on_gpu:
+        where = {True: "on a GPU", False: "on the CPU"}
+        why = " (generation.device=cpu)" if alloc.backend == "local" and cfg.generation.device == "cpu" else ""
+        raise ConfigError(f"rollout.weight_update=nccl: NCCL needs both on GPUs, and the trainer is "
+                          f"{where[trainer_on_gpu]} while the generation servers are {where[servers_on_gpu]}{why}; "
+                          f"use {instead}")

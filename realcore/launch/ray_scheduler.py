@@ -96,6 +96,15 @@ def describe_bundles(cfg: ExperimentConfig, alloc: AllocationMode) -> str:
     return "\n".join(lines)
 
 
+def check_ray_gpus(cfg: ExperimentConfig, alloc: AllocationMode, gpus_per_worker: int) -> None:
+    """The nccl refusals (placement.check_nccl) for Ray's placement of the meshes."""
+    from realcore.launch.placement import check_nccl
+
+    meshes = mesh_bundles(cfg, alloc, gpus_per_worker)
+    check_nccl(cfg, alloc, trainer_on_gpu="GPU" in meshes["model_worker"][1],
+               servers_on_gpu="GPU" in meshes.get("gen_server", (0, {}))[1])
+
+
 def preempt_path(cfg: ExperimentConfig) -> str:
     """The launcher's SIGTERM as a file: the master's task runner sees it and preempts the master."""
     return os.path.join(cfg.output_dir, ".preempt")
@@ -130,7 +139,6 @@ def run_ray(cfg: ExperimentConfig, alloc: AllocationMode, config_path: str, secr
     gpus = cluster_gpus_per_worker(cfg, ray.cluster_resources())
     if cfg.ray.gpus_per_worker is None:
         from realcore.launch.config_loader import ConfigError
-        from realcore.launch.validate import check_ray_gpus
 
         try:  # what the config alone could not tell: whether the cluster's workers are on GPUs
             check_ray_gpus(cfg, alloc, gpus)

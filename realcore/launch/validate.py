@@ -12,7 +12,7 @@ from realcore.api.registry import lookup, make_workflow
 from realcore.data.datasets import SKIP_TOO_LONG, LoadedDataset, describe_skips
 from realcore.dfg.graph import DataFlowGraph, build_graph
 from realcore.launch.config_loader import ConfigError, import_user_modules
-from realcore.launch.placement import Plan, node_gpus, plan_local
+from realcore.launch.placement import Plan, check_nccl, node_gpus, plan_local
 from realcore.system.batch_source import source_keys
 
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,127}")
@@ -95,25 +95,6 @@ def check_placement(cfg: ExperimentConfig, alloc: AllocationMode) -> Plan:
     check_nccl(cfg, alloc, trainer_on_gpu=bool(trainer), servers_on_gpu=any(n in plan.gpus for n in servers),
                shared=shared)
     return plan
-
-
-def check_nccl(cfg: ExperimentConfig, alloc: AllocationMode, *, trainer_on_gpu: bool, servers_on_gpu: bool,
-               shared: str | None = None) -> None:
-    """rollout.weight_update=nccl joins trainer rank 0 and every server in one group: NCCL when the
-    trainer is on a GPU, gloo when it is on the CPU (every CPU run). NCCL refuses two ranks of a
-    group on one GPU (`shared`: the server placed with rank 0) and cannot reach a rank on the CPU."""
-    if alloc.gen is None or cfg.rollout.weight_update != "nccl":
-        return
-    instead = "rollout.weight_update=memory or disk" if alloc.backend == "local" else "rollout.weight_update=disk"
-    if shared is not None:
-        raise ConfigError(f"rollout.weight_update=nccl: trainer rank 0 and {shared} share a GPU (system.gpus), and "
-                          f"NCCL refuses two ranks of one group on one GPU; use {instead}, or GPUs of their own")
-    if trainer_on_gpu != servers_on_gpu:
-        where = {True: "on a GPU", False: "on the CPU"}
-        why = " (generation.device=cpu)" if alloc.backend == "local" and cfg.generation.device == "cpu" else ""
-        raise ConfigError(f"rollout.weight_update=nccl: NCCL needs both on GPUs, and the trainer is "
-                          f"{where[trainer_on_gpu]} while the generation servers are {where[servers_on_gpu]}{why}; "
-                          f"use {instead}")
 
 
 def check_names(cfg: ExperimentConfig) -> None:
@@ -292,7 +273,7 @@ def check_slurm(cfg: ExperimentConfig, alloc: AllocationMode, dry_run: bool) -> 
 
 def check_ray(cfg: ExperimentConfig, alloc: AllocationMode) -> None:
     """ray.gpus_per_worker=None is decided at ray.init (the cluster's GPUs): run_ray checks nccl then."""
-    from realcore.launch.ray_scheduler import worker_specs
+    from realcore.launch.ray_scheduler import check_ray_gpus, worker_specs
 
     if importlib.util.find_spec("ray") is None:
         raise ConfigError("scheduler=ray needs Ray: pip install -e '.[ray]'")
@@ -302,11 +283,3 @@ def check_ray(cfg: ExperimentConfig, alloc: AllocationMode) -> None:
         raise ConfigError(str(e)) from None
     if cfg.ray.gpus_per_worker is not None:
         check_ray_gpus(cfg, alloc, cfg.ray.gpus_per_worker)
-
-
-def check_ray_gpus(cfg: ExperimentConfig, alloc: AllocationMode, gpus_per_worker: int) -> None:
-    from realcore.launch.ray_scheduler import mesh_bundles
-
-    meshes = mesh_bundles(cfg, alloc, gpus_per_worker)
-    check_nccl(cfg, alloc, trainer_on_gpu="GPU" in meshes["model_worker"][1],
-               servers_on_gpu="GPU" in meshes.get("gen_server", (0, {}))[1])

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from realcore.backends.dist_device import group_device
+from realcore.backends.device import group_device
 from realcore.backends.megatron.convert import hf_to_mcore, mcore_to_hf
 
 

@@ -32,7 +32,7 @@ from realcore.api.config import RoleConfig
 from realcore.api.engine import Engine, GenerationResult, LossFn, LossWeightFn
 from realcore.backends.batching import (cu_seqlens, lr_factor, reduce_weighted, split_by_budget, stat_on,
                                         token_logprobs, train_batch)
-from realcore.backends.dist_device import compute_device, group_device, to_device
+from realcore.backends.device import compute_device, group_device, to_device
 from realcore.backends.logprobs import logprobs_and_entropy
 from realcore.backends.megatron.checkpoint import LazyHFState, gather_hf, load_shard
 from realcore.backends.megatron.compat import apply_compat

@@ -45,7 +45,7 @@ def packed_seq_params(lens: list[int], padded: list[int], device):
     """THD params of one packed row: true and padded sequence lengths (equal without context parallel)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from realcore.backends.dist_device import to_device
+    from realcore.backends.device import to_device
 
     # Built on the host, copied without blocking: no host sync per micro-batch.
     cu = to_device(torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32), torch.device(device))
