@@ -29,7 +29,6 @@ from realcore.backends.generation import GenerationEngine, sample_tokens
 from test_generation import model_tok  # noqa: F401  (the fixture: tiny model, weights spread out)
 
 torch.set_num_threads(1)
-CUDA = torch.cuda.is_available()
 TEXTS = ["Question: What is 3 + 5?\nAnswer:", "hi", "the cat has many apples and the dogs have more books so", "7",
          "she buys eggs", "Question: What is 12 * 4?\nAnswer: let us"]
 
@@ -180,9 +179,8 @@ def test_every_tensor_names_its_device(model_tok, prompts):
 
 
 def test_serve_device_cuda_without_a_gpu_is_one_line(tmp_path):
-    """--device cuda where the process sees no GPU: exit 2 and one line, before any model is read."""
-    if CUDA:
-        pytest.skip("this machine has a GPU")
+    """--device cuda where the process sees no GPU (CUDA_VISIBLE_DEVICES="" hides a GPU machine's):
+    exit 2 and one line, before any model is read."""
     from realcore.serve import parse_args
 
     assert parse_args(["--model-path", "m"]).device == "auto"
@@ -194,10 +192,12 @@ def test_serve_device_cuda_without_a_gpu_is_one_line(tmp_path):
     assert proc.stderr.startswith("python -m realcore.serve: error: --device cuda: ") and "no CUDA GPU" in proc.stderr
 
 
-def test_run_server_cuda_without_a_gpu_raises_one_line():
-    if CUDA:
-        pytest.skip("this machine has a GPU")
+def test_run_server_cuda_without_a_gpu_raises_one_line(monkeypatch):
+    """The process sees no GPU (on a GPU machine: torch told so, the way CUDA_VISIBLE_DEVICES=""
+    would at start-up)."""
     from realcore.backends.gen_server import run_server
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
     with pytest.raises(ValueError) as e:
         run_server("/nonexistent", token="t", device="cuda")

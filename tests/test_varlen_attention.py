@@ -264,14 +264,15 @@ def _fused_path() -> str | None:
 def test_fused_kernel_on_a_gpu_matches_per_sequence_attention_without_a_host_sync():
     """The real kernel (flash-attn's where installed, else torch's): fp32 q/k and a bf16 v under
     autocast, as HF's rotary leaves them; no host sync in the call (CUDA's sync debug mode raises on
-    one); its gradients are finite."""
-    if _fused_path() is None:
-        pytest.skip("no fused varlen kernel on this GPU (flash-attn absent, compute capability < 8.0)")
+    one); its gradients are finite. On a GPU with neither kernel (flash-attn absent, compute
+    capability < 8.0) the same call takes the per-sequence SDPA path (which reads the boundaries on
+    the host) and must give the same numbers."""
+    fused = _fused_path() is not None
     q, k, v, cu = (t.cuda() for t in _packed_qkv())
     q.requires_grad_(True)
     torch.cuda.synchronize()
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        torch.cuda.set_sync_debug_mode("error")
+        torch.cuda.set_sync_debug_mode("error" if fused else 0)
         try:
             out = varlen_attention.packed_causal_attention(q, k, v, cu, scale=0.25, max_len=max(LENS))
         finally:

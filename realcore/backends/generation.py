@@ -70,6 +70,7 @@ from transformers.cache_utils import DynamicLayer
 
 from realcore.api.config import GenerationConfig
 from realcore.api.engine import GenerationResult
+from realcore.backends.device import to_device
 from realcore.backends.kv_cache import ATTENTION, SlotKVCache, register_attention
 from realcore.backends.onednn_linear import PackedWeight, use_onednn
 from realcore.backends.precision import compute_dtype
@@ -447,13 +448,9 @@ def read_hf_weights(path: str) -> dict[str, torch.Tensor]:
 
 
 def _to_device(values, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """Host values (nested lists) as a tensor on `device`, without waiting for the device: on a GPU
-    a copy from pageable memory waits for every kernel queued before it, one from pinned memory
-    with non_blocking does not (torch's pinned-memory cache keeps the buffer until the copy ran)."""
-    host = torch.tensor(values, dtype=dtype, device="cpu")
-    if device.type == "cpu":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
+    """Host values (nested lists) as a tensor on `device`, without waiting for the device
+    (realcore.backends.device.to_device: from pinned memory on a GPU)."""
+    return to_device(torch.tensor(values, dtype=dtype, device="cpu"), device)
 
 
 def _take(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:

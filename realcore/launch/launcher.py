@@ -32,6 +32,7 @@ from realcore.launch.supervise import Supervisor, begin_attempt, record, write_p
 from realcore.launch.validate import (check_inputs, check_model_layout, check_placement, check_ray, check_slurm,
                                       validate)
 from realcore.system import keys
+from realcore.system.engine_server import free_port
 from realcore.system.name_resolve import make_name_resolver
 from realcore.system.process import PREEMPTED_EXIT
 
@@ -115,14 +116,6 @@ def resolve_local_host(cfg: ExperimentConfig) -> None:
         cfg.system.host = node_address(cfg.system.host, cfg.system.interface)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-
-
-def free_port(host: str) -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def engine_server_command(cfg: ExperimentConfig, alloc: AllocationMode, plan: Plan, i: int, port: int, token: str,

@@ -39,6 +39,7 @@ import time
 
 from realcore.api.alloc import AllocationMode
 from realcore.api.config import ExperimentConfig
+from realcore.launch.placement import check_nccl, gpus_per_server
 from realcore.launch.supervise import (ROLLOUT_SIDE, STABLE_S, begin_attempt, count_quick_death, heartbeat_path, hung,
                                        record)
 from realcore.system.process import PREEMPTED_EXIT
@@ -66,10 +67,7 @@ def mesh_bundles(cfg: ExperimentConfig, alloc: AllocationMode,
     per_worker = (r.gpus_per_worker or 0) if gpus_per_worker is None else gpus_per_worker
     meshes = {"model_worker": (alloc.train.world_size, per_worker)}
     if alloc.gen is not None:
-        per_server = 1 if alloc.backend == "local" else alloc.gen.tp * alloc.gen.pp
-        if alloc.backend == "local" and cfg.generation.device == "cpu":
-            per_server = 0
-        meshes["gen_server"] = (alloc.gen.dp, per_worker * per_server)
+        meshes["gen_server"] = (alloc.gen.dp, per_worker * gpus_per_server(cfg, alloc))
     return {kind: (n, {"CPU": r.cpus_per_worker, **({"GPU": g} if g else {})}) for kind, (n, g) in meshes.items()}
 
 
@@ -98,8 +96,6 @@ def describe_bundles(cfg: ExperimentConfig, alloc: AllocationMode) -> str:
 
 def check_ray_gpus(cfg: ExperimentConfig, alloc: AllocationMode, gpus_per_worker: int) -> None:
     """The nccl refusals (placement.check_nccl) for Ray's placement of the meshes."""
-    from realcore.launch.placement import check_nccl
-
     meshes = mesh_bundles(cfg, alloc, gpus_per_worker)
     check_nccl(cfg, alloc, trainer_on_gpu="GPU" in meshes["model_worker"][1],
                servers_on_gpu="GPU" in meshes.get("gen_server", (0, {}))[1])

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from realcore.api.alloc import AllocationMode
 from realcore.api.config import ExperimentConfig
 from realcore.launch.cluster import Follow
+from realcore.launch.placement import gpus_per_server
 from realcore.launch.supervise import record
 from realcore.system.process import PREEMPTED_EXIT
 
@@ -113,9 +114,7 @@ def steps(cfg: ExperimentConfig, alloc: AllocationMode) -> list[Step]:
     if alloc.gen is not None:
         # One task per server: a built-in server is one process on one GPU; an SGLang/vLLM server
         # spans tp*pp GPUs of its node (its own TP/PP workers; multi-node servers are not supported).
-        per_server = 1 if alloc.backend == "local" else alloc.gen.tp * alloc.gen.pp
-        if alloc.backend == "local" and cfg.generation.device == "cpu":
-            per_server = 0
+        per_server = gpus_per_server(cfg, alloc)
         if gpus and per_server > gpus:
             raise ValueError(f"allocation_mode: a {alloc.backend} server of tp*pp={per_server} GPUs does not fit on a "
                              f"node of slurm.gpus_per_node={gpus} (servers across nodes are not supported)")
