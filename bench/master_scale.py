@@ -108,7 +108,7 @@ def _serve(assign: list, secret: bytes, root: str, spec: dict, out_q) -> None:
     pid = os.getpid()
     ctx = zmq.Context(io_threads=1)
     ctx.set(zmq.MAX_SOCKETS, len(assign) + 64)
-    resolver = FileNameResolver(root)
+    resolver = FileNameResolver(root, secret)
     workers: dict = {}
     endpoints: dict = {}  # socket -> its wire.Endpoint (each simulated worker is a receiver of its own)
     relays: dict = {}  # a NodeRelay's socket -> the relay (made when a worker gets its first RELAY)

@@ -1,5 +1,6 @@
 """Name resolution, one suite run against every backend: the filesystem, and real Redis and etcd
-servers started here on loopback (skipped, with the reason, where the server binary is absent)."""
+servers started here on loopback (skipped, with the reason, where the server binary is absent).
+Every entry carries the run's MAC: forged or moved entries read as absent and are counted."""
 
 import multiprocessing as mp
 import shutil
@@ -13,7 +14,10 @@ import pytest
 from conftest import skip_unless_ci
 
 from realcore.api.config import NameResolveConfig
-from realcore.system.name_resolve import KeyExistsError, make_name_resolver, scoped_key
+from realcore.system import drops
+from realcore.system.name_resolve import KeyExistsError, NoSecretError, make_name_resolver, scoped_key
+
+SECRET = b"s" * 32
 
 
 def _free_port() -> int:
@@ -80,7 +84,7 @@ def cfg(request, tmp_path):
 
 @pytest.fixture
 def nr(cfg):
-    return make_name_resolver(cfg)
+    return make_name_resolver(cfg, SECRET)
 
 
 def test_put_get_replace_delete(nr):
@@ -200,7 +204,7 @@ N_RACE_KEYS = 50
 
 
 def _racer(cfg_dict, name, start, out):
-    nr = make_name_resolver(NameResolveConfig(**cfg_dict))
+    nr = make_name_resolver(NameResolveConfig(**cfg_dict), SECRET)
     start.wait()
     won = []
     for i in range(N_RACE_KEYS):
@@ -223,7 +227,7 @@ def test_two_processes_race_put(cfg):
     for p in procs:
         p.join(timeout=30)
         assert p.exitcode == 0
-    nr = make_name_resolver(cfg)
+    nr = make_name_resolver(cfg, SECRET)
     for i in range(N_RACE_KEYS):
         winners = [n for n, won in results.items() if i in won]
         assert len(winners) == 1, f"key k{i}: winners {winners}"
@@ -243,3 +247,45 @@ def test_server_backends_fail_fast_naming_the_address(backend, module):
 def test_bad_address_is_one_clear_error():
     with pytest.raises(ValueError, match="address must be host:port"):
         make_name_resolver(NameResolveConfig(type="redis", address="localhost"))
+
+
+def _refusals() -> int:
+    return sum(n for k, n in drops.snapshot().items() if k.startswith("name_resolve/"))
+
+
+def test_forged_moved_and_foreign_entries_read_as_absent(nr, cfg):
+    """Whoever can write to the store but lacks the run's secret cannot plant an address: an
+    unsigned value, a signed value moved to another key, one signed with another run's secret all
+    read as absent (get, find, wait), each counted once on socket name_resolve."""
+    k, other = scoped_key("exp", "t0", "w", "0"), scoped_key("exp", "t0", "w", "1")
+    before = _refusals()
+    tag = uuid.uuid4().hex  # values of this backend's own: a process counts each forged entry once
+    nr._put(k, f"tcp://attacker:1/{tag}", replace=True)  # what a writer without the secret can do
+    with pytest.raises(KeyError, match=k):
+        nr.get(k)
+    with pytest.raises(TimeoutError):
+        nr.wait(k, timeout_s=0.2)
+    assert nr.find("exp/t0") == {}
+    assert _refusals() == before + 1  # one forged entry, polled many times: counted once
+    nr.put(other, f"tcp://good:2/{tag}")
+    nr._put(k, nr._get(other), replace=True)  # a valid entry replayed under another key
+    assert nr.find("exp/t0") == {other: f"tcp://good:2/{tag}"}
+    make_name_resolver(cfg, b"x" * 32).put(k, f"tcp://earlier-run:3/{tag}", replace=True)
+    with pytest.raises(KeyError):
+        nr.get(k)
+    assert _refusals() == before + 3
+    nr.put(k, "tcp://good:1", replace=True)  # the run's own entry replaces it
+    assert nr.get(k) == "tcp://good:1"
+
+
+def test_resolver_without_secret_only_clears(cfg):
+    """The launcher clears a run's keys before the run's secret exists; nothing else may read or
+    write without it (a run process that forgot it fails at once, not with a silent unsigned store)."""
+    bare = make_name_resolver(cfg)
+    with pytest.raises(NoSecretError):
+        bare.put("exp/t0/x", "v")
+    with pytest.raises(NoSecretError):
+        bare.wait("exp/t0/x", timeout_s=30)
+    make_name_resolver(cfg, SECRET).put("exp/t0/x", "v")
+    bare.clear("exp/t0")
+    assert make_name_resolver(cfg, SECRET).find("exp/t0") == {}

@@ -5,6 +5,7 @@ Hydra composes YAML from `experiments/` in `realcore/launch`; everything else re
 
 from __future__ import annotations
 
+import os
 import typing
 from typing import Annotated, Any, Literal
 
@@ -338,10 +339,26 @@ class NameResolveConfig(_Strict):
     """Where workers publish and find each other's addresses."""
 
     type: Literal["fs", "redis", "etcd"] = Field("fs", description="fs: a (shared) directory; redis or etcd: a server")
-    root: str = Field("/tmp/realcore/name_resolve", description="fs: the directory (shared by all nodes)")
+    root: str | None = Field(
+        None, description="fs: the folder holding the keys, seen by every node of the run. None: "
+        "OUTPUT_DIR/.name_resolve, which every node of a Slurm or Ray run shares (a per-user folder in /tmp would "
+        "be one per node) and nobody else writes to. Created mode 0700; a folder that is not yours, or that group "
+        "or others can write to, is refused before anything starts (its owner could redirect the run)")
     address: str | None = Field(None, description="redis/etcd host:port; None: 127.0.0.1:6379 (redis), 127.0.0.1:2379 (etcd)")
     namespace: str = Field("realcore", description="redis/etcd: prefix of every key on a shared server")
     timeout_s: float = Field(5.0, gt=0, description="redis/etcd: connect and request deadline")
+    username: str | None = Field(
+        None, description="redis/etcd: the user the client logs in as (Redis ACL user, etcd user); None: redis's "
+        "default user, no login on etcd")
+    password_file: str | None = Field(
+        None, description="redis/etcd: a file holding the password (a trailing newline dropped; refused if group or others "
+        "can read it). Never on the command line: it would show in `ps`")
+    password_env: str | None = Field(
+        None, description="redis/etcd: the name of an environment variable holding the password (every process "
+        "of the run must inherit it; set it or password_file, not both)")
+    tls_ca_file: str | None = Field(
+        None, description="redis/etcd: talk TLS to the server, verifying its certificate with this CA bundle "
+        "(PEM); None: plain TCP")
 
 
 class SlurmConfig(_Strict):
@@ -537,6 +554,8 @@ class ExperimentConfig(_Strict):
     def _check(self) -> "ExperimentConfig":
         if not self.mfcs:
             raise ValueError("mfcs: an experiment declares at least one MFC")
+        if self.system.name_resolve.root is None:  # the run's own folder, shared by its nodes (NameResolveConfig.root)
+            self.system.name_resolve.root = os.path.join(os.path.abspath(self.output_dir), ".name_resolve")
         if self.actor.backend is None:
             self.actor.backend = "megatron" if _model_parallel(self.allocation_mode) else "torch"
         if self.ref is not None and self.ref.backend is None:  # roles share one mesh: same backend by default

@@ -56,13 +56,13 @@ def run_on_cluster(cfg: ExperimentConfig, dfg: DataFlowGraph, alloc: AllocationM
     return rc
 
 
-def cluster_name_resolve(cfg: ExperimentConfig) -> None:
-    from realcore.api.config import NameResolveConfig
-
-    nr = cfg.system.name_resolve
-    if nr.type == "fs" and nr.root == NameResolveConfig().root:
-        # /tmp is node-local on clusters: keep the keys next to the outputs (a shared filesystem).
-        nr.root = os.path.join(cfg.output_dir, ".name_resolve")
+def check_name_store(cfg: ExperimentConfig) -> None:
+    """The name store is private (fs: our own folder, 0700) and reachable, or the run stops here
+    with one line (name_resolve.private_root says what is wrong)."""
+    try:
+        make_name_resolver(cfg.system.name_resolve)
+    except (ValueError, ConnectionError, ImportError) as e:
+        raise ConfigError(str(e)) from None
 
 
 def prepare_output(cfg: ExperimentConfig, dfg: DataFlowGraph) -> tuple[str, str]:
@@ -147,9 +147,10 @@ def start_engine_servers(cfg: ExperimentConfig, alloc: AllocationMode, env: dict
     from realcore.system.wire import load_secret
 
     plan = plan or Plan((), "")
-    resolver = make_name_resolver(cfg.system.name_resolve)
     out = os.path.abspath(cfg.output_dir)
-    token = server_token(load_secret(os.path.join(out, ".secret")), cfg.rollout.server_token)  # prepare_output wrote it
+    secret = load_secret(os.path.join(out, ".secret"))  # prepare_output wrote it
+    resolver = make_name_resolver(cfg.system.name_resolve, secret)
+    token = server_token(secret, cfg.rollout.server_token)
 
     def server(i: int) -> Proc:
         # A restart gets a new port: the manager tells a restarted server (to catch up) by its address.
@@ -272,10 +273,10 @@ def check_all(argv: list[str], dry_run: bool, held: contextlib.ExitStack,
     if cfg.scheduler == "local":
         plan = check_placement(cfg, alloc)
     cfg.output_dir = os.path.abspath(cfg.output_dir)
-    if cfg.scheduler != "local":
-        cluster_name_resolve(cfg)
-    else:
+    if cfg.scheduler == "local":
         resolve_local_host(cfg)
+    if not dry_run:  # a dry run creates no folder
+        check_name_store(cfg)
     if not dry_run or cfg.scheduler == "slurm":
         held.enter_context(hold_run(cfg))
     from transformers.utils import logging as hf_logging
@@ -304,9 +305,11 @@ def run_local(cfg: ExperimentConfig, dfg: DataFlowGraph, alloc: AllocationMode, 
     """Start every process here, each on the GPUs `plan` gives it, and supervise them (supervise.py);
     with recover_mode=auto, a failed run is stopped and started again (it resumes from its last
     recover checkpoint), up to recover_retries times."""
+    from realcore.system.wire import load_secret
+
     plan = plan or Plan((), "")
-    resolver = make_name_resolver(cfg.system.name_resolve)
     config_path, secret_path = prepare_output(cfg, dfg)
+    resolver = make_name_resolver(cfg.system.name_resolve, load_secret(secret_path))
     restarts = 0
     for attempt in range(cfg.recover_retries + 1):
         begin_attempt(cfg, resolver)

@@ -83,7 +83,7 @@ class GServerManager:
         self.cfg = cfg
         self.n_servers = n_servers
         self.engine = parse_allocation_mode(cfg.allocation_mode).backend
-        self.resolver = make_name_resolver(cfg.system.name_resolve)
+        self.resolver = make_name_resolver(cfg.system.name_resolve, secret)
         r = cfg.rollout
         self.admission = Admission(cfg.trainer.batch_size, r.max_head_offpolicyness, r.max_concurrent_rollouts,
                                    journal_path(cfg, attempt))

@@ -138,7 +138,7 @@ class Master:
         # One head per data-parallel replica holds the replica's samples and answers for it.
         self.heads = [self.mesh.dp_head(d) for d in range(self.mesh.dp)]
         self.head_set = set(self.heads)
-        self.resolver = make_name_resolver(cfg.system.name_resolve)
+        self.resolver = make_name_resolver(cfg.system.name_resolve, secret)
         timeout = cfg.system.startup_timeout_s
         addrs = {n: json.loads(self.resolver.wait(keys.model_worker(cfg, i), timeout_s=timeout))["control"]
                  for i, n in enumerate(self.names)}

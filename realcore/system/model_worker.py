@@ -64,7 +64,7 @@ class ModelWorker:
         self.dfg = build_graph(cfg, source_keys(cfg))
         self.state = "created"
         self.storage = Storage()
-        self.resolver = make_name_resolver(cfg.system.name_resolve)
+        self.resolver = make_name_resolver(cfg.system.name_resolve, secret)
         host, name, limits = cfg.system.host, f"model_worker/{index}", wire.Limits.of(cfg.system)
         drops.set_log_interval(cfg.system.drop_log_interval_s)
         self.control = ControlServer(host, secret, self._status, name=name, limits=limits, relay=True)

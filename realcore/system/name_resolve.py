@@ -6,15 +6,88 @@ to a dead port and hang them.
 
 The interface (NameResolver) is small on purpose. Backends: a shared filesystem (default; no
 service needed), Redis and etcd (for clusters without a shared filesystem, or many workers).
+
+Nobody but the run may steer it (docs/security.md, "The name store"): the fs root is a private
+folder (ours, 0700, checked), and every value is stored with a MAC of key and value under the run's
+secret, checked on every read. An entry that fails the check (written by someone without the
+secret, or by an earlier run) reads as absent and is counted as a drop on socket `name_resolve`.
 """
 
 import abc
+import hmac
+import logging
 import os
 import shutil
+import stat
+import threading
 import time
 import uuid
 
+import blake3
+
 from realcore.api.config import NameResolveConfig
+from realcore.system import drops
+from realcore.system.wire import mac
+
+log = logging.getLogger("realcore.name_resolve")
+
+DROP_SOCKET = "name_resolve"  # drops.count socket name of refused entries
+_MAC_CONTEXT = "realcore 2026-11 name_resolve entry MAC"  # its own key: an entry's MAC is never a wire MAC
+_MAC_HEX = 64  # hex digits of the MAC stored before the value
+
+
+class UnsafeStoreError(ValueError):
+    """The fs root is a folder others could write to: the run refuses to use it."""
+
+
+class NoSecretError(RuntimeError):
+    """put/get on a resolver made without the run's secret."""
+
+
+_process_secret: bytes | None = None
+
+
+def use_secret(secret: bytes) -> None:
+    """The run's secret for every resolver this process makes without one (run_worker sets it once,
+    before any resolver is made): consumers (manager, weight pushes, stream, rendezvous) need not
+    carry it."""
+    global _process_secret
+    _process_secret = secret
+
+
+def _entry_key(secret: bytes) -> bytes:
+    return blake3.blake3(secret, derive_key_context=_MAC_CONTEXT).digest()
+
+
+def sign(secret: bytes, key: str, value: str) -> str:
+    """The stored form of `value` under `key`: hex MAC of (key, value), a newline, the value."""
+    return mac([key.encode(), value.encode()], _entry_key(secret)).hex() + "\n" + value
+
+
+_refused_lock = threading.Lock()
+_refused: set[tuple[str, str]] = set()  # (key, stored text) already counted: a poll loop counts a forgery once
+
+
+def verify(secret: bytes, key: str, stored: str) -> str | None:
+    """The value if `stored` carries a valid MAC for `key`, else None (counted once per entry, logged once)."""
+    tag, sep, value = stored.partition("\n")
+    ok = False
+    if sep and len(tag) == _MAC_HEX:
+        try:
+            ok = hmac.compare_digest(bytes.fromhex(tag), mac([key.encode(), value.encode()], _entry_key(secret)))
+        except ValueError:
+            pass
+    if ok:
+        return value
+    with _refused_lock:
+        if (key, stored) in _refused:
+            return None
+        if len(_refused) >= 4096:  # bounded: a flood of forgeries is counted, never stored without end
+            _refused.clear()
+        _refused.add((key, stored))
+    drops.count(DROP_SOCKET, "mac" if sep and len(tag) == _MAC_HEX else "malformed",
+                f"key '{key}' holds an entry without the run's MAC; read as absent")
+    return None
 
 
 class KeyExistsError(Exception):
@@ -44,21 +117,56 @@ def scoped_key(experiment: str, trial: str, *parts: str) -> str:
 
 
 class NameResolver(abc.ABC):
-    """A small key -> str store shared by all processes of a run."""
+    """A small key -> str store shared by all processes of a run.
+
+    Backends store and return raw text (_put, _get, _find); put/get/find sign and verify it with
+    `secret`. A resolver without a secret can only delete and clear (the launcher, before the run's
+    secret exists)."""
 
     backend_name: str = "abstract"
+    secret: bytes | None = None
 
-    @abc.abstractmethod
+    def _secret(self) -> bytes:
+        if self.secret is None:
+            raise NoSecretError(f"name_resolve({self.backend_name}): this resolver has no run secret "
+                                "(make_name_resolver(cfg, secret), or name_resolve.use_secret first)")
+        return self.secret
+
     def put(self, key: str, value: str, *, replace: bool = False) -> None:
         """Store value; raise KeyExistsError if the key exists and not `replace`."""
+        if not isinstance(value, str):
+            raise ValueError(f"name_resolve: value for '{key}' must be str, got {type(value).__name__}")
+        self._put(check_key(key), sign(self._secret(), key, value), replace=replace)
 
-    @abc.abstractmethod
     def get(self, key: str) -> str:
-        """The value of key; KeyError (naming key and backend) if absent."""
+        """The value of key; KeyError (naming key and backend) if absent or not signed by the run."""
+        secret = self._secret()
+        value = verify(secret, key, self._get(check_key(key)))
+        if value is None:
+            raise self._missing(key)
+        return value
+
+    def find(self, prefix: str) -> dict[str, str]:
+        """Every key equal to `prefix` or under `prefix/`, with its value (unsigned entries left out)."""
+        secret = self._secret()
+        out = {}
+        for key, stored in self._find(check_key(prefix)).items():
+            value = verify(secret, key, stored)
+            if value is not None:
+                out[key] = value
+        return out
 
     @abc.abstractmethod
-    def find(self, prefix: str) -> dict[str, str]:
-        """Every key equal to `prefix` or under `prefix/`, with its value."""
+    def _put(self, key: str, stored: str, *, replace: bool) -> None:
+        """Store the signed text; KeyExistsError if the key exists and not `replace`."""
+
+    @abc.abstractmethod
+    def _get(self, key: str) -> str:
+        """The stored text of key; KeyError if absent."""
+
+    @abc.abstractmethod
+    def _find(self, prefix: str) -> dict[str, str]:
+        """Every key equal to `prefix` or under `prefix/`, with its stored text."""
 
     @abc.abstractmethod
     def delete(self, key: str) -> None:
@@ -74,6 +182,7 @@ class NameResolver(abc.ABC):
     def wait(self, key: str, *, timeout_s: float, poll_s: float = 0.05) -> str:
         """Poll get(key) until it exists; TimeoutError after timeout_s."""
         deadline = time.monotonic() + timeout_s
+        self._secret()  # no secret: fail now, not after timeout_s
         while True:
             try:
                 return self.get(key)
@@ -86,6 +195,32 @@ class NameResolver(abc.ABC):
             time.sleep(max(0.0, min(poll_s, deadline - time.monotonic())))
 
 
+def private_root(root: str) -> str:
+    """`root` as an absolute path, created mode 0700 if absent (its missing parents too); refuse
+    (UnsafeStoreError, one line naming the folder and what is wrong) a root that is a symbolic
+    link, not a folder, owned by another user, or writable by group or others: whoever can write
+    there can swap a key's folder (the MAC stops forged values, not a deleted or withheld one)."""
+    root = os.path.abspath(root)
+    try:
+        os.makedirs(root, mode=0o700)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise UnsafeStoreError(f"name_resolve.root {root}: cannot create it: {e.strerror}") from None
+    st = os.lstat(root)
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafeStoreError(f"name_resolve.root {root} is a symbolic link; give the folder itself")
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeStoreError(f"name_resolve.root {root} is not a folder")
+    if st.st_uid != os.geteuid():
+        raise UnsafeStoreError(f"name_resolve.root {root} is owned by uid {st.st_uid}, not by you (uid "
+                               f"{os.geteuid()}): its owner could redirect the run; remove it or choose another folder")
+    if st.st_mode & 0o022:
+        raise UnsafeStoreError(f"name_resolve.root {root} is writable by group or others (mode "
+                               f"{stat.S_IMODE(st.st_mode):04o}); chmod 700 it or choose another folder")
+    return root
+
+
 class FileNameResolver(NameResolver):
     """Keys on a (shared) filesystem: key 'a/b/c' is the file '<root>/a/b/c/.value'.
 
@@ -93,27 +228,26 @@ class FileNameResolver(NameResolver):
     keys. Writers never expose a partial file: they write a temporary file and then either
     os.replace it (replace=True) or os.link it (replace=False; link fails atomically with EEXIST,
     like O_EXCL, but the file appears with its full content). Both are atomic on local
-    filesystems and on NFS.
+    filesystems and on NFS. The root is private (private_root); key folders are made 0700 and
+    values 0600.
     """
 
     backend_name = "fs"
     _VALUE = ".value"
 
-    def __init__(self, root: str):
-        self.root = os.path.abspath(root)
-        os.makedirs(self.root, exist_ok=True)
+    def __init__(self, root: str, secret: bytes | None = None):
+        self.root = private_root(root)
+        self.secret = secret
 
     def _dir(self, key: str) -> str:
         return os.path.join(self.root, *check_key(key).split("/"))
 
-    def put(self, key: str, value: str, *, replace: bool = False) -> None:
-        if not isinstance(value, str):
-            raise ValueError(f"name_resolve: value for '{key}' must be str, got {type(value).__name__}")
+    def _put(self, key: str, stored: str, *, replace: bool) -> None:
         d = self._dir(key)
-        os.makedirs(d, exist_ok=True)
+        os.makedirs(d, mode=0o700, exist_ok=True)
         tmp = os.path.join(d, f".tmp.{os.getpid()}.{uuid.uuid4().hex}")
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(value)
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w", encoding="utf-8") as f:
+            f.write(stored)
         try:
             if replace:
                 os.replace(tmp, os.path.join(d, self._VALUE))
@@ -126,21 +260,23 @@ class FileNameResolver(NameResolver):
             if os.path.lexists(tmp):
                 os.unlink(tmp)
 
-    def get(self, key: str) -> str:
+    def _get(self, key: str) -> str:
         try:
             with open(os.path.join(self._dir(key), self._VALUE), encoding="utf-8") as f:
                 return f.read()
         except (FileNotFoundError, NotADirectoryError):
             raise self._missing(key) from None
+        except UnicodeDecodeError:
+            return ""  # not text: verify() refuses and counts it
 
-    def find(self, prefix: str) -> dict[str, str]:
+    def _find(self, prefix: str) -> dict[str, str]:
         out = {}
         for dirpath, _, filenames in os.walk(self._dir(prefix)):
             if self._VALUE not in filenames:
                 continue
             key = os.path.relpath(dirpath, self.root).replace(os.sep, "/")
             try:
-                out[key] = self.get(key)
+                out[key] = self._get(key)
             except KeyError:  # deleted between walk and read
                 pass
         return out
@@ -175,34 +311,64 @@ def _import(module: str, backend: str, extra: str):
         raise ImportError(f"name_resolve({backend}) needs the {module!r} package: pip install -e '.[{extra}]'") from None
 
 
+def read_password(cfg: NameResolveConfig) -> str | None:
+    """redis/etcd: the password from `password_file` (0600: refused if group or others can read
+    it) or the environment variable `password_env`; None when neither is set. Never from the
+    command line: it would show in `ps`."""
+    if cfg.password_file and cfg.password_env:
+        raise ValueError("name_resolve: set password_file or password_env, not both")
+    if cfg.password_env:
+        password = os.environ.get(cfg.password_env)
+        if not password:
+            raise ValueError(f"name_resolve.password_env: environment variable {cfg.password_env} is unset or empty")
+        return password
+    if cfg.password_file:
+        try:
+            mode = stat.S_IMODE(os.stat(cfg.password_file).st_mode)
+            if mode & 0o077:
+                raise ValueError(f"name_resolve.password_file {cfg.password_file} has mode {mode:04o}: group or "
+                                 "others can read it; chmod 600 it")
+            with open(cfg.password_file, encoding="utf-8") as f:
+                password = f.read().rstrip("\r\n")
+        except OSError as e:
+            raise ValueError(f"name_resolve.password_file {cfg.password_file}: {e.strerror}") from None
+        if not password:
+            raise ValueError(f"name_resolve.password_file {cfg.password_file} is empty")
+        return password
+    return None
+
+
 class RedisNameResolver(NameResolver):
     """Keys in Redis under `<namespace>/`; put(replace=False) is SET NX (atomic)."""
 
     backend_name = "redis"
 
-    def __init__(self, address: str, namespace: str, timeout_s: float):
+    def __init__(self, address: str, namespace: str, timeout_s: float, secret: bytes | None = None, *,
+                 username: str | None = None, password: str | None = None, tls_ca_file: str | None = None):
         redis = _import("redis", "redis", "redis")
         host, port = _host_port(address, "redis")
-        self.ns, self.address = namespace, address
+        self.ns, self.address, self.secret = namespace, address, secret
+        tls = {"ssl": True, "ssl_ca_certs": tls_ca_file} if tls_ca_file else {}
         # No client retries (redis-py retries 3 times by default): a retried SET NX whose first
         # reply was lost would report our own key as taken, and retries stretch timeout_s.
         self.r = redis.Redis(host=host, port=port, socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
-                             retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0), decode_responses=True)
+                             retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0), decode_responses=True,
+                             username=username, password=password, **tls)
         try:
             self.r.ping()
+        except redis.exceptions.AuthenticationError as e:
+            raise ConnectionError(f"name_resolve(redis): {address} refused the credentials: {e}") from None
         except redis.exceptions.RedisError as e:
             raise ConnectionError(f"name_resolve(redis): cannot reach {address}: {e}") from None
 
     def _k(self, key: str) -> str:
         return f"{self.ns}/{check_key(key)}"
 
-    def put(self, key: str, value: str, *, replace: bool = False) -> None:
-        if not isinstance(value, str):
-            raise ValueError(f"name_resolve: value for '{key}' must be str, got {type(value).__name__}")
-        if not self.r.set(self._k(key), value, nx=not replace) and not replace:
+    def _put(self, key: str, stored: str, *, replace: bool) -> None:
+        if not self.r.set(self._k(key), stored, nx=not replace) and not replace:
             raise KeyExistsError(f"name_resolve({self.backend_name}): key '{key}' exists")
 
-    def get(self, key: str) -> str:
+    def _get(self, key: str) -> str:
         value = self.r.get(self._k(key))
         if value is None:
             raise self._missing(key)
@@ -214,7 +380,7 @@ class RedisNameResolver(NameResolver):
         pattern = "".join("\\" + c if c in "*?[]\\" else c for c in full) + "/*"
         return [full, *self.r.scan_iter(match=pattern, count=1000)]
 
-    def find(self, prefix: str) -> dict[str, str]:
+    def _find(self, prefix: str) -> dict[str, str]:
         names = self._under(prefix)
         values = self.r.mget(names)
         return {n[len(self.ns) + 1:]: v for n, v in zip(names, values) if v is not None}
@@ -235,44 +401,48 @@ class EtcdNameResolver(NameResolver):
 
     backend_name = "etcd"
 
-    def __init__(self, address: str, namespace: str, timeout_s: float):
+    def __init__(self, address: str, namespace: str, timeout_s: float, secret: bytes | None = None, *,
+                 username: str | None = None, password: str | None = None, tls_ca_file: str | None = None):
         pyetcd = _import("pyetcd", "etcd", "etcd")
         host, port = _host_port(address, "etcd")
-        self.ns, self.address = namespace, address
-        self.c = pyetcd.client(host=host, port=port, timeout=timeout_s)
+        self.ns, self.address, self.secret = namespace, address, secret
+        if (username is None) != (password is None):
+            raise ValueError("name_resolve(etcd): username and a password (password_file or password_env) go together")
         try:
+            self.c = pyetcd.client(host=host, port=port, timeout=timeout_s, user=username, password=password,
+                                   ca_cert=tls_ca_file)
             self.c.status()
         except Exception as e:  # grpc raises many types; the user needs the address
-            raise ConnectionError(f"name_resolve(etcd): cannot reach {address}: {type(e).__name__}") from None
+            detail = e.details() if callable(getattr(e, "details", None)) else None  # grpc's reason
+            raise ConnectionError(f"name_resolve(etcd): cannot reach {address}: {type(e).__name__}"
+                                  + (f" ({detail})" if detail else "")) from None
 
     def _k(self, key: str) -> str:
         return f"{self.ns}/{check_key(key)}"
 
-    def put(self, key: str, value: str, *, replace: bool = False) -> None:
-        if not isinstance(value, str):
-            raise ValueError(f"name_resolve: value for '{key}' must be str, got {type(value).__name__}")
+    def _put(self, key: str, stored: str, *, replace: bool) -> None:
         k = self._k(key)
         if replace:
-            self.c.put(k, value)
+            self.c.put(k, stored)
             return
         t = self.c.transactions
-        created, _ = self.c.transaction(compare=[t.create(k) == 0], success=[t.put(k, value)], failure=[])
+        created, _ = self.c.transaction(compare=[t.create(k) == 0], success=[t.put(k, stored)], failure=[])
         if not created:
             raise KeyExistsError(f"name_resolve({self.backend_name}): key '{key}' exists")
 
-    def get(self, key: str) -> str:
+    def _get(self, key: str) -> str:
         value, _ = self.c.get(self._k(key))
         if value is None:
             raise self._missing(key)
-        return value.decode("utf-8")
+        return value.decode("utf-8", errors="replace")
 
-    def find(self, prefix: str) -> dict[str, str]:
+    def _find(self, prefix: str) -> dict[str, str]:
         out = {}
         value, _ = self.c.get(self._k(prefix))
         if value is not None:
-            out[prefix] = value.decode("utf-8")
+            out[prefix] = value.decode("utf-8", errors="replace")
         for value, meta in self.c.get_prefix(self._k(prefix) + "/"):
-            out[meta.key.decode("utf-8")[len(self.ns) + 1:]] = value.decode("utf-8")
+            out[meta.key.decode("utf-8")[len(self.ns) + 1:]] = value.decode("utf-8", errors="replace")
         return out
 
     def delete(self, key: str) -> None:
@@ -284,12 +454,17 @@ class EtcdNameResolver(NameResolver):
         self.c.delete_prefix(self._k(prefix) + "/")
 
 
-def make_name_resolver(cfg: NameResolveConfig) -> NameResolver:
-    """The resolver the config names."""
+def make_name_resolver(cfg: NameResolveConfig, secret: bytes | None = None) -> NameResolver:
+    """The resolver the config names, signing and checking entries with `secret` (None: the one
+    this process set with use_secret, if any; without one it can only delete and clear)."""
+    secret = secret if secret is not None else _process_secret
     if cfg.type == "fs":
-        return FileNameResolver(cfg.root)
+        if cfg.root is None:
+            raise ValueError("name_resolve.root is unset (ExperimentConfig sets it to OUTPUT_DIR/.name_resolve)")
+        return FileNameResolver(cfg.root, secret)
+    creds = {"username": cfg.username, "password": read_password(cfg), "tls_ca_file": cfg.tls_ca_file}
     if cfg.type == "redis":
-        return RedisNameResolver(cfg.address or "127.0.0.1:6379", cfg.namespace, cfg.timeout_s)
+        return RedisNameResolver(cfg.address or "127.0.0.1:6379", cfg.namespace, cfg.timeout_s, secret, **creds)
     if cfg.type == "etcd":
-        return EtcdNameResolver(cfg.address or "127.0.0.1:2379", cfg.namespace, cfg.timeout_s)
+        return EtcdNameResolver(cfg.address or "127.0.0.1:2379", cfg.namespace, cfg.timeout_s, secret, **creds)
     raise ValueError(f"name_resolve: unknown backend {cfg.type!r} (known: fs, redis, etcd)")

@@ -64,7 +64,7 @@ class ManagerClient:
     def __init__(self, cfg: ExperimentConfig, secret: bytes, on_reconnect, *, name: str = "rollout_worker"):
         self.cfg, self.secret, self.on_reconnect = cfg, secret, on_reconnect
         self.endpoint = wire.Endpoint(secret, name, socket="manager_client", limits=wire.Limits.of(cfg.system))
-        self.resolver = make_name_resolver(cfg.system.name_resolve)
+        self.resolver = make_name_resolver(cfg.system.name_resolve, secret)
         self.ctx = zmq.asyncio.Context.instance()
         self.address = None
         self.sock = None
@@ -218,7 +218,7 @@ class RolloutWorker:
         self.keys = workflow_keys(cfg.rollout.workflow)
         r = cfg.reward
         self.rewards = RewardRunner(r.type, reward_modules(cfg), timeout_s=r.timeout_s, n_procs=r.n_procs)
-        resolver = make_name_resolver(cfg.system.name_resolve)
+        resolver = make_name_resolver(cfg.system.name_resolve, secret)
         timeout = cfg.system.startup_timeout_s
         self.manager_address = json.loads(resolver.wait(keys.manager(cfg), timeout_s=timeout))["control"]
         # Trajectories go to the head of each data-parallel replica of the training mesh.

@@ -54,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
 
     load_plugins(cfg.imports)
     secret = load_secret(args.secret_file)
+    from realcore.system.name_resolve import use_secret
+
+    use_secret(secret)  # every resolver of this process signs and checks its entries with it
     # Every generation server requires a bearer token, on loopback too (any local user can reach a
     # loopback port): rollout.server_token, or one derived from the run's secret, which every process
     # of the run (the launcher included, for SGLang/vLLM) and nobody else can read.
