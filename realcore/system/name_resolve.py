@@ -195,6 +195,22 @@ class NameResolver(abc.ABC):
             time.sleep(max(0.0, min(poll_s, deadline - time.monotonic())))
 
 
+def makedirs_private(path: str) -> None:
+    """os.makedirs, every folder it creates mode 0700 (os.makedirs gives `mode` to the last only)."""
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder, 0o700)
+        except FileExistsError:  # a concurrent put made it
+            pass
+
+
 def private_root(root: str) -> str:
     """`root` as an absolute path, created mode 0700 if absent (its missing parents too); refuse
     (UnsafeStoreError, one line naming the folder and what is wrong) a root that is a symbolic
@@ -202,9 +218,7 @@ def private_root(root: str) -> str:
     there can swap a key's folder (the MAC stops forged values, not a deleted or withheld one)."""
     root = os.path.abspath(root)
     try:
-        os.makedirs(root, mode=0o700)
-    except FileExistsError:
-        pass
+        makedirs_private(root)
     except OSError as e:
         raise UnsafeStoreError(f"name_resolve.root {root}: cannot create it: {e.strerror}") from None
     st = os.lstat(root)
@@ -244,7 +258,7 @@ class FileNameResolver(NameResolver):
 
     def _put(self, key: str, stored: str, *, replace: bool) -> None:
         d = self._dir(key)
-        os.makedirs(d, mode=0o700, exist_ok=True)
+        makedirs_private(d)
         tmp = os.path.join(d, f".tmp.{os.getpid()}.{uuid.uuid4().hex}")
         with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w", encoding="utf-8") as f:
             f.write(stored)
@@ -411,7 +425,7 @@ class EtcdNameResolver(NameResolver):
         try:
             self.c = pyetcd.client(host=host, port=port, timeout=timeout_s, user=username, password=password,
                                    ca_cert=tls_ca_file)
-            self.c.status()
+            self.c.get(self.ns)  # a read, not status(): a server with auth enabled refuses it without a login
         except Exception as e:  # grpc raises many types; the user needs the address
             detail = e.details() if callable(getattr(e, "details", None)) else None  # grpc's reason
             raise ConnectionError(f"name_resolve(etcd): cannot reach {address}: {type(e).__name__}"
