@@ -234,6 +234,7 @@ def test_one_trial_in_two_output_dirs_runs_twice(tmp_path, cache):
     from realcore.api.config import ExperimentConfig
     from realcore.system import keys
     from realcore.system.name_resolve import make_name_resolver
+    from realcore.system.wire import load_secret
 
     nr = str(tmp_path / "nr")
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
@@ -250,7 +251,8 @@ def test_one_trial_in_two_output_dirs_runs_twice(tmp_path, cache):
         wait_for_steps(a, done_a + 1, first)  # the first run was not disturbed
         for out in (a, b):  # each run's model workers under its own scope, published by its own processes
             cfg = ExperimentConfig.model_validate_json(open(os.path.join(out, "config.json")).read())
-            resolver, pids = make_name_resolver(cfg.system.name_resolve), json.load(open(os.path.join(out, "pids.json")))
+            resolver = make_name_resolver(cfg.system.name_resolve, load_secret(os.path.join(out, ".secret")))
+            pids = json.load(open(os.path.join(out, "pids.json")))
             for i in range(2):
                 assert json.loads(resolver.get(keys.model_worker(cfg, i)))["pid"] == pids[f"model_worker/{i}"]
         assert len({k.split("/")[2] for k in resolver.find("ppo-math/same")}) == 2
@@ -328,6 +330,9 @@ def test_store_listens_on_its_host_only():
         assert e.value.errno == errno.EADDRINUSE
 
 
+MESH_SECRET = b"m" * 32  # the two ranks' run secret (name_resolve entries are signed with it)
+
+
 def _mesh_rank(rank: int, root: str, result_dir: str) -> None:
     import torch
     import torch.distributed as dist
@@ -340,7 +345,7 @@ def _mesh_rank(rank: int, root: str, result_dir: str) -> None:
                            mfcs=[MFCConfig(name="n", type="sft_update")],
                            system=SystemConfig(name_resolve=NameResolveConfig(root=root), request_timeout_s=60,
                                                startup_timeout_s=60))
-    init_mesh(cfg, make_name_resolver(cfg.system.name_resolve), rank, 2)
+    init_mesh(cfg, make_name_resolver(cfg.system.name_resolve, MESH_SECRET), rank, 2)
     x = torch.tensor([rank + 1.0])
     dist.all_reduce(x)
     with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
@@ -360,7 +365,7 @@ def test_mesh_rendezvous_binds_the_chosen_address_and_keeps_its_port(tmp_path):
     from realcore.system.name_resolve import make_name_resolver
 
     root = str(tmp_path / "nr")
-    resolver = make_name_resolver(NameResolveConfig(root=root))
+    resolver = make_name_resolver(NameResolveConfig(root=root), MESH_SECRET)
     squatted: list[int] = []
     key = keys.dist_init(ExperimentConfig(experiment_name="rdv", trial_name="t", output_dir=str(tmp_path),
                                           mfcs=[MFCConfig(name="n", type="sft_update")]))

@@ -189,7 +189,9 @@ def _published(cfg, proc, timeout=120) -> dict:
     from realcore.system import keys
     from realcore.system.name_resolve import make_name_resolver
 
-    resolver = make_name_resolver(cfg.system.name_resolve)
+    from realcore.system.wire import load_secret
+
+    resolver = make_name_resolver(cfg.system.name_resolve, load_secret(f"{cfg.output_dir}/.secret"))
     deadline = time.time() + timeout
     while time.time() < deadline:
         assert proc.poll() is None, open(f"{cfg.output_dir}/logs/gen_server-0.log").read()[-3000:]

@@ -393,7 +393,7 @@ def test_a_rollout_workers_manager_client_follows_a_restarted_manager_at_once(tm
                            mfcs=[MFCConfig(name="n", type="t")],
                            system={"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 600.0,
                                    "name_resolve": {"root": str(tmp_path / "names")}})
-    resolver = make_name_resolver(cfg.system.name_resolve)
+    resolver = make_name_resolver(cfg.system.name_resolve, SECRET)
     dead = ControlServer("127.0.0.1", SECRET, status=lambda: Status("running", 1), name="old_manager")  # nobody answers
     new = ControlServer("127.0.0.1", SECRET, status=lambda: Status("running", 1), name="new_manager")
     stop, seen = threading.Event(), []

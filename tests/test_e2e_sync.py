@@ -104,7 +104,8 @@ def _forge_and_ping(out):
     from realcore.system.protocol import Exit, Ping, request
 
     cfg = ExperimentConfig.model_validate_json(open(os.path.join(out, "config.json")).read())
-    addr = json.loads(make_name_resolver(cfg.system.name_resolve).get(keys.model_worker(cfg, 0)))["control"]
+    addr = json.loads(make_name_resolver(cfg.system.name_resolve, wire.load_secret(os.path.join(out, ".secret"))).get(
+        keys.model_worker(cfg, 0)))["control"]
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(addr)

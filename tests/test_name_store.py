@@ -175,3 +175,57 @@ def test_redis_credentials(redis_with_auth, monkeypatch):
         make_name_resolver(cfg.model_copy(update={"password_env": "RC_TEST_REDIS_PW"}), SECRET)
     with pytest.raises(ValueError, match="RC_TEST_UNSET is unset"):
         make_name_resolver(cfg.model_copy(update={"password_env": "RC_TEST_UNSET"}), SECRET)
+
+
+def _mesh_cfg(tmp_path, **system):
+    from realcore.api.config import ExperimentConfig, MFCConfig, SystemConfig
+
+    return ExperimentConfig(experiment_name="rdv", trial_name=tmp_path.name, output_dir=str(tmp_path),
+                            mfcs=[MFCConfig(name="n", type="sft_update")],
+                            system=SystemConfig(request_timeout_s=30, startup_timeout_s=10, **system))
+
+
+def test_a_rank_refuses_a_store_without_the_runs_proof(tmp_path):
+    """A store at the published address that rank 0 did not make (no proof, or another run's) is
+    refused at once by a joining rank, before it trusts a single key."""
+    from datetime import timedelta
+
+    from realcore.system import keys
+    from realcore.system.rendezvous import LOOPBACK, init_mesh, serve_store, store_address
+
+    cfg = _mesh_cfg(tmp_path)
+    nr = make_name_resolver(cfg.system.name_resolve, SECRET)
+    for secret, why in ((None, "holds no run proof"), (b"o" * 32, "holds a wrong run proof")):
+        stranger = serve_store(LOOPBACK, 2, timedelta(seconds=10), secret)
+        nr.put(keys.dist_init(cfg), store_address(LOOPBACK, stranger.port), replace=True)
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=f"rendezvous: the store at tcp://127.0.0.1:{stranger.port} {why}"):
+            init_mesh(cfg, nr, 1, 2)
+        assert time.monotonic() - t0 < 5
+        del stranger
+
+
+def test_a_local_mesh_listens_on_loopback_whatever_system_host(tmp_path, monkeypatch):
+    """scheduler=local: every rank is on this machine, so the store binds loopback even when
+    system.host is the wildcard (servers reachable from elsewhere); the rank's own proof passes."""
+    from datetime import timedelta
+
+    import psutil
+    import torch.distributed as dist
+
+    from realcore.system import keys
+    from realcore.system.rendezvous import check_proof, init_mesh, parse_address
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # process-wide: kept from bind_gloo_to, undone after
+    cfg = _mesh_cfg(tmp_path, host="0.0.0.0")
+    nr = make_name_resolver(cfg.system.name_resolve, SECRET)
+    init_mesh(cfg, nr, 0, 1)
+    try:
+        address = nr.get(keys.dist_init(cfg))
+        host, port = parse_address(address)
+        assert host == "127.0.0.1"
+        listening = {c.laddr for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+        assert ("127.0.0.1", port) in listening and ("0.0.0.0", port) not in listening
+        check_proof(dist.TCPStore(host, port, 2, False, timedelta(seconds=5)), SECRET, address)  # as rank 1 would
+    finally:
+        dist.destroy_process_group()

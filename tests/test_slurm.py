@@ -158,7 +158,7 @@ def worker_pids(out) -> dict[str, int]:
     pids = {}
     for path in glob.glob(f"{out}/.name_resolve/**/.value", recursive=True):
         try:
-            pids[os.path.relpath(os.path.dirname(path), f"{out}/.name_resolve")] = json.load(open(path))["pid"]
+            pids[os.path.relpath(os.path.dirname(path), f"{out}/.name_resolve")] = json.loads(open(path).read().partition("\n")[2])["pid"]  # after its MAC line
         except (ValueError, KeyError, TypeError):
             pass  # not a worker's address (e.g. the process-group rendezvous)
     return pids

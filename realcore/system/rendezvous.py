@@ -5,10 +5,18 @@ that close and the store's own bind, another process can take the port (the stor
 or the ranks talk to a stranger); and a store given a port binds every interface, unauthenticated.
 Here rank 0 binds `host:0` itself, keeps the socket listening and hands it to the TCPStore
 (`master_listen_fd`), then publishes the port the socket really has: no window, one address.
+
+Who can reach it (docs/security.md, "The rendezvous"): a TCPStore has no authentication. What
+realcore adds: the address reaches the ranks through the name store (MAC'd: nobody can send them
+elsewhere); a run on one machine (scheduler=local) binds the store and gloo to loopback, whatever
+system.host says, so no other host reaches them; and rank 0 writes into its store a proof derived
+from the run's secret and the store's address, which every other rank checks before it trusts the
+store (a port that another process holds, after rank 0 died, is refused rather than joined).
 """
 
 from __future__ import annotations
 
+import hmac
 import os
 import socket
 from datetime import timedelta
@@ -19,10 +27,36 @@ import torch.distributed as dist
 from realcore.api.config import ExperimentConfig
 from realcore.backends.weight_group import bind_gloo_to, bind_nccl_to
 from realcore.system import keys
+from realcore.system.wire import mac
+
+PROOF_KEY = "realcore/run_proof"  # the store key holding rank 0's proof (proof())
+LOOPBACK = "127.0.0.1"
 
 
-def serve_store(host: str, world: int, timeout: timedelta) -> dist.TCPStore:
-    """Rank 0's store, listening on `host` only, on a port the OS picked (store.port)."""
+def mesh_host(cfg: ExperimentConfig) -> str:
+    """The address the training mesh binds: loopback when every rank runs on this machine
+    (scheduler=local), else system.host (other nodes must reach it)."""
+    return LOOPBACK if cfg.scheduler == "local" else cfg.system.host
+
+
+def proof(secret: bytes, address: str) -> bytes:
+    """What rank 0 stores under PROOF_KEY: a MAC of the store's address under the run's secret."""
+    return mac([b"realcore rendezvous store", address.encode()], secret).hex().encode()
+
+
+def check_proof(store: dist.TCPStore, secret: bytes, address: str) -> None:
+    """Refuse a store that does not hold rank 0's proof for `address` (RuntimeError, one line)."""
+    # Rank 0 stores the proof before it publishes the address: absent now means never (check()
+    # does not wait; get() would, for request_timeout_s).
+    if not store.check([PROOF_KEY]):
+        raise RuntimeError(f"rendezvous: the store at {address} holds no run proof: it is not this run's")
+    if not hmac.compare_digest(store.get(PROOF_KEY), proof(secret, address)):
+        raise RuntimeError(f"rendezvous: the store at {address} holds a wrong run proof: it is not this run's")
+
+
+def serve_store(host: str, world: int, timeout: timedelta, secret: bytes | None = None) -> dist.TCPStore:
+    """Rank 0's store, listening on `host` only, on a port the OS picked (store.port); with
+    `secret`, holding the run's proof for its address (check_proof)."""
     family, _, _, _, sockaddr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -35,10 +69,13 @@ def serve_store(host: str, world: int, timeout: timedelta) -> dist.TCPStore:
     fd = sock.detach()  # the store owns the socket from here
     try:
         # wait_for_workers=False: the others learn the port only after this returns.
-        return dist.TCPStore(host, port, world, True, timeout, wait_for_workers=False, master_listen_fd=fd)
+        store = dist.TCPStore(host, port, world, True, timeout, wait_for_workers=False, master_listen_fd=fd)
     except Exception:
         os.close(fd)
         raise
+    if secret is not None:
+        store.set(PROOF_KEY, proof(secret, store_address(host, port)))
+    return store
 
 
 def store_address(host: str, port: int) -> str:
@@ -60,15 +97,21 @@ def init_mesh(cfg: ExperimentConfig, resolver, rank: int, world: int, device: to
     on a GPU the group is NCCL, bound to that GPU (`device_id`: its communicator is made at once, on
     the rank's own GPU, not on whatever GPU is current at the first collective); on the CPU gloo.
     Gloo (Megatron adds gloo groups beside NCCL ones) and NCCL open their sockets on system.host's
-    interface."""
-    host = cfg.system.host
+    interface (loopback on one machine: mesh_host).
+
+    The resolver signs and checks the address with the run's secret; with it rank 0 stores the
+    run's proof and every other rank checks it before joining (check_proof)."""
+    host = mesh_host(cfg)
     timeout = timedelta(seconds=cfg.system.request_timeout_s)
+    secret = resolver.secret
     if rank == 0:
-        store = serve_store(host, world, timeout)
+        store = serve_store(host, world, timeout, secret)
         resolver.put(keys.dist_init(cfg), store_address(host, store.port), replace=True)
     else:
-        peer, port = parse_address(resolver.wait(keys.dist_init(cfg), timeout_s=cfg.system.startup_timeout_s))
+        address = resolver.wait(keys.dist_init(cfg), timeout_s=cfg.system.startup_timeout_s)
+        peer, port = parse_address(address)
         store = dist.TCPStore(peer, port, world, False, timeout)
+        check_proof(store, secret, address)  # wait() needed the secret: it is there
     bind_gloo_to(host)
     if device is not None and device.type == "cuda":
         bind_nccl_to(host)
