@@ -229,3 +229,65 @@ def test_a_local_mesh_listens_on_loopback_whatever_system_host(tmp_path, monkeyp
         check_proof(dist.TCPStore(host, port, 2, False, timedelta(seconds=5)), SECRET, address)  # as rank 1 would
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def etcd_with_auth(tmp_path_factory):
+    """etcd over TLS (a self-signed certificate for 127.0.0.1) with auth enabled: user root."""
+    for tool in ("etcd", "openssl"):
+        if shutil.which(tool) is None:
+            skip_unless_ci(f"{tool} is not installed")
+    pytest.importorskip("pyetcd", reason="pip install -e '.[etcd]'")
+    import pyetcd
+    from pyetcd import etcdrpc
+
+    d = tmp_path_factory.mktemp("etcd-auth")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", d / "key.pem", "-out",
+                    d / "cert.pem", "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True, timeout=60)
+    client, peer = f"https://127.0.0.1:{_free_port()}", f"http://127.0.0.1:{_free_port()}"
+    port = int(client.rsplit(":", 1)[1])
+    with open(d / "log", "wb") as log:
+        proc = subprocess.Popen(["etcd", "--data-dir", d / "data", "--listen-client-urls", client,
+                                 "--advertise-client-urls", client, "--cert-file", d / "cert.pem", "--key-file",
+                                 d / "key.pem", "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                                 "--initial-cluster", f"default={peer}"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                admin = pyetcd.client(host="127.0.0.1", port=port, timeout=2, ca_cert=str(d / "cert.pem"))
+                admin.status()
+                break
+            except Exception:
+                assert proc.poll() is None and time.monotonic() < deadline, open(d / "log").read()[-2000:]
+                time.sleep(0.2)
+        admin.authstub.UserAdd(etcdrpc.AuthUserAddRequest(name="root", password="root-pw"), 5)
+        admin.authstub.UserGrantRole(etcdrpc.AuthUserGrantRoleRequest(user="root", role="root"), 5)
+        admin.authstub.AuthEnable(etcdrpc.AuthEnableRequest(), 5)
+        yield f"127.0.0.1:{port}", d
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_etcd_credentials(etcd_with_auth, monkeypatch):
+    address, d = etcd_with_auth
+    cfg = NameResolveConfig(type="etcd", address=address, timeout_s=3, namespace="auth-test",
+                            tls_ca_file=str(d / "cert.pem"))
+    with pytest.raises(ConnectionError, match=f"name_resolve\\(etcd\\): cannot reach {address}: .*user name is empty"):
+        make_name_resolver(cfg, SECRET)
+    monkeypatch.setenv("RC_TEST_ETCD_PW", "wrong")
+    with pytest.raises(ConnectionError, match="authentication failed"):
+        make_name_resolver(cfg.model_copy(update={"username": "root", "password_env": "RC_TEST_ETCD_PW"}), SECRET)
+    monkeypatch.setenv("RC_TEST_ETCD_PW", "root-pw")
+    root = make_name_resolver(cfg.model_copy(update={"username": "root", "password_env": "RC_TEST_ETCD_PW"}), SECRET)
+    root.put("exp/t/k", "v")
+    assert root.get("exp/t/k") == "v"
+    with pytest.raises(ValueError, match="a login \\(username\\) needs TLS"):
+        make_name_resolver(cfg.model_copy(update={"username": "root", "password_env": "RC_TEST_ETCD_PW",
+                                                  "tls_ca_file": None}), SECRET)

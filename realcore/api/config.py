@@ -348,8 +348,8 @@ class NameResolveConfig(_Strict):
     namespace: str = Field("realcore", description="redis/etcd: prefix of every key on a shared server")
     timeout_s: float = Field(5.0, gt=0, description="redis/etcd: connect and request deadline")
     username: str | None = Field(
-        None, description="redis/etcd: the user the client logs in as (Redis ACL user, etcd user); None: redis's "
-        "default user, no login on etcd")
+        None, description="redis/etcd: the user the client logs in as (Redis ACL user, etcd user; etcd: needs "
+        "tls_ca_file, its client sends no password over plain TCP); None: redis's default user, no login on etcd")
     password_file: str | None = Field(
         None, description="redis/etcd: a file holding the password (a trailing newline dropped; refused if group or others "
         "can read it). Never on the command line: it would show in `ps`")

@@ -422,6 +422,8 @@ class EtcdNameResolver(NameResolver):
         self.ns, self.address, self.secret = namespace, address, secret
         if (username is None) != (password is None):
             raise ValueError("name_resolve(etcd): username and a password (password_file or password_env) go together")
+        if username is not None and tls_ca_file is None:  # grpc sends no call credentials over plain TCP
+            raise ValueError("name_resolve(etcd): a login (username) needs TLS: set name_resolve.tls_ca_file")
         try:
             self.c = pyetcd.client(host=host, port=port, timeout=timeout_s, user=username, password=password,
                                    ca_cert=tls_ca_file)
