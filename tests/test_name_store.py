@@ -26,7 +26,7 @@ SECRET = b"k" * 32
 
 def _launch_refused(tmp_path, root: str) -> str:
     """The real launcher with name_resolve.root=`root`: exit 2 and one line, before any model,
-    output folder, secret or worker; `root` is left as it was. Returns the line."""
+    secret or worker (output_dir holds the run's lock only); `root` is left as it was. Returns the line."""
     out, cache = tmp_path / "out", tmp_path / "cache"
     before = sorted(os.listdir(root))
     t0 = time.monotonic()
@@ -36,7 +36,8 @@ def _launch_refused(tmp_path, root: str) -> str:
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     lines = r.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"realcore: config error: name_resolve.root {root} "), r.stderr
-    assert not out.exists() and not cache.exists()  # no lock, no secret, no logs, no model: nothing started
+    assert os.listdir(out) == [".lock"], os.listdir(out)  # the run's lock only: no secret, no logs, no worker
+    assert not cache.exists()  # no model built
     assert sorted(os.listdir(root)) == before
     assert time.monotonic() - t0 < 60
     return lines[0]

@@ -275,10 +275,10 @@ def check_all(argv: list[str], dry_run: bool, held: contextlib.ExitStack,
     cfg.output_dir = os.path.abspath(cfg.output_dir)
     if cfg.scheduler == "local":
         resolve_local_host(cfg)
-    if not dry_run:  # a dry run creates no folder
-        check_name_store(cfg)
     if not dry_run or cfg.scheduler == "slurm":
         held.enter_context(hold_run(cfg))
+    if not dry_run:  # under the run's lock (the default root is in output_dir); a dry run creates no folder
+        check_name_store(cfg)
     from transformers.utils import logging as hf_logging
 
     from realcore.backends.models import prepare_model
