@@ -21,6 +21,7 @@ import os
 import socket
 from datetime import timedelta
 
+import blake3
 import torch
 import torch.distributed as dist
 
@@ -29,7 +30,8 @@ from realcore.backends.weight_group import bind_gloo_to, bind_nccl_to
 from realcore.system import keys
 from realcore.system.wire import mac
 
-PROOF_KEY = "realcore/run_proof"  # the store key holding rank 0's proof (proof())
+PROOF_KEY = "realcore/run_proof"
+_PROOF_CONTEXT = "realcore 2026-11 rendezvous store proof"  # BLAKE3 key derivation  # the store key holding rank 0's proof (proof())
 LOOPBACK = "127.0.0.1"
 
 
@@ -40,8 +42,11 @@ def mesh_host(cfg: ExperimentConfig) -> str:
 
 
 def proof(secret: bytes, address: str) -> bytes:
-    """What rank 0 stores under PROOF_KEY: a MAC of the store's address under the run's secret."""
-    return mac([b"realcore rendezvous store", address.encode()], secret).hex().encode()
+    """What rank 0 stores under PROOF_KEY: a MAC of the store's address under a key derived from
+    the run's secret for this use only (anyone connected can read the proof: it must never pass as
+    a wire message's MAC)."""
+    key = blake3.blake3(secret, derive_key_context=_PROOF_CONTEXT).digest()
+    return mac([address.encode()], key).hex().encode()
 
 
 def check_proof(store: dist.TCPStore, secret: bytes, address: str) -> None:
