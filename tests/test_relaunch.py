@@ -6,7 +6,8 @@
 - A recover checkpoint replaced (the same step saved again, or a newer one) by a writer SIGKILLed
   before or after any rename or delete always leaves a complete checkpoint that `latest()` finds,
   with the atomic swap and with the rename-aside fallback (filesystems without RENAME_EXCHANGE).
-The Slurm case (a relaunch while the first job lives) is in tests/test_slurm.py.
+The Slurm case (a relaunch while the first job lives) is in tests/test_slurm.py; here only a Slurm
+that cannot be asked (a refusal).
 """
 
 import json
@@ -164,3 +165,17 @@ def test_a_kill_while_a_checkpoint_is_replaced_leaves_one(tmp_path, swap, new_st
     else:
         pytest.fail("the writer never finished")
     assert "old" in outcomes and kill_at > 2  # the kills did land inside the replace
+
+
+def test_a_slurm_that_cannot_be_asked_about_the_last_job_is_a_refusal(tmp_path, monkeypatch):
+    """No squeue to ask (PATH without Slurm): a live job cannot be ruled out, so the launch stops."""
+    from realcore.launch.config_loader import ConfigError
+    from realcore.launch.slurm import refuse_live_job
+
+    out = tmp_path / "run"
+    (out / "slurm").mkdir(parents=True)
+    refuse_live_job(str(out))  # no job submitted yet: nothing to ask
+    (out / "slurm" / "job_id").write_text("42\n")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(ConfigError, match="cannot ask Slurm whether its job 42 still runs"):
+        refuse_live_job(str(out))

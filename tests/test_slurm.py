@@ -274,6 +274,9 @@ def test_relaunch_while_the_job_lives_is_refused(slurm, tmp_path, cache):
         assert time.time() < deadline, squeue()
         time.sleep(0.5)
     refuse_live_job(out)  # the job is over: nothing to refuse
+    with open(f"{out}/slurm/job_id", "w") as f:
+        f.write("987654\n")
+    refuse_live_job(out)  # a job Slurm does not know (purged) is over too
 
 
 # Recovery: async-ppo-math with recover_mode=auto and a recover checkpoint every 2 steps.

@@ -22,8 +22,8 @@ import json
 import os
 import socket
 import time
-from datetime import datetime, timezone
 from collections.abc import Callable, Iterator
+from datetime import datetime, timezone
 from typing import IO
 
 from realcore.api.config import ExperimentConfig

@@ -261,21 +261,24 @@ def job_state(job_id: str) -> str | None:
 def refuse_live_job(output_dir: str) -> None:
     """ConfigError (one line) when the job last submitted for `output_dir` (OUTPUT_DIR/slurm/job_id)
     is still pending or running: its launcher died, the job did not, and a second job on the same
-    folder would clear its keys and replace its secret. Slurm is asked (squeue, then scontrol); a
-    Slurm that cannot be asked (its commands missing or hanging) is a refusal too: a live job
-    cannot be ruled out."""
+    folder would clear its keys and replace its secret. Asked of squeue (requeued and held jobs
+    count as live); a Slurm that cannot answer is a refusal too: a live job cannot be ruled out."""
     try:
         with open(os.path.join(output_dir, "slurm", "job_id")) as f:
             job_id = f.read().strip()
     except FileNotFoundError:
         return
-    if not job_id.isdigit():  # "123" or, for an array, never: realcore submits single jobs
+    if not job_id.isdigit():  # not written by realcore (it submits single jobs)
         return
     try:
-        state = job_state(job_id)
+        r = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as e:
-        raise ConfigError(f"output_dir {output_dir}: cannot ask Slurm whether its job {job_id} still runs: {e}") from None
-    if state in ACTIVE:
+        r = subprocess.CompletedProcess([], 1, "", str(e))
+    if r.returncode != 0 and "Invalid job id" not in r.stderr:  # a job Slurm forgot is over
+        raise ConfigError(f"output_dir {output_dir}: cannot ask Slurm whether its job {job_id} still runs: "
+                          f"{' '.join(r.stderr.split()) or f'squeue exit {r.returncode}'}")
+    state = r.stdout.split()[0] if r.returncode == 0 and r.stdout.strip() else None
+    if state in ACTIVE:  # with -j, squeue also shows a job that ended a moment ago
         raise ConfigError(f"output_dir {output_dir} is in use by Slurm job {job_id} ({state}), whose launcher is gone; "
                           f"wait for it or `scancel {job_id}`, then launch again (recover_mode=resume continues it)")
 
