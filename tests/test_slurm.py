@@ -236,6 +236,49 @@ def test_interrupt_cancels_the_job(slurm, tmp_path, cache):
     assert_gone(pids)
 
 
+@pytest.mark.timeout(400)
+def test_relaunch_while_the_job_lives_is_refused(slurm, tmp_path, cache):
+    """The launcher SIGKILLed, its job runs on: the same command again (recover_mode=resume, so
+    the folder's records are no reason to refuse) stops with one line naming the job, and leaves
+    the job alone (its secret, no second job, still training). Once the job is gone, a launch may
+    go ahead."""
+    from realcore.launch.slurm import refuse_live_job
+
+    out = str(tmp_path / "run")
+    first = subprocess.Popen(launch_cmd(out, "trainer.total_steps=1000", cache=cache), cwd=REPO,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    job = None
+    try:
+        wait_for_metrics(out, first)
+        first.kill()
+        first.wait(timeout=10)
+        job = open(f"{out}/slurm/job_id").read().strip()
+        assert squeue().split()[:1] == [job]
+        secret, at = open(f"{out}/.secret", "rb").read(), metric_rows(out)
+        r = subprocess.run(launch_cmd(out, "trainer.total_steps=1000", "recover_mode=resume", cache=cache), cwd=REPO,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-3000:]
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and f"is in use by Slurm job {job} (RUNNING)" in lines[0], r.stderr
+        assert open(f"{out}/.secret", "rb").read() == secret and len(squeue().splitlines()) == 1
+        deadline = time.time() + 60
+        while metric_rows(out) < at + 2:  # the first job trains on
+            assert time.time() < deadline, "the first job stopped training"
+            time.sleep(0.2)
+    finally:
+        first.kill()
+        if job is not None:
+            subprocess.run(["scancel", job], capture_output=True, timeout=30)
+    deadline = time.time() + 60
+    while squeue():
+        assert time.time() < deadline, squeue()
+        time.sleep(0.5)
+    refuse_live_job(out)  # the job is over: nothing to refuse
+    with open(f"{out}/slurm/job_id", "w") as f:
+        f.write("987654\n")
+    refuse_live_job(out)  # a job Slurm does not know (purged) is over too
+
+
 # Recovery: async-ppo-math with recover_mode=auto and a recover checkpoint every 2 steps.
 RECOVER = ["dataset=tiny-arith", "recover_mode=auto", "recover_delay_s=1", "trainer.recover_freq_steps=2",
            "trainer.batch_size=4", "generation.n_samples=2", "generation.max_new_tokens=8",

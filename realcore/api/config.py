@@ -521,6 +521,12 @@ class ExperimentConfig(_Strict):
         "its last recover checkpoint, and a dead or hung rollout-side process (generation server, gserver manager, "
         "rollout worker) is restarted in place; auto: resume, and after a failure the launcher restarts the run (up "
         "to recover_retries)")
+    start_over: bool = Field(
+        False, description="a launch into an output_dir holding another run's records (metrics.jsonl, ledger.jsonl, "
+        "recover/, checkpoints/) is refused unless recover_mode is resume or auto (continue that run) or this is true: "
+        "then, whatever recover_mode says, everything that run left in output_dir moves into "
+        "output_dir/previous/DATE-TIME/ (nothing is deleted) and this run starts from step 0; a later resume "
+        "continues this run, never the old one")
     recover_retries: int = Field(
         3, ge=0, description="recover_mode=auto: whole-run restarts before giving up (exit 1); resume/auto: a "
         "rollout-side process that dies within a minute of starting more than this many times fails the run")

@@ -39,6 +39,7 @@ from realcore.backends.batching import (cu_seqlens, lr_factor, reduce_weighted, 
 from realcore.backends.device import compute_device, group_device, to_device
 from realcore.backends.precision import compute_dtype
 from realcore.backends.varlen_attention import packed_kwargs, standard_attention, use_packed_attention
+from realcore.system.durable import replace_dir
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -277,11 +278,7 @@ class TorchEngine(Engine):
                 self.tokenizer.save_pretrained(os.path.join(tmp, "merged"))
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(tmp)
-        # rename(2) cannot replace a non-empty directory: move the old one aside first.
-        if os.path.exists(path):
-            os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
+        replace_dir(tmp, path, old)  # fsynced, swapped in: a crash leaves the old or the new one
 
 
     def save_state(self, path: str) -> None:

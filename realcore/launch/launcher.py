@@ -27,7 +27,7 @@ from realcore.dfg.graph import DataFlowGraph, GraphError
 from realcore.launch.config_loader import ConfigError, load_config
 from realcore.launch.local import Proc, spawn, spawn_command, tail
 from realcore.launch.placement import Plan, describe
-from realcore.launch.run_lock import hold_run
+from realcore.launch.run_lock import claim_output, hold_run
 from realcore.launch.supervise import Supervisor, begin_attempt, record, write_pids
 from realcore.launch.validate import (check_inputs, check_model_layout, check_placement, check_ray, check_slurm,
                                       validate)
@@ -298,6 +298,8 @@ def check_all(argv: list[str], dry_run: bool, held: contextlib.ExitStack,
     if cfg.mode == "async":  # in sync mode the master reports its model workers' counts
         print(f"realcore: dataset: {loaded.n_rows} rows, {len(loaded.samples)} usable, "
               f"skipped {describe_skips(loaded.skipped)}", flush=True)
+    if not dry_run:  # last: a live Slurm job of output_dir, another run's records (moved aside only now)
+        claim_output(cfg)
     return cfg, dfg, alloc, plan
 
 

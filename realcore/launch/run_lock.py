@@ -8,6 +8,10 @@ Why flock: taking it is atomic, so two launches a second apart cannot both pass 
 pids that workers publish races: they publish seconds after the launch); and the kernel drops it
 when its holder dies, kill -9 included, so a killed launcher never blocks the next launch of the
 same command (recover_mode=resume or auto). The lock file holds who took it, for the message.
+
+Holding the lock is not enough: under Slurm the job outlives a launcher that died (its id, kept in
+OUTPUT_DIR/slurm/job_id, is asked about), and a folder can hold the records of a run that ended.
+`claim_output` refuses both, one line each, before anything in output_dir is touched.
 """
 
 from __future__ import annotations
@@ -19,12 +23,17 @@ import os
 import socket
 import time
 from collections.abc import Callable, Iterator
+from datetime import datetime, timezone
 from typing import IO
 
 from realcore.api.config import ExperimentConfig
 from realcore.launch.config_loader import ConfigError
+from realcore.system.durable import fsync_dir
 
 READ_HOLDER_S = 1.0  # the holder writes its name right after taking the lock
+# What makes a folder another run's: a resume would continue from these, a fresh run would mix with them.
+RECORDS = ("metrics.jsonl", "ledger.jsonl", "recover", "checkpoints")
+PREVIOUS = "previous"  # OUTPUT_DIR/previous/DATE-TIME/: the records of runs started over
 
 
 @contextlib.contextmanager
@@ -90,3 +99,51 @@ def _holder(f: IO[str]) -> dict:
         if time.monotonic() > deadline:
             return {}
         time.sleep(0.05)
+
+
+def claim_output(cfg: ExperimentConfig) -> None:
+    """With the lock held, before anything is written: refuse (ConfigError, one line) a live Slurm
+    job of this output_dir, and another run's records unless told to resume (recover_mode resume
+    or auto) or to start over (start_over=true: they move aside, see move_aside)."""
+    out = cfg.output_dir
+    if cfg.scheduler == "slurm":
+        from realcore.launch.slurm import refuse_live_job
+
+        refuse_live_job(out)
+    found = previous_records(out)
+    if not found:
+        return
+    if cfg.start_over:
+        print(f"realcore: start_over: the previous run's records moved to {move_aside(out)}", flush=True)
+    elif cfg.recover_mode == "disabled":
+        raise ConfigError(f"output_dir {out} holds another run's records ({', '.join(found)}): recover_mode=resume "
+                          f"continues that run, start_over=true moves them into {os.path.join(out, PREVIOUS)}/ and "
+                          "starts again; or pick another output_dir")
+
+
+def previous_records(out: str) -> list[str]:
+    """Which of RECORDS `out` holds (a file, or a folder that is not empty)."""
+    found = []
+    for name in RECORDS:
+        path = os.path.join(out, name)
+        if os.path.isfile(path) or (os.path.isdir(path) and os.listdir(path)):
+            found.append(name)
+    return found
+
+
+def move_aside(out: str) -> str:
+    """Move everything in `out` but the lock and earlier runs' folders into a new
+    `out/previous/DATE-TIME/` (UTC), on disk before the run writes: renames in one filesystem, so
+    nothing is copied or lost, and the old `recover/` is no longer where a resume looks."""
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H-%M-%SZ")
+    dest, n = os.path.join(out, PREVIOUS, stamp), 1
+    while os.path.exists(dest):  # two starts over in one second
+        n += 1
+        dest = os.path.join(out, PREVIOUS, f"{stamp}-{n}")
+    os.makedirs(dest, mode=0o700)  # the old .secret and config.json go there too
+    for name in sorted(os.listdir(out)):
+        if name not in (".lock", PREVIOUS):
+            os.rename(os.path.join(out, name), os.path.join(dest, name))
+    for folder in (dest, os.path.dirname(dest), out):
+        fsync_dir(folder)
+    return dest

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from realcore.api.alloc import AllocationMode
 from realcore.api.config import ExperimentConfig
 from realcore.launch.cluster import Follow
+from realcore.launch.config_loader import ConfigError
 from realcore.launch.placement import gpus_per_server
 from realcore.launch.supervise import record
 from realcore.system.process import PREEMPTED_EXIT
@@ -257,6 +258,31 @@ def job_state(job_id: str) -> str | None:
     return m.group(1) if m else None
 
 
+def refuse_live_job(output_dir: str) -> None:
+    """ConfigError (one line) when the job last submitted for `output_dir` (OUTPUT_DIR/slurm/job_id)
+    is still pending or running: its launcher died, the job did not, and a second job on the same
+    folder would clear its keys and replace its secret. Asked of squeue (requeued and held jobs
+    count as live); a Slurm that cannot answer is a refusal too: a live job cannot be ruled out."""
+    try:
+        with open(os.path.join(output_dir, "slurm", "job_id")) as f:
+            job_id = f.read().strip()
+    except FileNotFoundError:
+        return
+    if not job_id.isdigit():  # not written by realcore (it submits single jobs)
+        return
+    try:
+        r = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        r = subprocess.CompletedProcess([], 1, "", str(e))
+    if r.returncode != 0 and "Invalid job id" not in r.stderr:  # a job Slurm forgot is over
+        raise ConfigError(f"output_dir {output_dir}: cannot ask Slurm whether its job {job_id} still runs: "
+                          f"{' '.join(r.stderr.split()) or f'squeue exit {r.returncode}'}")
+    state = r.stdout.split()[0] if r.returncode == 0 and r.stdout.strip() else None
+    if state in ACTIVE:  # with -j, squeue also shows a job that ended a moment ago
+        raise ConfigError(f"output_dir {output_dir} is in use by Slurm job {job_id} ({state}), whose launcher is gone; "
+                          f"wait for it or `scancel {job_id}`, then launch again (recover_mode=resume continues it)")
+
+
 def read_status(slurm_dir: str) -> list[str]:
     """The batch script's `OUTPUT_DIR/slurm/status`, split: [running N] [done] [preempted]
     [requeued N] [failed STEP RC]; [] before the job starts."""
@@ -321,6 +347,7 @@ def submit_and_watch(cfg: ExperimentConfig, alloc: AllocationMode, config_path: 
                 if os.path.exists(os.path.join(slurm_dir, stale)):
                     os.remove(os.path.join(slurm_dir, stale))
             job_id = _run(["sbatch", "--parsable", path, str(attempt)], env=env).strip().split(";")[0]
+            _write_job_id(slurm_dir, job_id)
             print(f"realcore: submitted Slurm job {job_id} ({path}, attempt {attempt}); logs in "
                   f"{os.path.join(cfg.output_dir, 'logs')}", flush=True)
             rc, why = follow_job(cfg, job_id, attempt, follow, signals)
@@ -347,6 +374,16 @@ def submit_and_watch(cfg: ExperimentConfig, alloc: AllocationMode, config_path: 
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def _write_job_id(slurm_dir: str, job_id: str) -> None:
+    """OUTPUT_DIR/slurm/job_id, for the next launch's refuse_live_job (whole or absent: renamed in)."""
+    tmp = os.path.join(slurm_dir, f".job_id-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(job_id + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(slurm_dir, "job_id"))
 
 
 def _attempt_of(slurm_dir: str, default: int) -> int:

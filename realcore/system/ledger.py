@@ -19,8 +19,8 @@ class Ledger:
     def __init__(self, output_dir: str, *, resume_step: int):
         """Continue after `resume_step` (0: a new run): rows of later steps are dropped first."""
         self.path = os.path.join(output_dir, "ledger.jsonl")
-        if resume_step == 0 and os.path.exists(self.path):
-            os.remove(self.path)
+        # Rows after the checkpoint (all of them from step 0) are the failed attempt's; the launcher
+        # refuses a fresh run into another run's records (run_lock.claim_output), so none are its.
         truncate_jsonl(self.path, resume_step)
         self._file = open(self.path, "a", buffering=1)
 

@@ -103,8 +103,8 @@ class MetricsWriter:
 
         self.total = total_steps
         self.path = os.path.join(output_dir, "metrics.jsonl")
-        if resume_step == 0 and os.path.exists(self.path):
-            os.remove(self.path)
+        # Rows after the checkpoint (all of them from step 0) are the failed attempt's; the launcher
+        # refuses a fresh run into another run's records (run_lock.claim_output), so none are its.
         truncate_jsonl(self.path, resume_step)
         self._file = open(self.path, "a", buffering=1)
         self._tb = TensorBoardScalars(os.path.join(output_dir, "tensorboard"), purge_step=resume_step + 1 if resume_step else None)

@@ -5,7 +5,9 @@ admission state, async mode) and one folder per model worker (`model_worker-I/`:
 each trainable role, RNG, data position, the trajectories waiting in its stream). A checkpoint is
 written into `recover/.tmp-step_N-PID/`, every file and folder fsynced, then renamed to `step_N`:
 a folder named `step_N` is always complete, and a half-written one is never loaded. Older
-checkpoints are removed once a newer one is in place.
+checkpoints are removed once a newer one is in place. The same step saved again (a resumed run
+preempted at once) swaps the folders (system/durable.py); where the filesystem cannot swap, the old
+one waits as `.old-step_N-PID` for a moment, and `latest` finds it there if the writer died then.
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ import re
 import shutil
 from dataclasses import asdict, dataclass, field
 
+from realcore.system.durable import replace_dir
+
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_ASIDE_DIR = re.compile(r"^\.old-step_(\d+)-\d+$")  # a complete step_N swapped out (durable.replace_dir)
 
 
 @dataclass
@@ -34,16 +39,18 @@ def root(output_dir: str) -> str:
 
 
 def latest(output_dir: str) -> tuple[int, str] | None:
-    """(step, path) of the newest complete recover checkpoint, or None."""
+    """(step, path) of the newest complete recover checkpoint, or None. A `step_N` first; an old
+    step_N that its writer had moved aside when it died (the new one not yet in place) next."""
     try:
         names = os.listdir(root(output_dir))
     except FileNotFoundError:
         return None
-    steps = [int(m.group(1)) for m in map(_STEP_DIR.match, names) if m]
-    if not steps:
+    found = [(int(m.group(1)), 1, name) for name in names if (m := _STEP_DIR.match(name))]
+    found += [(int(m.group(1)), 0, name) for name in names if (m := _ASIDE_DIR.match(name))]
+    if not found:
         return None
-    step = max(steps)
-    return step, os.path.join(root(output_dir), f"step_{step}")
+    step, _, name = max(found)
+    return step, os.path.join(root(output_dir), name)
 
 
 def begin(output_dir: str, step: int) -> str:
@@ -57,36 +64,14 @@ def begin(output_dir: str, step: int) -> str:
     return tmp
 
 
-def _fsync_tree(path: str) -> None:
-    for folder, _, files in os.walk(path, topdown=False):
-        for name in files:
-            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(folder)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def commit(tmp: str, output_dir: str, step: int) -> str:
-    """fsync everything in `tmp`, rename it to step_N, then drop older checkpoints."""
-    _fsync_tree(tmp)
+    """fsync everything in `tmp`, make it step_N (replacing a step_N saved before: a resumed
+    run), then drop older checkpoints: at every moment one complete checkpoint is found by `latest`."""
     final = os.path.join(root(output_dir), f"step_{step}")
-    if os.path.exists(final):  # the same step saved again (a resumed run): replace it
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    _fsync_dir(root(output_dir))
+    replace_dir(tmp, final, os.path.join(root(output_dir), f".old-step_{step}-{os.getpid()}"))
     for name in os.listdir(root(output_dir)):
-        m = _STEP_DIR.match(name)
-        if m and int(m.group(1)) < step:
+        m = _STEP_DIR.match(name) or _ASIDE_DIR.match(name)
+        if m and (int(m.group(1)) < step or name.startswith(".old-")):
             shutil.rmtree(os.path.join(root(output_dir), name), ignore_errors=True)
     return final
 

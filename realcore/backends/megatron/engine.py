@@ -40,6 +40,7 @@ from realcore.backends.megatron.cpu_compat import apply_cpu_compat, cuda_to_cpu_
 from realcore.backends.megatron.parallel import check_megatron_config, init_parallel_state, sequence_parallel
 from realcore.backends.megatron.varlen_attention import packed_seq_params
 from realcore.backends.precision import compute_dtype
+from realcore.system.durable import replace_dir
 
 
 class MegatronEngine(Engine):
@@ -443,10 +444,7 @@ class MegatronEngine(Engine):
             src = os.path.join(self.model_path, name)
             if os.path.exists(src):
                 shutil.copy(src, tmp)
-        if os.path.exists(path):
-            os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
+        replace_dir(tmp, path, old)  # fsynced, swapped in: a crash leaves the old or the new one
 
     # ---- recover state (see recover_state.py for the format) ----
 
