@@ -9,7 +9,7 @@ to outlast the soak), samples the RSS of every process in the launcher's tree ev
 `--minutes`, and prints a markdown table: each process's RSS at each minute, then its growth from
 the end of the warm-up (minute 2) to the end. Exits 1 when a process grew by more than
 `--max-growth-mb`, 2 when the run itself failed.
-`--quick`: about one minute, a column every 10 s, warm-up 20 s (the smoke test's run; too short to
+`--quick`: 30 s of training, a column every 10 s, warm-up 10 s (the smoke test's run; too short to
 say anything about growth, so its limit is loose: 200 MB).
 """
 
@@ -113,8 +113,10 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="the run's folder (default: a temporary one, removed)")
     ap.add_argument("overrides", nargs="*", help="more config overrides for the run (key=value)")
     args = ap.parse_args()
+    if not args.quick and args.minutes <= 2:
+        ap.error("--minutes must be more than 2: growth is measured after the first two")
     if args.quick:
-        total_s, col_s, warm_s, unit, limit = 60.0, 10.0, 20.0, "s", args.max_growth_mb or 200.0
+        total_s, col_s, warm_s, unit, limit = 30.0, 10.0, 10.0, "s", args.max_growth_mb or 200.0
     else:
         total_s, col_s, warm_s, unit, limit = args.minutes * 60, 60.0, 120.0, "min", args.max_growth_mb or 50.0
     out = args.out or tempfile.mkdtemp(prefix="soak-")

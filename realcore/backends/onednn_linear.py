@@ -27,8 +27,10 @@ import os
 
 # oneDNN keeps a primitive per GEMM shape, in two caches of 1024 entries each by default (oneDNN's
 # own and ideep's): training's token counts and decoding's batch sizes make a new shape at almost
-# every step, about 0.5 MB each here, so a long run's worker grew by hundreds of MB before they
-# filled (bench/soak.py). Both are read at the first GEMM, so set before any: the user's values win.
+# every step, about 1 MB each with its gradient GEMMs here, so a worker grew by hundreds of MB before they
+# filled (bench/soak.py). 128 holds a decode step's shapes (the batch size stays for many steps);
+# an evicted shape costs its primitive again (milliseconds). Both are read at the first GEMM, so
+# set before any: the user's values win.
 PRIMITIVE_CACHE_CAPACITY = 128
 for _var in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
     os.environ.setdefault(_var, str(PRIMITIVE_CACHE_CAPACITY))
