@@ -103,3 +103,42 @@ def test_packed_weight_multiplies_like_f_linear_and_follows_the_weight(dtype):
     twin = copy.deepcopy(layer)
     x = torch.randn(3, 64).to(dtype)
     assert twin.mm.owner is twin and torch.equal(twin.mm(x), mm(x))
+
+
+_SHAPES_CHILD = """
+import torch
+from realcore.backends import onednn_linear
+torch.set_num_threads(1)
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+lin = torch.nn.Linear(64, 256)
+onednn_linear.use_onednn(lin)
+marks = {}
+for m in range(1, 301):  # a new token count at every step, as in training
+    lin(torch.randn(m, 64, requires_grad=True)).sum().backward()
+    if m in (150, 300):
+        marks[m] = rss()
+print(marks[300] - marks[150])
+"""
+
+
+def _growth_over_new_shapes(env_caps: str | None) -> float:
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    if env_caps is not None:
+        env.update(ONEDNN_PRIMITIVE_CACHE_CAPACITY=env_caps, LRU_CACHE_CAPACITY=env_caps)
+    r = subprocess.run([sys.executable, "-c", _SHAPES_CHILD], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return float(r.stdout.strip().splitlines()[-1])
+
+
+def test_new_shapes_do_not_grow_memory_past_the_primitive_caches():
+    """oneDNN caches a primitive per GEMM shape (two caches, 1024 each by default, ~1 MB per shape
+    with its gradients here): bounded by onednn_linear, 150 more token counts after the caches are
+    full cost nothing; with the default sizes (the user's values win) they cost hundreds of MB."""
+    assert _growth_over_new_shapes(None) < 20
+    assert _growth_over_new_shapes("1024") > 100

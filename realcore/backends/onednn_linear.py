@@ -23,8 +23,19 @@ the weight changes in place.
 from __future__ import annotations
 
 import functools
+import os
 
-import torch
+# oneDNN keeps a primitive per GEMM shape, in two caches of 1024 entries each by default (oneDNN's
+# own and ideep's): training's token counts and decoding's batch sizes make a new shape at almost
+# every step, about 1 MB each with its gradient GEMMs here, so a worker grew by hundreds of MB before they
+# filled (bench/soak.py). 128 holds a decode step's shapes (the batch size stays for many steps);
+# an evicted shape costs its primitive again (milliseconds). Both are read at the first GEMM, so
+# set before any: the user's values win.
+PRIMITIVE_CACHE_CAPACITY = 128
+for _var in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+    os.environ.setdefault(_var, str(PRIMITIVE_CACHE_CAPACITY))
+
+import torch  # noqa: E402
 import torch.nn.functional as F
 
 _OP = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)

@@ -5,6 +5,7 @@ saves in a recover checkpoint, what it alone knows.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import time
 from dataclasses import dataclass
@@ -73,6 +74,59 @@ class DatasetSource:
         pass
 
 
+class PromptSet:
+    """The prompt uids trained so far, exactly, in memory that does not grow with the run: a
+    stream uid "r{worker}:{seq}" is kept as part of a run of consecutive seqs per worker (a worker
+    hands out seqs in order, so its trained ones are a few runs, split only by prompts dropped as
+    stale or failed), any other uid as itself. A plain set held ~100 bytes per prompt forever."""
+
+    def __init__(self, uids=()):
+        self._runs: dict[str, list[list[int]]] = {}  # worker -> sorted, disjoint [first, last] runs
+        self._other: set[str] = set()
+        for uid in uids:
+            self.add(uid)
+
+    @staticmethod
+    def _split(uid: str) -> tuple[str, int] | None:
+        worker, _, seq = uid.rpartition(":")
+        return (worker, int(seq)) if worker.startswith("r") and seq.isdigit() else None
+
+    def __contains__(self, uid: str) -> bool:
+        key = self._split(uid)
+        if key is None:
+            return uid in self._other
+        runs = self._runs.get(key[0], [])
+        i = bisect.bisect_right(runs, [key[1], float("inf")]) - 1
+        return i >= 0 and runs[i][0] <= key[1] <= runs[i][1]
+
+    def add(self, uid: str) -> None:
+        key = self._split(uid)
+        if key is None:
+            self._other.add(uid)
+            return
+        if uid in self:
+            return
+        runs, seq = self._runs.setdefault(key[0], []), key[1]
+        i = bisect.bisect_right(runs, [seq, float("inf")])  # runs[:i] start at or before seq
+        joins_left = i > 0 and runs[i - 1][1] == seq - 1
+        joins_right = i < len(runs) and runs[i][0] == seq + 1
+        if joins_left and joins_right:
+            runs[i - 1][1] = runs.pop(i)[1]
+        elif joins_left:
+            runs[i - 1][1] = seq
+        elif joins_right:
+            runs[i][0] = seq
+        else:
+            runs.insert(i, [seq, seq])
+
+    def __len__(self) -> int:
+        return len(self._other) + sum(b - a + 1 for runs in self._runs.values() for a, b in runs)
+
+    def stored(self) -> int:
+        """Entries held: runs and other uids (what the memory grows with)."""
+        return len(self._other) + sum(len(runs) for runs in self._runs.values())
+
+
 class StreamSource:
     """Async mode: the first `batch_size` groups that reach any replica head's stream. Groups too
     stale for the current version are dropped; a group whose prompt was trained already (a rollout
@@ -81,7 +135,7 @@ class StreamSource:
 
     def __init__(self, master):
         self.m = master
-        self.trained: set[str] = set()  # prompt uids trained so far in this run
+        self.trained = PromptSet()  # prompt uids trained so far in this run
 
     def fetch(self, metrics: dict) -> list[Group]:
         m, n = self.m, self.m.cfg.trainer.batch_size
@@ -133,4 +187,4 @@ class StreamSource:
     def load_state(self, state: dict, ledger) -> None:
         """The trained prompts, from the ledger (truncated to the checkpoint's step: it holds
         exactly the prompts trained before it)."""
-        self.trained = ledger.trained_prompts()
+        self.trained = PromptSet(ledger.trained_prompts())
