@@ -22,8 +22,11 @@ reports `device` and `dtype`. Updates arrive on the host (disk, memory, gloo) or
 them into the live parameters.
 
 Hardening (docs/security.md): every endpoint, /health included, answers 401 without the bearer
-token; bodies are bounded (`max_body_bytes`, 413) and validated by realcore.backends.http_schemas
-before the engine sees them (400, one line); a command or decode step that raises inside the engine
+token; a connection whose headers are not complete within `header_timeout_s` is closed
+(realcore.backends.http_deadlines), a body not complete within `body_timeout_s` answers 408; bodies
+are bounded (`max_body_bytes`, 413) and validated by realcore.backends.http_schemas before the
+engine sees them (400, one line); weight files' headers are checked before their tensors are read
+(realcore.backends.safetensors_header); a command or decode step that raises inside the engine
 thread fails the request(s) at fault (500), never the thread, which goes on serving.
 
 Pause modes (SGLang's): `abort` returns every running request now (partial output, finish_reason
