@@ -26,7 +26,7 @@ from realcore.backends import lora
 from realcore.backends.generation import read_hf_weights
 from realcore.backends.models import prepare_model
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(120)  # the module fixture (a model, a server) counts in the first test
 TOKEN = "hardening-token"
 MAX_BODY = 2**17
 HEADER_S, BODY_S, CONNECT_S = 1.0, 1.0, 2.0
