@@ -123,7 +123,7 @@ def test_trickled_headers_are_closed_at_the_deadline_and_a_long_request_is_not(s
     # Headers one byte every 0.2 s, forever: closed at the deadline, with nothing answered.
     sock = connect(server)
     took, got = closed_after(sock, b"POST /generate HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 200)
-    assert HEADER_S - 0.2 <= took <= HEADER_S + SLACK_S and got == b"", (took, got)
+    assert HEADER_S * 0.5 <= took <= HEADER_S + SLACK_S and got == b"", (took, got)
     # A connection that sends nothing; and a keep-alive connection after an answered (401) request.
     took, got = closed_after(connect(server))
     assert took <= HEADER_S + SLACK_S and got == b"", took
@@ -163,7 +163,7 @@ def test_bodies_oversize_413_before_sent_and_trickled_408(server):
     sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\n" + auth + b"Content-Length: 1000\r\n\r\n")
     took, got = closed_after(sock, b'{"input_ids": [' + b"1, " * 300)
     assert got.startswith(b"HTTP/1.1 408") and b"http_body_timeout_s" in got, got[:300]
-    assert BODY_S - 0.2 <= took <= BODY_S + SLACK_S + 10.0, took  # + aiohttp's lingering (at most BODY_S here)
+    assert BODY_S * 0.5 <= took <= 2 * BODY_S + SLACK_S, took  # + aiohttp's lingering (at most BODY_S here)
     # Without the token the body is never read: 401 at once, and the connection ends within the deadlines.
     sock = connect(server)
     sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")
