@@ -449,6 +449,19 @@ class SystemConfig(_Strict):
         16 * 2**20, ge=2**16, description="largest request body the built-in generation server reads (413 above "
         "it). The largest legitimate body is a /generate batch: max_batch_size prompts of up to the model's context "
         "as JSON token ids, at most 8 bytes each ('151643, '): the default fits 64 prompts of 30k tokens")
+    http_header_timeout_s: float = Field(
+        20.0, gt=0, description="the built-in generation server closes a connection whose request line and headers "
+        "are not complete this long after it opened or after its last answer (slow or idle clients, before the "
+        "token is checked); also how long an idle keep-alive connection stays open. Above aiohttp's client "
+        "keep-alive (15 s), so pooled client connections are closed by the client first")
+    http_body_timeout_s: float = Field(
+        60.0, gt=0, description="the built-in generation server answers 408 and closes the connection when an "
+        "authenticated request's body is not complete this long after its headers; an unauthenticated body is "
+        "never read (at most this long is spent discarding it)")
+    weight_group_connect_timeout_s: float = Field(
+        10.0, gt=0, description="the built-in generation server's /init_weights_update_group answers 400 when the "
+        "trainer's TCPStore at master_address:master_port does not accept a connection within this (joining the "
+        "group once connected has its own, longer deadline)")
     # ZeroMQ wire limits and replay protection (realcore/system/wire.py, docs/wire.md).
     max_message_bytes: int = Field(
         2**31, gt=0, description="largest frame a tensor-carrying ZeroMQ socket accepts (ZMQ_MAXMSGSIZE; one frame "

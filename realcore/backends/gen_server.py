@@ -22,8 +22,11 @@ reports `device` and `dtype`. Updates arrive on the host (disk, memory, gloo) or
 them into the live parameters.
 
 Hardening (docs/security.md): every endpoint, /health included, answers 401 without the bearer
-token; bodies are bounded (`max_body_bytes`, 413) and validated by realcore.backends.http_schemas
-before the engine sees them (400, one line); a command or decode step that raises inside the engine
+token; a connection whose headers are not complete within `header_timeout_s` is closed
+(realcore.backends.http_deadlines), a body not complete within `body_timeout_s` answers 408; bodies
+are bounded (`max_body_bytes`, 413) and validated by realcore.backends.http_schemas before the
+engine sees them (400, one line); weight files' headers are checked before their tensors are read
+(realcore.backends.safetensors_header); a command or decode step that raises inside the engine
 thread fails the request(s) at fault (500), never the thread, which goes on serving.
 
 Pause modes (SGLang's): `abort` returns every running request now (partial output, finish_reason
@@ -71,10 +74,11 @@ import torch
 import torch.distributed as dist
 import zmq
 from aiohttp import web
+from safetensors import SafetensorError
 
 from realcore.api.config import GenerationConfig, SystemConfig
 from realcore.api.engine import GenerationResult
-from realcore.backends import http_schemas, lora, openai_api, weight_group
+from realcore.backends import http_deadlines, http_schemas, lora, openai_api, safetensors_header, weight_group
 from realcore.backends.device import select_device
 from realcore.backends.generation import GenerationEngine, read_hf_weights
 from realcore.backends.http_schemas import one_line
@@ -84,6 +88,9 @@ from realcore.system import wire
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = SystemConfig.model_fields["max_http_body_bytes"].default
+DEFAULT_HEADER_TIMEOUT_S = SystemConfig.model_fields["http_header_timeout_s"].default
+DEFAULT_BODY_TIMEOUT_S = SystemConfig.model_fields["http_body_timeout_s"].default
+DEFAULT_CONNECT_TIMEOUT_S = SystemConfig.model_fields["weight_group_connect_timeout_s"].default
 NO_CONTEXT_LIMIT = 1 << 20  # tokens, for a model that declares no max_position_embeddings
 CONTROL_TIMEOUT_S = 60.0  # a control command waits for at most one decode step; this is generous
 WEIGHT_GROUP_TIMEOUT_S = 600.0  # joining the trainer's weight-update group, and each bucket's broadcast
@@ -617,10 +624,11 @@ class Server:
     """The aiohttp handlers; each forwards one command to the engine thread and awaits its result."""
 
     def __init__(self, core: EngineLoop, *, model_path: str, token: str | None, max_batch_size: int,
-                 max_body_bytes: int, lora_serving: LoraServing | None = None):
+                 max_body_bytes: int, lora_serving: LoraServing | None = None,
+                 body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S):
         self.core, self.model_path, self.max_batch_size = core, model_path, max_batch_size
         self.lora_serving = lora_serving or LoraServing()
-        self.max_body_bytes = max_body_bytes
+        self.max_body_bytes, self.body_timeout_s, self.connect_timeout_s = max_body_bytes, body_timeout_s, connect_timeout_s
         self._authorization = f"Bearer {token}".encode() if token else None  # None: run_server checked loopback
         context = getattr(core.model.config, "max_position_embeddings", None) or NO_CONTEXT_LIMIT
         self.limits = http_schemas.Limits(vocab_size=core.model.get_input_embeddings().num_embeddings,
@@ -630,7 +638,9 @@ class Server:
         self.groups: dict[str, WeightGroup] = {}  # weight-update groups joined, by name
         self.update_session = False  # SGLang's weight-update session: buckets are received only inside one
         self.shapes = {n: tuple(t.shape) for n, t in core.model.state_dict().items()}  # what a bucket may hold
-        self.app = web.Application(middlewares=[self._middleware], client_max_size=max_body_bytes)
+        self.params = {n for n, _ in core.model.named_parameters()}  # what an update from disk must hold
+        self.app = web.Application(middlewares=[http_deadlines.middleware, self._middleware],
+                                   client_max_size=max_body_bytes)
         self.app.add_routes([
             web.post("/generate", self.generate),
             web.post("/update_weights_from_disk", self.update_weights_from_disk),
@@ -666,9 +676,15 @@ class Server:
                           request.path)
         try:
             return await handler(request)
-        except web.HTTPException as e:  # aiohttp's own answers: 404, 405, 413 (the body is over the limit)
+        except web.HTTPException as e:  # aiohttp's own answers: 404, 405, 413 (the body is over the limit); 408
             if e.status < 400:
                 raise
+            if e.status == 408:  # the body did not arrive in time: the connection is not worth keeping
+                wire.count_dropped("http", "slow", request.path)
+                slow = _error(408, f"{request.path}: the body was not complete within http_body_timeout_s "
+                                   f"({self.body_timeout_s:g} s)", request.path)
+                slow.force_close()
+                return slow
             if e.status == 413:
                 wire.count_dropped("http", "size", request.path)
                 too_big = f"{request.path}: the body is larger than max_http_body_bytes ({self.max_body_bytes})"
@@ -686,10 +702,14 @@ class Server:
             return _error(500, one_line(e), request.path)
 
     async def _read(self, request: web.Request) -> bytes:
-        """The body, refused (413) past max_body_bytes before it is read when its length is declared."""
+        """The body, refused (413) past max_body_bytes before it is read when its length is declared,
+        and (408) when it is not complete within body_timeout_s."""
         if request.content_length is not None and request.content_length > self.max_body_bytes:
             raise web.HTTPRequestEntityTooLarge(max_size=self.max_body_bytes, actual_size=request.content_length)
-        return await request.read()  # aiohttp stops at client_max_size for a chunked body (413)
+        try:  # aiohttp stops at client_max_size for a chunked body (413)
+            return await asyncio.wait_for(request.read(), self.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise web.HTTPRequestTimeout() from None
 
     async def _call(self, make: Callable[[Callable[[Any], None]], Any], timeout_s: float | None = CONTROL_TIMEOUT_S):
         """Queue `make(done)` to the engine thread and await what it passes to `done`."""
@@ -790,7 +810,12 @@ class Server:
         try:
             body = http_schemas.parse(http_schemas.UpdateWeightsFromDiskRequest, await self._read(request),
                                       request.path)
-            tensors = await asyncio.to_thread(read_hf_weights, body.model_path)  # off the engine thread: decoding goes on
+            # Off the engine thread (decoding goes on); every file's header is checked before any tensor is read.
+            await asyncio.to_thread(safetensors_header.check_dir, body.model_path, self.shapes, self.params)
+            try:
+                tensors = await asyncio.to_thread(read_hf_weights, body.model_path)
+            except (OSError, SafetensorError) as e:  # changed or unreadable since its header was checked
+                raise ValueError(f"weights: {body.model_path}: {one_line(e)}") from None
             await self._call(lambda done: _Weights(tensors, body.weight_version, done, abort_all=body.abort_all_requests,
                                                    abort_before=body.abort_started_before))
         except ValueError as e:  # SGLang's shape for a refused update
@@ -805,8 +830,9 @@ class Server:
         uses it, and loading another replaces it."""
         try:
             body = http_schemas.parse(http_schemas.LoadLoRAAdapterRequest, await self._read(request), request.path)
-            config, tensors = await asyncio.to_thread(lora.read_adapter, body.lora_path)  # off the engine thread
-            self.lora_serving.check(config)
+            # Off the engine thread; the tensors' header is checked against the model before they are read.
+            config, tensors = await asyncio.to_thread(lora.read_adapter, body.lora_path, self.shapes,
+                                                      self.lora_serving.check)
             await self._call(lambda done: _Adapter(body.lora_name, config, tensors, None, done))
         except ValueError as e:  # SGLang's shape for a refused update
             wire.count_dropped("http", "body", f"{request.path}: {one_line(e)[:200]}")
@@ -836,6 +862,11 @@ class Server:
         `rank_offset`; returns once every rank joined. A group of the same name is replaced."""
         body = http_schemas.parse(http_schemas.InitWeightsUpdateGroupRequest, await self._read(request), request.path)
         try:
+            receive_device(body.backend, self.core.device)  # refuses nccl on a CPU server before any connect
+            # TCPStore retries a refused connect until its timeout (the group's), in C++ that cannot be
+            # abandoned: the address is tried first, under its own deadline.
+            await weight_group.in_thread(weight_group.wait_listening, body.master_address, body.master_port,
+                                         self.connect_timeout_s)
             group = await weight_group.in_thread(self._join, body)
         except Exception as e:  # refused (nccl without CUDA), or the rendezvous failed or timed out
             wire.count_dropped("http", "body", f"{request.path}: {one_line(e)[:200]}")
@@ -848,11 +879,14 @@ class Server:
                                                               f"of {body.world_size} ({body.backend})"})
 
     def _join(self, body: http_schemas.InitWeightsUpdateGroupRequest) -> WeightGroup:
-        device = receive_device(body.backend, self.core.device)  # refuses nccl on a CPU server
+        device = receive_device(body.backend, self.core.device)
         if device.type == "cuda":  # this handler's own thread: NCCL binds the group to the current device
             torch.cuda.set_device(device)
         timeout = timedelta(seconds=WEIGHT_GROUP_TIMEOUT_S)
-        store = dist.TCPStore(body.master_address, body.master_port, body.world_size, False, timeout)
+        # It answered wait_listening: connecting takes the connect deadline, the rendezvous the group's.
+        store = dist.TCPStore(body.master_address, body.master_port, body.world_size, False,
+                              timedelta(seconds=self.connect_timeout_s))
+        store.set_timeout(timeout)
         pg = weight_group.new_group(body.backend, store, body.rank_offset, body.world_size, body.group_name,
                                     host=self.host, timeout=timeout)
         return WeightGroup(pg, store, device)
@@ -979,6 +1013,9 @@ def run_server(
     token: str | None = None,
     secret: bytes | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
     limits: wire.Limits | None = None,
     on_ready: Callable[[dict], None] | None = None,
     stop_on_sigterm: bool = True,
@@ -993,7 +1030,9 @@ def run_server(
     (realcore passes realcore.backends.server_launch.server_token). The one exception is the
     stand-alone server (`python -m realcore.serve`, as SGLang without --api-key): with
     `no_token_on_loopback`, a loopback `host` may serve without a token. Bodies over
-    `max_body_bytes` answer 413. `on_ready({"http": "http://host:port", "weights": "tcp://host:port"
+    `max_body_bytes` answer 413, bodies not complete within `body_timeout_s` 408; a connection
+    whose request headers are not complete within `header_timeout_s` is closed
+    (realcore.backends.http_deadlines); `connect_timeout_s`: /init_weights_update_group's connect. `on_ready({"http": "http://host:port", "weights": "tcp://host:port"
     or None})` is called once listening; "weights" is the in-memory update socket, present when
     `secret` is given. `lora_serving`: SGLang's LoRA flags (an adapter loaded before serving).
     `device` (GenerationConfig.device): auto, cpu or cuda (the process's GPU, or a one-line
@@ -1006,6 +1045,10 @@ def run_server(
         raise ValueError(f"gen_server: max_batch_size must be > 0, got {max_batch_size}")
     if max_body_bytes <= 0:
         raise ValueError(f"gen_server: max_body_bytes must be > 0, got {max_body_bytes}")
+    for key, value in (("header_timeout_s", header_timeout_s), ("body_timeout_s", body_timeout_s),
+                       ("connect_timeout_s", connect_timeout_s)):
+        if not value > 0:
+            raise ValueError(f"gen_server: {key} must be > 0, got {value}")
     on = select_device(device)  # before any CUDA tensor; ValueError: cuda asked of a process without a GPU
     dtype = resolve_dtype_name(dtype, on)
     # A GPU holds the whole model in `dtype` (loaded so: no float32 copy on the GPU); a CPU loads
@@ -1024,7 +1067,7 @@ def run_server(
         if failed:
             raise failed[0]
     server = Server(core, model_path=model_path, token=token, max_batch_size=max_batch_size, max_body_bytes=max_body_bytes,
-                    lora_serving=lora_serving)
+                    lora_serving=lora_serving, body_timeout_s=body_timeout_s, connect_timeout_s=connect_timeout_s)
     server.host = host
     engine_thread = threading.Thread(target=core.run, name="gen_server-engine", daemon=True)
     engine_thread.start()
@@ -1032,7 +1075,7 @@ def run_server(
         if secret is not None:
             server.receiver = WeightsReceiver(core, host, secret, limits)
             server.receiver.thread.start()
-        asyncio.run(_serve(server, host, port, on_ready, stop_on_sigterm))
+        asyncio.run(_serve(server, host, port, on_ready, stop_on_sigterm, header_timeout_s))
     finally:
         core.stopping.set()
         engine_thread.join(timeout=30)
@@ -1043,18 +1086,21 @@ def run_server(
 
 
 async def _serve(server: Server, host: str, port: int, on_ready: Callable[[dict], None] | None,
-                 stop_on_sigterm: bool = True) -> None:
+                 stop_on_sigterm: bool = True, header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     if stop_on_sigterm and threading.current_thread() is threading.main_thread():
         loop.add_signal_handler(signal.SIGTERM, stop.set)
     # handler_cancellation: a client that hangs up cancels its handler, which aborts its request (as SGLang).
-    runner = web.AppRunner(server.app, access_log=None, handler_cancellation=True, shutdown_timeout=5)
+    # lingering_time: how long an answered request's unread body (a 401's) is discarded before the close.
+    runner = web.AppRunner(server.app, access_log=None, handler_cancellation=True, shutdown_timeout=5,
+                           lingering_time=min(10.0, server.body_timeout_s))
     await runner.setup()
+    listener = None
     try:
-        site = web.TCPSite(runner, host, port)
-        await site.start()
-        bound_port = runner.addresses[0][1]
+        # Not aiohttp's TCPSite: each connection is wrapped in the header deadline's watchdog.
+        listener = await http_deadlines.listen(runner.server, host, port, header_timeout_s)
+        bound_port = listener.sockets[0].getsockname()[1]
         weights = server.receiver.address if server.receiver is not None else None
         log.info("gen_server: serving %s on http://%s:%d (weights: %s)", server.model_path, host, bound_port, weights)
         if on_ready is not None:
@@ -1066,4 +1112,6 @@ async def _serve(server: Server, host: str, port: int, on_ready: Callable[[dict]
                 pass
     finally:
         server.core.stopping.set()  # the engine thread fails pending requests, so their handlers answer 503 now
+        if listener is not None:
+            listener.close()  # no new connections; runner.cleanup shuts the open ones
         await runner.cleanup()

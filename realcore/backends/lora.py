@@ -13,9 +13,10 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from realcore.api.config import LoraConfig
+from realcore.backends import safetensors_header
 
 if TYPE_CHECKING:  # imported on use: the manager reads adapter folders' names only
     import torch
@@ -165,20 +166,56 @@ def is_adapter_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, ADAPTER_CONFIG))
 
 
-def read_adapter(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(adapter_config.json, tensors) of a PEFT LoRA folder; ValueError if it is not one."""
+def read_adapter(path: str, shapes: dict[str, tuple[int, ...]] | None = None,
+                 check: Callable[[dict], None] | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(adapter_config.json, tensors) of a PEFT LoRA folder; ValueError if it is not one. With
+    `shapes` (the base model's {HF name: shape}), the tensors' header is checked against them
+    (check_header) and `check(config)` runs before any tensor is read."""
     cfg_file, weights = os.path.join(path, ADAPTER_CONFIG), os.path.join(path, ADAPTER_WEIGHTS)
     if not (os.path.isfile(cfg_file) and os.path.isfile(weights)):
         raise ValueError(f"lora: {path!r} holds no {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}")
-    with open(cfg_file) as f:
-        cfg = json.load(f)
+    try:
+        with open(cfg_file) as f:
+            cfg = json.load(f)
+    except (ValueError, OSError) as e:  # json's errors are ValueErrors
+        raise ValueError(f"lora: {cfg_file}: {e}") from None
     try:
         check_config(cfg)
     except ValueError as e:
         raise ValueError(f"{e} ({path!r})") from None
+    if check is not None:
+        check(cfg)
+    if shapes is not None:
+        check_header(weights, cfg, shapes)
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    return cfg, load_file(weights)
+    try:
+        return cfg, load_file(weights)
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"lora: {weights}: {e}") from None
+
+
+def check_header(weights: str, cfg: dict, shapes: dict[str, tuple[int, ...]]) -> None:
+    """ValueError naming `weights` unless its header (read without the tensors) holds, for every
+    lora_A, a lora_B of the same rank whose B @ A has its base weight's shape (merge_adapter's rules)."""
+    entries = safetensors_header.header(weights)
+    for key, (dtype, a) in entries.items():
+        if dtype not in safetensors_header.FLOATS:
+            raise ValueError(f"lora: {weights}: tensor {key!r} is {dtype}, not floating-point")
+        if not key.endswith(".lora_A.weight"):
+            continue
+        module = key[: -len(".lora_A.weight")]
+        b = entries.get(f"{module}.lora_B.weight", (None, None))[1]
+        name = f"{module.removeprefix(_PREFIX)}.weight"
+        if b is None or name not in shapes:
+            raise ValueError(f"lora: {weights}: adapter tensor {key!r} has no lora_B or no base weight {name!r}")
+        w = tuple(shapes[name][::-1]) if cfg.get("fan_in_fan_out") else tuple(shapes[name])  # what B @ A must be
+        if len(a) != 2 or len(b) != 2 or a[0] != b[1] or (b[0], a[1]) != w:
+            raise ValueError(f"lora: {weights}: {module}: lora_A {a} and lora_B {b} do not make the base weight "
+                             f"{name} {tuple(shapes[name])}")
+    if not any(k.endswith(".lora_A.weight") for k in entries):
+        raise ValueError(f"lora: {weights}: the adapter holds no lora_A / lora_B tensors")
 
 
 def merge_adapter(base: dict[str, torch.Tensor], cfg: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

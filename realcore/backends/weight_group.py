@@ -24,7 +24,9 @@ import asyncio
 import concurrent.futures
 import contextlib
 import os
+import socket
 import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -133,6 +135,20 @@ def gloo_ifname(host: str) -> str | None:
         if any(a.address.split("%")[0] == host for a in addrs):
             return name
     return None
+
+
+def wait_listening(host: str, port: int, timeout_s: float) -> None:
+    """Return once `host:port` accepts a TCP connection (the trainer's TCPStore is up); ValueError
+    at `timeout_s` (a port where nothing listens, an address that drops packets)."""
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            socket.create_connection((host, port), timeout=left).close()
+            return
+        except OSError:  # refused (not yet, or never), unreachable, or timed out
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+    raise ValueError(f"weight update group: nothing accepted a connection at {host}:{port} within {timeout_s:g} s "
+                     "(system.weight_group_connect_timeout_s)")
 
 
 def device_of(backend: str) -> torch.device:

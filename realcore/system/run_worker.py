@@ -104,6 +104,8 @@ def run(args, cfg: ExperimentConfig, secret: bytes) -> int:
         run_server(cfg.model.path, host=cfg.system.host, port=0, seed=cfg.seed + 1000 * args.index,
                    max_batch_size=cfg.generation.max_batch_size, device=cfg.generation.device, dtype=cfg.generation.dtype, token=cfg.rollout.server_token, secret=secret,
                    max_body_bytes=cfg.system.max_http_body_bytes, limits=wire.Limits.of(cfg.system), stop_on_sigterm=not args.ignore_sigterm,
+                   header_timeout_s=cfg.system.http_header_timeout_s, body_timeout_s=cfg.system.http_body_timeout_s,
+                   connect_timeout_s=cfg.system.weight_group_connect_timeout_s,
                    on_ready=lambda addrs: resolver.put(keys.gen_server(cfg, args.index), json.dumps(addrs), replace=True))
     elif args.type == "gserver_manager":
         from realcore.system.gserver_manager import GServerManager
