@@ -86,6 +86,7 @@ def prepare_output(cfg: ExperimentConfig, dfg: DataFlowGraph) -> tuple[str, str]
 
     out = os.path.abspath(cfg.output_dir)
     private_logs_dir(os.path.join(out, "logs"))  # 0700, files 0600: engines log their arguments
+    open_log(os.path.join(out, "logs", "master.log")).close()  # the master's logging appends to it: 0600 first
     secret_path = os.path.join(out, ".secret")
     if os.path.exists(secret_path):
         os.remove(secret_path)
