@@ -172,3 +172,38 @@ def test_an_sglang_run_leaves_no_token_or_secret_in_its_logs(tmp_path, token_fil
     server_log = (out / "logs" / "gen_server-0.log").read_text()
     assert "server_args=ServerArgs(" in server_log and "api_key=<redacted>" in server_log, server_log[:2000]
     assert token not in stdout + stderr
+
+
+def test_ray_tasks_carry_only_what_workers_need():
+    from realcore.launch.ray_scheduler import task_env
+
+    env = {"PATH": "/bin", "PYTHONPATH": "/w", "OMP_NUM_THREADS": "1", "NCCL_SOCKET_IFNAME": "=ib0",
+           "CUDA_VISIBLE_DEVICES": "0", "TOKENIZERS_PARALLELISM": "false", "REALCORE_TEST_ENGINE_BUILTIN": "1",
+           "HF_HOME": "/h", "HF_TOKEN": "hf_x", "WANDB_API_KEY": "w", "REALCORE_SERVER_TOKEN": "t",
+           "AWS_SECRET_ACCESS_KEY": "a", "GITHUB_TOKEN": "g", "SSH_AUTH_SOCK": "/s", "MY_APP_SETTING": "x"}
+    assert set(task_env(env)) == {"PATH", "PYTHONPATH", "OMP_NUM_THREADS", "NCCL_SOCKET_IFNAME", "CUDA_VISIBLE_DEVICES",
+                                  "TOKENIZERS_PARALLELISM", "REALCORE_TEST_ENGINE_BUILTIN", "HF_HOME"}
+
+
+def test_the_token_comes_from_a_private_file_or_the_environment(tmp_path, monkeypatch, token_file):
+    from realcore.launch.config_loader import ConfigError, load_config
+    from realcore.launch.launcher import resolve_server_token
+
+    def resolved(*overrides):
+        cfg = load_config(["experiment=async-ppo-math", "model=tiny", *overrides])
+        resolve_server_token(cfg)
+        return cfg.rollout.server_token
+
+    monkeypatch.delenv("REALCORE_SERVER_TOKEN", raising=False)
+    assert resolved() is None  # derived from the run's secret by each process
+    assert resolved(f"rollout.server_token_file={token_file}") == "tok-from-file-0123456789"
+    monkeypatch.setenv("REALCORE_SERVER_TOKEN", "tok-from-env")
+    assert resolved() == "tok-from-env"
+    assert resolved("rollout.server_token=given") == "given"
+    os.chmod(token_file, 0o644)
+    for overrides, words in ([[f"rollout.server_token_file={token_file}"], ["readable", "chmod 600"]],
+                             [[f"rollout.server_token_file={tmp_path}/none"], ["cannot read"]],
+                             [[f"rollout.server_token_file={token_file}", "rollout.server_token=x"], ["both set"]]):
+        with pytest.raises(ConfigError) as e:
+            resolved(*overrides)
+        assert all(w in str(e.value) for w in words) and "\n" not in str(e.value), e.value
