@@ -207,3 +207,19 @@ def test_the_token_comes_from_a_private_file_or_the_environment(tmp_path, monkey
         with pytest.raises(ConfigError) as e:
             resolved(*overrides)
         assert all(w in str(e.value) for w in words) and "\n" not in str(e.value), e.value
+
+
+def test_slurm_output_files_are_created_private_before_the_job(tmp_path):
+    """srun would create them with the job's umask; it appends to an existing file and keeps its mode."""
+    from realcore.api.alloc import parse_allocation_mode
+    from realcore.launch.config_loader import load_config
+    from realcore.launch.launcher import precreate_slurm_logs
+
+    cfg = load_config(["experiment=async-ppo-math", "model=tiny", "scheduler=slurm", f"output_dir={tmp_path}",
+                       "allocation_mode=sglang.d2p1t1+d2p1t1", "rollout.n_workers=2", "slurm.gpus_per_node=0"])
+    private_logs_dir(str(tmp_path / "logs"))
+    precreate_slurm_logs(cfg, parse_allocation_mode(cfg.allocation_mode))
+    names = sorted(os.listdir(tmp_path / "logs"))
+    assert names == ["gen_server-0.log", "gen_server-1.log", "gserver_manager-0.log", "master.out",
+                     "model_worker-0.log", "model_worker-1.log", "rollout_worker-0.log", "rollout_worker-1.log"]
+    assert all(stat.S_IMODE(os.stat(tmp_path / "logs" / n).st_mode) == 0o600 for n in names)
