@@ -125,7 +125,7 @@ def test_an_sglang_run_leaves_no_token_or_secret_in_its_logs(tmp_path, token_fil
     cmd = [sys.executable, "-m", "realcore.launch", "experiment=async-ppo-math", "model=tiny", "dataset=tiny-arith",
            "allocation_mode=sglang.d1p1t1+d1p1t1", f"rollout.server_python={python}", "rollout.n_workers=1",
            "rollout.max_concurrent_rollouts=4", "trainer.batch_size=2", "generation.n_samples=2",
-           "generation.max_new_tokens=8", "trainer.total_steps=2", f"output_dir={out}",
+           "generation.max_new_tokens=8", "trainer.total_steps=1", f"output_dir={out}",
            f"model.cache_dir={tmp_path}/cache", f"system.name_resolve.root={tmp_path}/nr",
            "trial_name=h-launch-security", "eval.freq_steps=null", f"rollout.server_token_file={token_file}"]
     cmdlines: list[str] = []

@@ -152,13 +152,14 @@ def check_bindable(host: str) -> None:
                           "addresses (127.0.0.1, auto) or system.interface") from None
 
 
+TOKEN_ENV = "REALCORE_SERVER_TOKEN"
+
+
 def resolve_server_token(cfg: ExperimentConfig) -> None:
     """rollout.server_token from rollout.server_token_file or $REALCORE_SERVER_TOKEN, so it need not
     be on the command line (every user's `ps` shows it there); config.json (0600) carries it on."""
     r = cfg.rollout
-    given = [name for name, v in (("rollout.server_token", r.server_token), ("rollout.server_token_file",
-             r.server_token_file)) if v]
-    if len(given) > 1:
+    if r.server_token and r.server_token_file:
         raise ConfigError("rollout.server_token and rollout.server_token_file are both set: set one")
     if r.server_token_file:
         path = os.path.expanduser(r.server_token_file)
@@ -177,9 +178,6 @@ def resolve_server_token(cfg: ExperimentConfig) -> None:
         r.server_token, r.server_token_file = token, None
     elif not r.server_token and os.environ.get(TOKEN_ENV):
         r.server_token = os.environ[TOKEN_ENV].strip()
-
-
-TOKEN_ENV = "REALCORE_SERVER_TOKEN"
 
 
 def engine_server_command(cfg: ExperimentConfig, alloc: AllocationMode, plan: Plan, i: int, port: int, token: str,
@@ -201,21 +199,20 @@ def engine_server_command(cfg: ExperimentConfig, alloc: AllocationMode, plan: Pl
 
 def start_engine_servers(cfg: ExperimentConfig, alloc: AllocationMode, env: dict, logs: str,
                          plan: Plan | None = None) -> list[Proc]:
-    """SGLang or vLLM servers: started here on free ports and published; the manager waits for
-    each to answer before any rollout starts. Each requires the run's bearer token, derived here
-    from the run's secret as every worker derives it (run_worker), and kept off the command line.
+    """SGLang or vLLM servers: started here on free ports, each published once it listens and
+    answers (publish_when_ready); the manager waits for each before any rollout starts. Each
+    requires the run's bearer token, derived here from the run's secret as every worker derives it
+    (run_worker), kept off the command line and filtered out of what the server prints.
     `rollout.server_python` runs them (SGLang/vLLM in an environment of their own). `plan`: their
     GPUs (None: none, the CPU route)."""
     from realcore.backends.server_launch import server_token
-    from realcore.system import keys
     from realcore.system.wire import load_secret
 
     plan = plan or Plan((), "")
     resolver = make_name_resolver(cfg.system.name_resolve)
     out = os.path.abspath(cfg.output_dir)
-    token = server_token(load_secret(os.path.join(out, ".secret")), cfg.rollout.server_token)  # prepare_output wrote it
-
-    secret = load_secret(os.path.join(out, ".secret"))
+    secret = load_secret(os.path.join(out, ".secret"))  # prepare_output wrote it
+    token = server_token(secret, cfg.rollout.server_token)
     redact = (token, secret.hex())  # SGLang logs its server_args, api_key included, at INFO
 
     def server(i: int) -> Proc:
@@ -238,7 +235,6 @@ def publish_when_ready(cfg: ExperimentConfig, resolver, i: int, proc: Proc, port
     authenticated probe (a thread: start-up takes 24-60 s). Before the first probe, which carries
     the token, the listener must be ours: a local user who bound the port first would get it."""
     from realcore.backends.server_launch import wait_http_ready, wait_own_listener
-    from realcore.system import keys
 
     url = f"http://{cfg.system.host}:{port}"
     popen = proc.popen
