@@ -135,6 +135,24 @@ def test_an_empty_shard_is_named(tmp_path, cache):
     assert "shard 1 of 2" in line and "bad json 1, missing field 1" in line, line
 
 
+def test_a_1mb_question_prints_only_realcores_line(tmp_path, cache):
+    """Tokenizing it makes transformers warn "Token indices sequence length is longer than ...":
+    the one line the launcher prints must be the only one."""
+    path = tmp_path / "huge.jsonl"
+    path.write_text(json.dumps({"question": "What is 1 + 1? " * 70_000, "answer": "2"}) + "\n")
+    assert path.stat().st_size > 1_000_000
+    line = refused(str(tmp_path / "run"), "dataset=gsm8k", f"dataset.path={path}", cache=cache)
+    assert "no usable row" in line and "prompt too long 1" in line, line
+
+
+def test_a_host_this_machine_does_not_have_is_refused_before_any_worker(tmp_path, cache):
+    """192.0.2.1 (TEST-NET-1) is nobody's address: binding it fails (EADDRNOTAVAIL), in the launcher."""
+    line = refused(str(tmp_path / "run"), "system.host=192.0.2.1", cache=cache, base=ASYNC)
+    assert "system.host" in line and "'192.0.2.1'" in line and "cannot bind" in line, line
+    line = refused(str(tmp_path / "run"), "system.host=no-such-host.invalid", cache=cache)
+    assert "system.host" in line and "does not resolve" in line, line
+
+
 @pytest.mark.parametrize("how, names", [
     ("truncated safetensors", ["model.safetensors", "truncated"]),
     ("config.json not json", ["config.json", "not valid JSON"]),

@@ -274,7 +274,12 @@ class RolloutConfig(_Strict):
         "(counted in rollout/failed_episodes), sync mode fails the generate call")
     server_token: str | None = Field(
         None, description="the bearer token every generation server of the run requires (loopback too); None: "
-        "derived from the run's secret (OUTPUT_DIR/.secret). Set it to call the servers yourself")
+        "rollout.server_token_file, else $REALCORE_SERVER_TOKEN, else derived from the run's secret "
+        "(OUTPUT_DIR/.secret). Set it to call the servers yourself. Given on the command line it is visible to "
+        "every user of the machine (ps): prefer rollout.server_token_file or $REALCORE_SERVER_TOKEN")
+    server_token_file: str | None = Field(
+        None, description="a file whose content (surrounding whitespace stripped) is rollout.server_token, read "
+        "by the launcher: the token stays off the command line; it must not be readable by other users")
     server_mem_fraction: float | None = Field(
         None, gt=0, le=1, description="SGLang (--mem-fraction-static) and vLLM (--gpu-memory-utilization) on GPUs: the "
         "share of each GPU's memory the server takes for weights and KV cache. None: scheduler=local: 0.85 divided "

@@ -347,6 +347,46 @@ def engine_available(engine: str, python: str | None = None) -> str | None:
     return None
 
 
+def listener_pids(port: int, pid: int) -> tuple[bool, bool]:
+    """(whether process `pid` or one of its descendants listens on TCP `port`, whether any other
+    process visible to us does). psutil reads /proc/net/tcp*, which names a socket's inode, and a
+    process's fds (ours only) map inodes to processes."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        ours = {root.pid, *(c.pid for c in root.children(recursive=True))}
+    except psutil.NoSuchProcess:
+        return False, False
+    mine = other = False
+    for c in psutil.net_connections(kind="tcp"):
+        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port:
+            if c.pid in ours:
+                mine = True
+            else:  # another user's (pid None: not ours to see) or another process of ours
+                other = True
+    return mine, other
+
+
+def wait_own_listener(proc: subprocess.Popen, port: int, *, timeout_s: float) -> None:
+    """Wait until `proc` (or a child of it: SGLang's and vLLM's HTTP server may be one) listens on
+    `port`. Only then may a probe carry the token: between our free-port pick and the engine's bind
+    (24-60 s), anyone on this machine can bind that port and would receive the token. RuntimeError
+    when `proc` exits, TimeoutError after `timeout_s` (a port someone else holds included: the
+    engine then fails to bind and exits, usually first)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server process {proc.pid} exited with code {proc.returncode} before it listened on port {port}")
+        mine, other = listener_pids(port, proc.pid)
+        if mine:
+            return
+        if time.monotonic() >= deadline:
+            held = "; another process listens on it" if other else ""
+            raise TimeoutError(f"server process {proc.pid} did not listen on port {port} within {timeout_s:g} s{held}")
+        time.sleep(min(_POLL_S, max(0.0, deadline - time.monotonic())))
+
+
 async def wait_http_ready(
     url: str, *, timeout_s: float, proc: subprocess.Popen | None = None, token: str | None = None
 ) -> None:

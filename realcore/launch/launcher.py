@@ -25,7 +25,7 @@ from realcore.api.config import ExperimentConfig
 from realcore.data.datasets import describe_skips
 from realcore.dfg.graph import DataFlowGraph, GraphError
 from realcore.launch.config_loader import ConfigError, load_config
-from realcore.launch.local import Proc, spawn, spawn_command, tail
+from realcore.launch.local import Proc, open_log, private_logs_dir, spawn, spawn_command, tail
 from realcore.launch.placement import Plan, describe
 from realcore.launch.run_lock import claim_output, hold_run
 from realcore.launch.supervise import Supervisor, begin_attempt, record, write_pids
@@ -43,6 +43,8 @@ def run_on_cluster(cfg: ExperimentConfig, dfg: DataFlowGraph, alloc: AllocationM
     if not dry_run:
         make_name_resolver(cfg.system.name_resolve).clear(keys.scope(cfg))
     config_path, secret_path = prepare_output(cfg, dfg)
+    if cfg.scheduler == "slurm" and not dry_run:
+        precreate_slurm_logs(cfg, alloc)
     if cfg.scheduler == "ray":
         from realcore.launch.ray_scheduler import run_ray
 
@@ -65,13 +67,26 @@ def check_name_store(cfg: ExperimentConfig) -> None:
         raise ConfigError(str(e)) from None
 
 
+def precreate_slurm_logs(cfg: ExperimentConfig, alloc: AllocationMode) -> None:
+    """srun creates its --output files with the job's umask (often 0644): create them here, 0600,
+    so that srun's --open-mode=append keeps that mode (a task's log may hold what it printed)."""
+    from realcore.launch.slurm import steps
+
+    logs = os.path.join(cfg.output_dir, "logs")
+    for step in steps(cfg, alloc):
+        names = ["master.out"] if step.kind == "master" else [f"{step.kind}-{t}.log" for t in range(step.ntasks)]
+        for name in names:
+            open_log(os.path.join(logs, name)).close()
+
+
 def prepare_output(cfg: ExperimentConfig, dfg: DataFlowGraph) -> tuple[str, str]:
     """Output folders, the resolved config for workers, a fresh per-run secret, dfg.png (drawn by
     a thread while the workers start: ~1 s of matplotlib that need not delay them)."""
     from realcore.system.wire import write_secret
 
     out = os.path.abspath(cfg.output_dir)
-    os.makedirs(os.path.join(out, "logs"), exist_ok=True)
+    private_logs_dir(os.path.join(out, "logs"))  # 0700, files 0600: engines log their arguments
+    open_log(os.path.join(out, "logs", "master.log")).close()  # the master's logging appends to it: 0600 first
     secret_path = os.path.join(out, ".secret")
     if os.path.exists(secret_path):
         os.remove(secret_path)
@@ -116,6 +131,53 @@ def resolve_local_host(cfg: ExperimentConfig) -> None:
         cfg.system.host = node_address(cfg.system.host, cfg.system.interface)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    check_bindable(cfg.system.host)
+
+
+def check_bindable(host: str) -> None:
+    """Every local process binds `host`: an address this machine does not have must stop the
+    launch here, not fail the first worker that binds it (EADDRNOTAVAIL) after the others started."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise ConfigError(f"system.host: {host!r} does not resolve ({e.strerror or e})") from None
+    family, _, _, _, addr = infos[0]
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind(addr)
+    except OSError as e:
+        raise ConfigError(f"system.host: cannot bind {host!r} on this machine ({e.strerror or e}); use one of its "
+                          "addresses (127.0.0.1, auto) or system.interface") from None
+
+
+TOKEN_ENV = "REALCORE_SERVER_TOKEN"
+
+
+def resolve_server_token(cfg: ExperimentConfig) -> None:
+    """rollout.server_token from rollout.server_token_file or $REALCORE_SERVER_TOKEN, so it need not
+    be on the command line (every user's `ps` shows it there); config.json (0600) carries it on."""
+    r = cfg.rollout
+    if r.server_token and r.server_token_file:
+        raise ConfigError("rollout.server_token and rollout.server_token_file are both set: set one")
+    if r.server_token_file:
+        path = os.path.expanduser(r.server_token_file)
+        try:
+            st = os.stat(path)
+            with open(path) as f:
+                token = f.read().strip()
+        except OSError as e:
+            raise ConfigError(f"rollout.server_token_file: cannot read {path}: {e.strerror or e}") from None
+        if st.st_mode & 0o077:
+            raise ConfigError(f"rollout.server_token_file: {path} is readable or writable by other users "
+                              f"(mode {st.st_mode & 0o777:o}); chmod 600 it")
+        if not token or any(c.isspace() for c in token):
+            raise ConfigError(f"rollout.server_token_file: {path} must hold one token (no spaces), got "
+                              f"{'nothing' if not token else 'whitespace inside'}")
+        r.server_token, r.server_token_file = token, None
+    elif not r.server_token and os.environ.get(TOKEN_ENV):
+        r.server_token = os.environ[TOKEN_ENV].strip()
 
 
 def engine_server_command(cfg: ExperimentConfig, alloc: AllocationMode, plan: Plan, i: int, port: int, token: str,
@@ -137,13 +199,13 @@ def engine_server_command(cfg: ExperimentConfig, alloc: AllocationMode, plan: Pl
 
 def start_engine_servers(cfg: ExperimentConfig, alloc: AllocationMode, env: dict, logs: str,
                          plan: Plan | None = None) -> list[Proc]:
-    """SGLang or vLLM servers: started here on free ports and published; the manager waits for
-    each to answer before any rollout starts. Each requires the run's bearer token, derived here
-    from the run's secret as every worker derives it (run_worker), and kept off the command line.
+    """SGLang or vLLM servers: started here on free ports, each published once it listens and
+    answers (publish_when_ready); the manager waits for each before any rollout starts. Each
+    requires the run's bearer token, derived here from the run's secret as every worker derives it
+    (run_worker), kept off the command line and filtered out of what the server prints.
     `rollout.server_python` runs them (SGLang/vLLM in an environment of their own). `plan`: their
     GPUs (None: none, the CPU route)."""
     from realcore.backends.server_launch import server_token
-    from realcore.system import keys
     from realcore.system.wire import load_secret
 
     plan = plan or Plan((), "")
@@ -151,19 +213,51 @@ def start_engine_servers(cfg: ExperimentConfig, alloc: AllocationMode, env: dict
     secret = load_secret(os.path.join(out, ".secret"))  # prepare_output wrote it
     resolver = make_name_resolver(cfg.system.name_resolve, secret)
     token = server_token(secret, cfg.rollout.server_token)
+    redact = (token, secret.hex())  # SGLang logs its server_args, api_key included, at INFO
 
     def server(i: int) -> Proc:
         # A restart gets a new port: the manager tells a restarted server (to catch up) by its address.
         port = free_port(cfg.system.host)
         argv, extra_env = engine_server_command(cfg, alloc, plan, i, port, token)
-        proc = spawn_command(f"gen_server/{i}", argv, env={**env, **extra_env}, log_path=os.path.join(logs, f"gen_server-{i}.log"))
-        resolver.put(keys.gen_server(cfg, i), json.dumps({"http": f"http://{cfg.system.host}:{port}", "weights": None}), replace=True)
+        proc = spawn_command(f"gen_server/{i}", argv, env={**env, **extra_env}, log_path=os.path.join(logs, f"gen_server-{i}.log"),
+                             redact=redact)
+        publish_when_ready(cfg, resolver, i, proc, port, token)
         return proc
 
     procs = [server(i) for i in range(alloc.gen.dp)]
     for i, p in enumerate(procs):
         p.start = lambda i=i: server(i).popen
     return procs
+
+
+def publish_when_ready(cfg: ExperimentConfig, resolver, i: int, proc: Proc, port: int, token: str) -> threading.Thread:
+    """Publish server `i`'s address once the process we started listens on `port` and answers an
+    authenticated probe (a thread: start-up takes 24-60 s). Before the first probe, which carries
+    the token, the listener must be ours: a local user who bound the port first would get it."""
+    from realcore.backends.server_launch import wait_http_ready, wait_own_listener
+
+    url = f"http://{cfg.system.host}:{port}"
+    popen = proc.popen
+
+    def run() -> None:
+        import asyncio
+
+        deadline = time.monotonic() + cfg.system.startup_timeout_s
+        try:
+            wait_own_listener(popen, port, timeout_s=cfg.system.startup_timeout_s)
+            asyncio.run(wait_http_ready(url, timeout_s=max(0.1, deadline - time.monotonic()), proc=popen, token=token))
+        except RuntimeError:  # it exited: the supervisor reports it (and restarts it, if it may)
+            return
+        except TimeoutError as e:  # never published: stop it, so the supervisor reports it
+            print(f"realcore: gen_server/{i}: {e}; stopping it", file=sys.stderr, flush=True)
+            if popen.poll() is None:
+                popen.kill()
+            return
+        resolver.put(keys.gen_server(cfg, i), json.dumps({"http": url, "weights": None}), replace=True)
+
+    t = threading.Thread(target=run, name=f"publish gen_server/{i}", daemon=True)
+    t.start()
+    return t
 
 
 def start_processes(cfg: ExperimentConfig, alloc: AllocationMode, config_path: str, secret_path: str,
@@ -264,6 +358,7 @@ def check_all(argv: list[str], dry_run: bool, held: contextlib.ExitStack,
     lock (a Slurm dry run writes its batch script there). `on_layout_error`: takes the model-layout
     check's error instead of raising it (a dry run). The plan: scheduler=local only (else None)."""
     cfg = load_config(argv)
+    resolve_server_token(cfg)
     dfg, alloc = validate(cfg)
     plan = None
     if cfg.scheduler == "slurm":

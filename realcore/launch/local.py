@@ -7,9 +7,11 @@ them in order) and SIGKILL when the launcher dies, so no process is ever left be
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -35,22 +37,70 @@ def spawn(name: str, args: list[str], *, env: dict, log_path: str | None) -> Pro
     return spawn_command(name, [sys.executable, "-m", "realcore.system.run_worker", *args], env=env, log_path=log_path)
 
 
-def spawn_command(name: str, argv: list[str], *, env: dict, log_path: str | None) -> Proc:
-    """Start any command (e.g. an SGLang server) under the same rules as realcore's workers."""
+def spawn_command(name: str, argv: list[str], *, env: dict, log_path: str | None,
+                  redact: tuple[str, ...] = ()) -> Proc:
+    """Start any command (e.g. an SGLang server) under the same rules as realcore's workers.
+    `redact`: strings (the run's token and secret) that must not reach the log: the output then
+    goes through a pipe and `copy_redacted` (SGLang logs its api_key at start-up)."""
 
     def start() -> subprocess.Popen:
-        out = open(log_path, "ab") if log_path else None
+        out = open_log(log_path) if log_path else None
+        piped = out is not None and bool(redact)
         try:
-            return subprocess.Popen(
+            popen = subprocess.Popen(
                 argv,
-                env=env, stdout=out, stderr=subprocess.STDOUT if out else None, stdin=subprocess.DEVNULL,
-                start_new_session=True, preexec_fn=die_with_parent,
+                env=env, stdout=subprocess.PIPE if piped else out, stderr=subprocess.STDOUT if out else None,
+                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent,
             )
-        finally:
+        except BaseException:
             if out:
                 out.close()
+            raise
+        if piped:  # the thread owns `out` now
+            threading.Thread(target=copy_redacted, args=(popen.stdout, out, redact), name=f"log {name}",
+                             daemon=True).start()
+        elif out:
+            out.close()
+        return popen
 
     return Proc(name, start(), log_path, start)
+
+
+def open_log(path: str):
+    """`path` opened for appending, mode 0600 (also an existing file): logs may hold what a process
+    printed of its arguments, and OUTPUT_DIR may be readable by others."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.fchmod(fd, 0o600)  # O_CREAT's mode applies to a new file only
+    return os.fdopen(fd, "ab")
+
+
+def private_logs_dir(path: str) -> None:
+    """Create (or tighten) the logs folder: mode 0700, every file in it 0600."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    os.chmod(path, 0o700)
+    for entry in os.scandir(path):
+        if entry.is_file(follow_symlinks=False):
+            os.chmod(entry.path, 0o600)
+
+
+# `api_key='...'` (SGLang's ServerArgs repr), `api-key: ...`, `--api-key X`, `api_key=X`.
+_KEY_VALUE = re.compile(rb"""(api[_-]?key['"]?\s*[=:]\s*|--api-key\s+)('[^']*'|"[^"]*"|[^\s,)]+)""", re.IGNORECASE)
+
+
+def redact_line(line: bytes, secrets: tuple[bytes, ...]) -> bytes:
+    for s in secrets:
+        line = line.replace(s, b"<redacted>")
+    return _KEY_VALUE.sub(rb"\1<redacted>", line)
+
+
+def copy_redacted(src, out, redact: tuple[str, ...]) -> None:
+    """Copy `src` (a child's output) to `out` line by line, each secret and every api_key's value
+    replaced; ends when the child and its own children have closed the pipe."""
+    secrets = tuple(s.encode() for s in redact if s)
+    with src, out:
+        for line in iter(src.readline, b""):
+            out.write(redact_line(line, secrets))
+            out.flush()
 
 
 def describe_exit(rc: int) -> str:

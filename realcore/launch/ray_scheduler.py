@@ -8,7 +8,9 @@ killed, and the task ends saying so (the launcher need not reach a process on an
 Model workers of the training mesh share one placement group (one bundle per rank, packed onto
 as few nodes as possible, as a model mesh wants); generation servers get another; the master,
 manager and rollout workers are plain tasks. The master's output goes to OUTPUT_DIR/logs/master.out,
-which the launcher copies to the console.
+which the launcher copies to the console. A task's arguments (the workers' environment among them)
+are stored by Ray and visible to whoever reaches the cluster: only what the workers need goes
+(`task_env`), never a variable that looks like a credential.
 
 The launcher waits for the tasks:
 - the master's clean exit ends the run (0): every other task is cancelled without force, and its
@@ -33,6 +35,7 @@ The launcher waits for the tasks:
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import time
@@ -106,6 +109,20 @@ def preempt_path(cfg: ExperimentConfig) -> str:
     return os.path.join(cfg.output_dir, ".preempt")
 
 
+# The variables a worker and its engine need; anything else of the launcher's environment stays here.
+_TASK_ENV_PREFIXES = ("REALCORE_", "PYTHON", "OMP_", "MKL_", "KMP_", "TORCH", "NCCL_", "GLOO_", "CUDA_", "NVIDIA_",
+                      "HF_", "TRANSFORMERS_", "TOKENIZERS_", "VLLM_", "SGLANG_", "TRITON_", "WANDB_", "LC_", "CONDA_")
+_TASK_ENV_NAMES = {"PATH", "LD_LIBRARY_PATH", "HOME", "USER", "LOGNAME", "LANG", "TMPDIR", "TZ", "VIRTUAL_ENV"}
+# HF_TOKEN, WANDB_API_KEY, REALCORE_SERVER_TOKEN, AWS_SECRET_ACCESS_KEY...: the nodes log in on their own.
+_CREDENTIAL = re.compile(r"(^|_)(TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIALS?|AUTH)(_|$)")
+
+
+def task_env(env: dict) -> dict:
+    """The part of the launcher's environment `env` that goes with every task (see the docstring)."""
+    return {k: v for k, v in env.items()
+            if (k in _TASK_ENV_NAMES or k.startswith(_TASK_ENV_PREFIXES)) and not _CREDENTIAL.search(k)}
+
+
 def _run_worker(cfg: ExperimentConfig, argv: list[str], env: dict, log_path: str, name: str,
                 attempt: int) -> tuple[int, str]:
     """Inside a Ray task: run one realcore worker under the task runner; (exit code, why)."""
@@ -172,7 +189,7 @@ def run_ray(cfg: ExperimentConfig, alloc: AllocationMode, config_path: str, secr
                 if "GPU" in meshes[kind][1]:
                     options["num_gpus"] = meshes[kind][1]["GPU"]
             log = os.path.join(logs, "master.out" if kind == "master" else name.replace("/", "-") + ".log")
-            return task.options(**options).remote(cfg, argv, env, log, name, attempt)
+            return task.options(**options).remote(cfg, argv, task_env(env), log, name, attempt)
 
         return _attempts(cfg, kinds, submit, make_name_resolver(cfg.system.name_resolve))
     finally:

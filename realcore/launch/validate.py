@@ -140,10 +140,24 @@ def check_inputs(cfg: ExperimentConfig, alloc: AllocationMode) -> LoadedDataset:
     except Exception as e:  # transformers raises many types for a tokenizer it cannot load
         why = " ".join(str(e).split())
         raise ConfigError(f"model.path: cannot load the tokenizer of {cfg.model.path}: {why}") from None
-    loaded = check_dataset(cfg, alloc, tokenizer)
+    loaded = quietly(check_dataset, cfg, alloc, tokenizer)
     if any(getattr(_mfc_class(m.type), "generates", False) for m in cfg.mfcs) or cfg.mode == "async":
         check_context(cfg, context_length(hf_config), loaded)
     return loaded
+
+
+def quietly(fn, *args):
+    """`fn(*args)` with transformers' warnings off: tokenizing a row longer than the model's context
+    warns "Token indices sequence length is longer than ..." before realcore's own one line (the
+    row is skipped, or the run refused, with a message naming dataset.max_prompt_len)."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        return fn(*args)
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def check_dataset(cfg: ExperimentConfig, alloc: AllocationMode, tokenizer) -> LoadedDataset:

@@ -11,8 +11,8 @@ the task that Slurm or Ray starts there runs this function, which:
   (rollout.server_mem_fraction, else SERVER_MEM_FRACTION: Slurm and Ray give it GPUs of its own;
   generation.dtype), with the run's bearer token (off the command line:
   SGLang's key file goes to OUTPUT_DIR/.engine/gen_server-I, mode 0600), in its own session, dying
-  with this process (PDEATHSIG), its output in this task's log;
-- waits until it answers (system.startup_timeout_s), then publishes its address where the gserver
+  with this process (PDEATHSIG), its output in this task's log (the token filtered out);
+- waits until it listens on its port and answers (system.startup_timeout_s), then publishes its address where the gserver
   manager looks for every server ({"http": URL, "weights": None}: no in-memory weight socket);
 - stays with it: SIGTERM (or the task runner's kill) stops the engine's whole process group; the
   engine ending unasked ends this task with an error (exit 1 for an engine that exited 0), so the
@@ -29,11 +29,14 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 
 from realcore.api.alloc import parse_allocation_mode
 from realcore.api.config import ExperimentConfig
-from realcore.backends.server_launch import SERVER_MEM_FRACTION, engine_available, server_command, wait_http_ready
+from realcore.backends.server_launch import (SERVER_MEM_FRACTION, engine_available, server_command, wait_http_ready,
+                                             wait_own_listener)
+from realcore.launch.local import copy_redacted
 from realcore.system import keys
 from realcore.system.name_resolve import make_name_resolver
 from realcore.system.process import die_with_parent
@@ -89,13 +92,17 @@ def serve_engine(cfg: ExperimentConfig, index: int) -> int:
     url = f"http://{host}:{port}"
     log.info("starting %s server %d at %s (tp %d, pp %d, CUDA_VISIBLE_DEVICES=%s)", engine, index, url, alloc.gen.tp,
              alloc.gen.pp, os.environ.get("CUDA_VISIBLE_DEVICES", "unset"))
-    proc = subprocess.Popen(argv, env={**os.environ, **extra_env}, stdin=subprocess.DEVNULL, start_new_session=True,
-                            preexec_fn=die_with_parent)
+    # Its output reaches this task's log through a filter: SGLang logs its api_key (docs/security.md).
+    proc = subprocess.Popen(argv, env={**os.environ, **extra_env}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
+    threading.Thread(target=copy_redacted, args=(proc.stdout, os.fdopen(os.dup(1), "ab"), (cfg.rollout.server_token,)),
+                     name="engine log", daemon=True).start()
     try:
         started = time.monotonic()
-        try:
-            asyncio.run(wait_http_ready(url, timeout_s=cfg.system.startup_timeout_s, proc=proc,
-                                        token=cfg.rollout.server_token))
+        try:  # the token goes with every probe: only to a listener of ours
+            wait_own_listener(proc, port, timeout_s=cfg.system.startup_timeout_s)
+            asyncio.run(wait_http_ready(url, timeout_s=max(0.1, cfg.system.startup_timeout_s - (time.monotonic() - started)),
+                                        proc=proc, token=cfg.rollout.server_token))
         except (RuntimeError, TimeoutError) as e:
             log.error("%s server %d did not start: %s", engine, index, e)
             return 1
