@@ -266,3 +266,38 @@ def test_tool_output_cannot_forge_turn_markers(chat):
         body = body[:body.index(tok.convert_tokens_to_ids("<|im_end|>"))]
     assert not special & set(body), body
     assert tok.decode(body) == forged  # the same text, as ordinary tokens
+
+
+NODE_CALLS = '''
+import asyncio, json, sys, time
+sys.path.insert(0, sys.argv[3])
+from realcore.workflows import sandbox
+sandbox.bound_node_calls(sys.argv[1], int(sys.argv[2]))
+async def one():
+    r = await sandbox.run_python("import time; time.sleep(0.6)")
+    return r.ok
+async def main():
+    return await asyncio.wait_for(asyncio.gather(*(one() for _ in range(3))), 60)
+print(json.dumps(asyncio.run(main())))
+'''
+
+
+def test_node_wide_bound_on_concurrent_calls(tmp_path):
+    """rollout.max_concurrent_tool_calls: 3 processes x 3 concurrent calls with 2 node slots never
+    run more than 2 tool interpreters at once; all 9 calls finish."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    slots = str(tmp_path / "slots")
+    procs = [subprocess.Popen([sys.executable, "-c", NODE_CALLS, slots, "2", repo], stdout=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    ours = {p.pid for p in procs}
+    most, deadline = 0, time.monotonic() + 60
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        wrappers = 0  # each running call: one wrapper ("rc-sandbox"), a direct child of its process
+        for p in psutil.process_iter(["name", "ppid"]):
+            wrappers += p.info["name"] == "rc-sandbox" and p.info["ppid"] in ours
+        most = max(most, wrappers)
+        time.sleep(0.02)
+    results = [json.loads(p.communicate(timeout=30)[0]) for p in procs]
+    assert results == [[True] * 3] * 3
+    assert most == 2  # the bound was reached, never passed
+    assert sorted(os.listdir(slots)) == ["slot-0", "slot-1"]

@@ -34,6 +34,9 @@ class Generate:
         self.workflow = make_workflow(cfg.rollout.workflow, cfg.rollout.workflow_kwargs)
         self.keys = workflow_keys(cfg.rollout.workflow)
         self.runner: RewardRunner | None = None  # started on first use
+        from realcore.workflows import sandbox
+
+        sandbox.bound_node_calls(sandbox.node_slots_folder(cfg.output_dir), cfg.rollout.max_concurrent_tool_calls)
 
     @classmethod
     def check_config(cls, cfg, mfc) -> None:
