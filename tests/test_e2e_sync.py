@@ -108,7 +108,7 @@ def assert_checkpoint_is_the_trained_model(out, cache, *, steps):
     assert saved.keys() == initial.keys()
     changed = [k for k in saved if not torch.equal(saved[k], initial[k])]
     assert len(changed) > len(saved) // 2, f"only {changed} changed in training"
-    ranks = sorted(glob.glob(os.path.join(out, "recover", f"step_{steps}", "model_worker-*", "engine.pt")))
+    ranks = sorted(glob.glob(os.path.join(out, "recover", f"step_{steps}", "model_worker-*", "actor", "engine.pt")))
     assert len(ranks) == 2, ranks
     for path in ranks:
         trained = torch.load(path, map_location="cpu", weights_only=True)["model"]
