@@ -1,6 +1,8 @@
 """End-to-end asynchronous PPO: 2 generation servers (built-in engine, SGLang's HTTP API), their
 manager, 2 rollout workers streaming trajectories, 2 model workers (DP=2 over gloo), the master.
-Real processes, sockets and HTTP. The staleness bound is asserted from metrics.jsonl."""
+Real processes, sockets and HTTP. The staleness bound is asserted from metrics.jsonl; a rollout held
+past it by a test workflow is dropped at the stream (or trained, with rollout.drop_stale=false), and
+a workflow whose every episode fails stops the run."""
 
 import json
 import os
