@@ -301,3 +301,11 @@ def test_node_wide_bound_on_concurrent_calls(tmp_path):
     assert results == [[True] * 3] * 3
     assert most == 2  # the bound was reached, never passed
     assert sorted(os.listdir(slots)) == ["slot-0", "slot-1"]
+
+
+def test_node_bound_holds_inside_its_block_only(tmp_path):
+    """Evaluation and the sync generate MFC bound their calls for the block (node_bound)."""
+    slots = str(tmp_path / "slots")
+    with sandbox.node_bound(slots, 1):
+        assert run("print(1)").ok and os.listdir(slots) == ["slot-0"]
+    assert sandbox._node_slots is None

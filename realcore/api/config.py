@@ -248,7 +248,7 @@ class RolloutConfig(_Strict):
     max_concurrent_rollouts: int = Field(16, gt=0, description="rollouts in flight across all rollout workers")
     max_concurrent_tool_calls: int = Field(
         16, gt=0, description="tool-sandbox calls (run_python, e.g. math-tool's) running at once on one node, across "
-        "all of the run's processes there (rollout workers; the generate MFC in sync mode): each call holds one of this "
+        "all of the run's processes there (rollout workers, evaluation, the generate MFC in sync mode): each call holds one of this "
         "many flock'ed slot files under OUTPUT_DIR/sandbox_slots/HOST while it runs, so their memory is at most this "
         "many x max_procs x mem_mb; a call that finds no free slot within 60 s returns the error \"busy\" to its agent")
     routing: Literal["round_robin", "least_requests"] = Field(

@@ -34,9 +34,6 @@ class Generate:
         self.workflow = make_workflow(cfg.rollout.workflow, cfg.rollout.workflow_kwargs)
         self.keys = workflow_keys(cfg.rollout.workflow)
         self.runner: RewardRunner | None = None  # started on first use
-        from realcore.workflows import sandbox
-
-        sandbox.bound_node_calls(sandbox.node_slots_folder(cfg.output_dir), cfg.rollout.max_concurrent_tool_calls)
 
     @classmethod
     def check_config(cls, cfg, mfc) -> None:
@@ -48,6 +45,13 @@ class Generate:
             raise ValueError(f"outputs {extra} are not produced by workflow {cfg.rollout.workflow!r} (it declares {list(keys)})")
 
     def run(self, model, batch: SequenceSample):
+        from realcore.workflows import sandbox
+
+        # Tool calls share the node's bound with the other processes of the run (docs/tools.md).
+        with sandbox.node_bound(sandbox.node_slots_folder(self.cfg.output_dir), self.cfg.rollout.max_concurrent_tool_calls):
+            return self._run(model, batch)
+
+    def _run(self, model, batch: SequenceSample):
         import torch
 
         from realcore.workflows.engines import BatchingEngine, run_batched

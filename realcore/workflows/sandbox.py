@@ -23,6 +23,7 @@ This file is also the wrapper's script, so it imports nothing but the standard l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import fcntl
 import json
@@ -104,6 +105,18 @@ def bound_node_calls(folder: str, n: int) -> None:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"bound_node_calls: n={n!r} must be an int >= 1")
     _node_slots = (folder, n)  # the folder is made at the first call: most runs make none
+
+
+@contextlib.contextmanager
+def node_bound(folder: str, n: int):
+    """bound_node_calls for the calls inside the block (evaluation); the previous bound after it."""
+    global _node_slots
+    before = _node_slots
+    bound_node_calls(folder, n)
+    try:
+        yield
+    finally:
+        _node_slots = before
 
 
 async def _take_slot(folder: str, n: int) -> int | None:
