@@ -14,7 +14,8 @@ Each round: train one step -> update -> the server samples (temperature 1, retur
 fixed prompts -> the trainer recomputes the same tokens' log-probs (engine.logprobs of prompt +
 output, temperature 1) -> max |server - trainer| <= 1e-3. The trainer's recomputation with the
 previous weights must differ from the server's by far more (mean > 0.05), so a server that kept
-its old weights fails.
+its old weights fails. The same check holds for a run's server SIGKILLed mid-run and restarted in
+place: against the checkpoint of the version it reports, and not the initial weights.
 """
 
 from __future__ import annotations
