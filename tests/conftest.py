@@ -39,8 +39,18 @@ def skip_unless_ci(reason: str) -> None:
     which installs them all) a missing one is a failure, so a broken install cannot pass as skips."""
     if os.environ.get("REALCORE_CI") == "1":
         pytest.fail(f"CI installs this, but: {reason}")
-    pytest.skip(reason)
+    pytest.skip(reason, allow_module_level=True)
 
+
+def import_unless_ci(module: str, reason: str):
+    """`pytest.importorskip` for a package CI installs: the module, or a skip here and a failure
+    under CI (a module-level call fails the file's collection there)."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        skip_unless_ci(f"{reason} ({e})")
 
 
 def _processes_of(path: str) -> list:

@@ -111,8 +111,11 @@ def test_weight_update_bench_quick():
     assert set(rows) == {"disk", "memory", "broadcast", "disk, no pause", "memory, no pause", "disk, in flight",
                          "memory, in flight", "broadcast, in flight"}, proc.stdout
     for method, (update_s, resume_s, partial, prefill, _) in rows.items():
-        # an update without a pause stalls the engine only for its swap: under 5 ms for the tiny model
-        assert (update_s == "-" if method == "broadcast, in flight" else float(update_s) >= 0)
+        # An update without a pause stalls the engine only for its swap, inside the whole update (a
+        # bound in ms would flake on a shared 2-core CI machine; this property cannot).
+        assert (update_s == "-") == (method == "broadcast, in flight"), rows
+        if "no pause" in method or ("in flight" in method and update_s != "-"):
+            assert 0 <= float(resume_s) <= float(update_s), (method, rows)
         assert float(resume_s) > 0 or "no pause" in method or "in flight" in method
         if "in flight" in method:  # nothing interrupted (the bench checks that requests went on across it)
             assert int(partial) == int(prefill) == 0, rows

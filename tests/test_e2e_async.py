@@ -1,11 +1,14 @@
 """End-to-end asynchronous PPO: 2 generation servers (built-in engine, SGLang's HTTP API), their
 manager, 2 rollout workers streaming trajectories, 2 model workers (DP=2 over gloo), the master.
-Real processes, sockets and HTTP. The staleness bound is asserted from metrics.jsonl."""
+Real processes, sockets and HTTP. The staleness bound is asserted from metrics.jsonl; a rollout held
+past it by a test workflow is dropped at the stream (or trained, with rollout.drop_stale=false), and
+a workflow whose every episode fails stops the run."""
 
 import json
 import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -14,13 +17,17 @@ from test_e2e_sync import assert_all_gone, assert_clean_logs
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_async(tmp_path, *overrides, steps=4):
+def async_cmd(tmp_path, *overrides, steps=4):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "realcore.launch", "experiment=async-ppo-math", "eval.freq_steps=null", "model=tiny", "dataset=tiny-arith",
+    return out, [sys.executable, "-m", "realcore.launch", "experiment=async-ppo-math", "eval.freq_steps=null", "model=tiny", "dataset=tiny-arith",
            "allocation_mode=local.d2p1t1+d2p1t1", "rollout.n_workers=2", f"trainer.total_steps={steps}",
            "trainer.batch_size=4", "generation.n_samples=2", "generation.max_new_tokens=8",
            "actor.optimizer.lr=1e-3", f"output_dir={out}", f"model.cache_dir={tmp_path}/cache",
            f"system.name_resolve.root={tmp_path}/nr", *overrides]
+
+
+def run_async(tmp_path, *overrides, steps=4):
+    out, cmd = async_cmd(tmp_path, *overrides, steps=steps)
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     metrics = [json.loads(x) for x in open(out / "metrics.jsonl")]
@@ -43,6 +50,65 @@ def test_async_ppo_math_respects_the_staleness_bound(tmp_path, eta):
         assert all(m["staleness/head"] == 0 and m["staleness/interrupted_frac"] == 0 for m in metrics)
     assert metrics[-1]["version"] == len(metrics)
     assert os.path.exists(out / "checkpoints" / f"step_{len(metrics)}" / "model.safetensors")
+
+
+# Workflows of the tests below, imported by every process of the run (`imports=[h_test_workflows]`).
+TEST_WORKFLOWS = textwrap.dedent('''
+    import asyncio, json, os, time
+    from realcore.api.registry import register_workflow
+    from realcore.workflows.math import math_single_step
+
+    @register_workflow("slow-first-episode")
+    async def slow_first_episode(engine, data):
+        """The first episode of each rollout worker (its engine's rid: r{worker}-{seq}-{attempt})
+        generates (its first token: version 0), then holds its group until the trainer is past
+        version 2, so it arrives stale for eta 1."""
+        group = await math_single_step(engine, data)
+        if engine.rid.split("-")[1] == "0":
+            metrics, deadline = os.path.join(os.environ["H_TESTS_OUT"], "metrics.jsonl"), time.monotonic() + 300
+            while time.monotonic() < deadline and not (
+                    os.path.exists(metrics) and sum(1 for _ in open(metrics)) >= 3):
+                await asyncio.sleep(0.1)
+        return group
+
+    @register_workflow("always-raises")
+    async def always_raises(engine, data):
+        await engine.agenerate(data["prompt_ids"])
+        raise ValueError("a broken workflow")
+''')
+
+
+def with_test_workflows(tmp_path, monkeypatch):
+    (tmp_path / "h_test_workflows.py").write_text(TEST_WORKFLOWS)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p))
+    monkeypatch.setenv("H_TESTS_OUT", str(tmp_path / "run"))
+    return "imports=[h_test_workflows]"
+
+
+@pytest.mark.parametrize("drop_stale", [True, False])
+def test_a_rollout_that_arrives_stale_is_dropped_at_the_stream(tmp_path, monkeypatch, drop_stale):
+    """Each rollout worker's first group is held until version 3 (it started at 0; eta 1). With
+    rollout.drop_stale the stream drops both, counted in staleness/dropped, and every trained batch
+    stays within eta; without, none is dropped and they are trained, staler than eta."""
+    out, metrics = run_async(tmp_path, with_test_workflows(tmp_path, monkeypatch), "rollout.workflow=slow-first-episode",
+                             "rollout.max_head_offpolicyness=1", f"rollout.drop_stale={str(drop_stale).lower()}", steps=6)
+    dropped = sum(m["staleness/dropped"] for m in metrics)
+    if drop_stale:
+        assert dropped >= 2 and all(m["staleness/head"] <= 1 for m in metrics), metrics
+    else:
+        assert dropped == 0 and max(m["staleness/head"] for m in metrics) >= 2, metrics
+
+
+def test_every_episode_failing_stops_the_run(tmp_path, monkeypatch):
+    """README: a failing episode is retried, then dropped and counted; if every episode fails from
+    the start, the rollout worker stops the run with that error (exit 1, the worker named)."""
+    out, cmd = async_cmd(tmp_path, with_test_workflows(tmp_path, monkeypatch), "rollout.workflow=always-raises",
+                         "rollout.episode_retries=0", "rollout.max_concurrent_rollouts=8", steps=4)
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "rollout_worker/" in r.stderr and "all failed" in r.stderr, r.stderr[-3000:]
+    assert not os.path.exists(out / "metrics.jsonl") or not open(out / "metrics.jsonl").read()
+    assert_all_gone(str(out))
 
 
 def test_in_memory_weight_update(tmp_path):

@@ -12,7 +12,9 @@ import sys
 
 import pytest
 
-pytest.importorskip("megatron.core")
+from conftest import import_unless_ci  # noqa: E402
+
+import_unless_ci("megatron.core", "pip install -e '.[megatron]'")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MEGATRON = ["experiment=ppo-math", "model=tiny", "actor.backend=megatron"]

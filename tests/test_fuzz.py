@@ -34,6 +34,7 @@ import psutil
 import pytest
 import zmq
 
+from conftest import skip_unless_ci
 from loopback_capture import LoopbackCapture, zmtp_messages
 from test_e2e_sync import assert_all_gone, wait_for_metrics
 
@@ -41,7 +42,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 100_000  # never reached: the test ends the run after the fuzz
 MAX_MESSAGE_BYTES = 32 * 2**20
 MALFORMED_PER_SOCKET = 600
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="capturing loopback packets needs root (CI runs as root)")
+if os.geteuid() != 0:
+    skip_unless_ci("capturing loopback packets needs root (CI runs as root)")
 
 
 def launch(out: str, cache: str) -> subprocess.Popen:

@@ -10,7 +10,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-pytest.importorskip("megatron.core")
+from conftest import import_unless_ci  # noqa: E402
+
+import_unless_ci("megatron.core", "pip install -e '.[megatron]'")
 from safetensors.torch import load_file  # noqa: E402
 from test_megatron_engine import STEPS, _data, _free_port, _loss_fn, _n_tokens, _reference_dir, init_dist  # noqa: E402
 

@@ -12,7 +12,9 @@ import os
 import pytest
 import torch
 
-pytest.importorskip("megatron.core")
+from conftest import import_unless_ci  # noqa: E402
+
+import_unless_ci("megatron.core", "pip install -e '.[megatron]'")
 pytestmark = [
     pytest.mark.gpu(2),
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (context parallel, one rank per GPU, "

@@ -12,7 +12,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-pytest.importorskip("megatron.core")
+from conftest import import_unless_ci  # noqa: E402
+
+import_unless_ci("megatron.core", "pip install -e '.[megatron]'")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from realcore.backends.megatron.cpu_compat import apply_cpu_compat  # noqa: E402

@@ -14,7 +14,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-pytest.importorskip("megatron.core")
+from conftest import import_unless_ci  # noqa: E402
+
+import_unless_ci("megatron.core", "pip install -e '.[megatron]'")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="CPU compatibility test"), pytest.mark.timeout(300)]

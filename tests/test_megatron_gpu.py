@@ -9,7 +9,9 @@ import os
 import pytest
 import torch
 
-pytest.importorskip("megatron.core")
+from conftest import import_unless_ci  # noqa: E402
+
+import_unless_ci("megatron.core", "pip install -e '.[megatron]'")
 
 pytestmark = [pytest.mark.timeout(600)]
 

@@ -13,7 +13,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-pytest.importorskip("megatron.core")
+from conftest import import_unless_ci  # noqa: E402
+
+import_unless_ci("megatron.core", "pip install -e '.[megatron]'")
 from safetensors.torch import load_file, save_file  # noqa: E402
 from test_megatron_engine import _data as batch_of  # noqa: E402
 from test_megatron_engine import _free_port, _loss_fn, _n_tokens  # noqa: E402

@@ -11,7 +11,7 @@ import time
 import uuid
 
 import pytest
-from conftest import skip_unless_ci
+from conftest import import_unless_ci, skip_unless_ci
 
 from realcore.api.config import NameResolveConfig
 from realcore.system import drops
@@ -53,7 +53,7 @@ def _serve(argv: list[str], address: str, backend: str, log_path):
 def redis_server(tmp_path_factory):
     if shutil.which("redis-server") is None:
         skip_unless_ci("redis-server is not installed (apt-get install redis-server)")
-    pytest.importorskip("redis", reason="pip install -e '.[redis]'")
+    import_unless_ci("redis", "pip install -e '.[redis]'")
     d = tmp_path_factory.mktemp("redis")
     port = _free_port()
     yield from _serve(["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
@@ -64,7 +64,7 @@ def redis_server(tmp_path_factory):
 def etcd_server(tmp_path_factory):
     if shutil.which("etcd") is None:
         skip_unless_ci("etcd is not installed (apt-get install etcd-server)")
-    pytest.importorskip("pyetcd", reason="pip install -e '.[etcd]'")
+    import_unless_ci("pyetcd", "pip install -e '.[etcd]'")
     d = tmp_path_factory.mktemp("etcd")
     client, peer = f"http://127.0.0.1:{_free_port()}", f"http://127.0.0.1:{_free_port()}"
     yield from _serve(["etcd", "--data-dir", str(d / "data"), "--listen-client-urls", client, "--advertise-client-urls",
@@ -236,7 +236,7 @@ def test_two_processes_race_put(cfg):
 
 @pytest.mark.parametrize("backend,module", [("redis", "redis"), ("etcd", "pyetcd")])
 def test_server_backends_fail_fast_naming_the_address(backend, module):
-    pytest.importorskip(module, reason=f"pip install -e '.[{backend}]'")
+    import_unless_ci(module, f"pip install -e '.[{backend}]'")
     port = _free_port()  # nothing listens there
     t0 = time.monotonic()
     with pytest.raises(ConnectionError, match=f"name_resolve\\({backend}\\): cannot reach 127.0.0.1:{port}"):

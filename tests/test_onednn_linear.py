@@ -7,9 +7,14 @@ import copy
 import pytest
 import torch
 
+from conftest import skip_unless_ci
+
 from realcore.backends import onednn_linear
 
-pytestmark = pytest.mark.skipif(not onednn_linear.available(), reason="no oneDNN in this torch build")
+# oneDNN runs on every CPU torch supports (it has generic kernels): a torch without it is a build
+# or install problem, not this CPU's, so under CI (the pinned torch wheel has it) that fails.
+if not onednn_linear.available():
+    skip_unless_ci("no oneDNN in this torch build")
 torch.set_num_threads(1)
 
 

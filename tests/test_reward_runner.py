@@ -29,6 +29,10 @@ REWARDS = textwrap.dedent('''
             pids = [os.getpid()]
             if arg == "tree":
                 pids.append(subprocess.Popen(["sleep", "1000"]).pid)
+            if arg == "setsid":  # new sessions: one a child, one orphaned by a double fork
+                pids.append(subprocess.Popen(["setsid", "sleep", "1000"]).pid)
+                out = subprocess.run(["sh", "-c", "setsid sleep 1001 >/dev/null 2>&1 & echo $!"], capture_output=True, text=True)
+                pids.append(int(out.stdout))
             with open(answer, "w") as f:
                 f.write(" ".join(map(str, pids)))
             time.sleep(1000)
@@ -136,6 +140,19 @@ def test_timeout_kills_child_and_its_processes(runner, tmp_path):
     assert runner.score(calls([("len:abc", "")])) == [RewardOutcome(3.0, None)]
 
 
+def test_timeout_kills_what_the_reward_started_in_new_sessions(runner, tmp_path):
+    """A reward that starts processes with setsid (leaving its group), one of them a double fork
+    (orphaned at once), then times out: none of them outlives the call."""
+    pid_file = tmp_path / "pids"
+    assert runner.score(calls([("hang:setsid", str(pid_file))])) == [RewardOutcome(0.0, "timeout")]
+    child, *started = map(int, pid_file.read_text().split())
+    deadline = time.monotonic() + 5  # the last kills land after the reply
+    while not all(gone(p) for p in [child, *started]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(started) == 2 and all(gone(p) for p in [child, *started])
+    assert runner.score(calls([("len:abc", "")])) == [RewardOutcome(3.0, None)]
+
+
 def test_child_exit_is_error_and_replaced(runner):
     assert runner.score(calls([("exit:", "")])) == [RewardOutcome(0.0, "error")]
     assert runner.score(calls([("len:abcd", "")])) == [RewardOutcome(4.0, None)]
@@ -179,14 +196,17 @@ def test_close_leaves_nothing(runner, tmp_path):  # last test of the shared runn
     threads = threading.active_count()
 
     async def main():  # a call in flight at close() fails rather than waits forever
-        task = asyncio.ensure_future(runner.ascore(call("hang:", str(tmp_path / "pid"))))
-        await asyncio.sleep(0.2)
+        task = asyncio.ensure_future(runner.ascore(call("hang:setsid", str(tmp_path / "pid"))))
+        deadline = time.monotonic() + 5
+        while len((tmp_path / "pid").read_text().split() if (tmp_path / "pid").exists() else ()) < 3 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         runner.close()
         with pytest.raises(RuntimeError, match="closed"):
             await task
 
     asyncio.run(main())
-    assert all(gone(p) for p in pids) and threading.active_count() == threads - 1
+    started = [int(p) for p in (tmp_path / "pid").read_text().split()[1:]]  # in sessions of their own
+    assert len(started) == 2 and all(gone(p) for p in pids + started) and threading.active_count() == threads - 1
     with pytest.raises(RuntimeError, match="closed"):
         runner.score(calls([("len:a", "")]))
 

@@ -14,7 +14,8 @@ Each round: train one step -> update -> the server samples (temperature 1, retur
 fixed prompts -> the trainer recomputes the same tokens' log-probs (engine.logprobs of prompt +
 output, temperature 1) -> max |server - trainer| <= 1e-3. The trainer's recomputation with the
 previous weights must differ from the server's by far more (mean > 0.05), so a server that kept
-its old weights fails.
+its old weights fails. The same check holds for a run's server SIGKILLed mid-run and restarted in
+place: against the checkpoint of the version it reports, and not the initial weights.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -193,3 +195,66 @@ def test_server_logprobs_equal_the_trainers_after_each_update(method, model_dir,
             weight_group.close_group(sender.group)
             call(server["http"], lambda c: c.destroy_weights_update_group(sender.group_name))
         print(f"\n{method}: " + ", ".join(f"v{v} max|diff| {e:.1e} mean move {m:.3f}" for v, e, m in seen))
+
+
+@pytest.mark.timeout(600)
+def test_a_restarted_servers_logprobs_are_the_trainers(tmp_path):
+    """A run's only generation server is SIGKILLed mid-run and restarted in place (disk update):
+    its log-probs of its own samples then equal the trainer's recomputation with the weights of the
+    version it reports (that step's checkpoint), and not the initial weights'."""
+    import time
+
+    from realcore.api.config import ExperimentConfig
+    from realcore.backends.gen_client import GenClient
+    from realcore.backends.server_launch import server_token
+    from realcore.system import keys, wire
+    from realcore.system.name_resolve import make_name_resolver
+    from test_e2e_sync import assert_all_gone, wait_for_metrics
+    from test_recovery import ASYNC, REPO, cmd, kill_when
+
+    out, cache = str(tmp_path / "run"), str(tmp_path / "cache")
+    # The tiny model's rewards are all 0 at first: the entropy bonus is what moves its weights.
+    proc = subprocess.Popen(cmd(out, "recover_mode=auto", "rollout.weight_update=disk", "trainer.total_steps=1000",
+                                "trainer.save_freq_steps=1", "ppo.entropy_coef=0.05", "actor.optimizer.lr=1e-2",
+                                cache=cache, base=ASYNC),
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        killed = kill_when(proc, out, "gen_server/0", 3)
+        cfg = ExperimentConfig.model_validate_json(open(os.path.join(out, "config.json")).read())
+        token = server_token(wire.load_secret(os.path.join(out, ".secret")), cfg.rollout.server_token)
+        resolver, deadline = make_name_resolver(cfg.system.name_resolve), time.monotonic() + 120
+        while json.load(open(os.path.join(out, "pids.json")))["gen_server/0"] == killed:  # restarted in place
+            assert proc.poll() is None and time.monotonic() < deadline, "gen_server/0 was not restarted"
+            time.sleep(0.2)
+        wait_for_metrics(out, len(open(os.path.join(out, "metrics.jsonl")).readlines()) + 2, proc)  # it serves again
+
+        async def sample_at_one_version():
+            url = json.loads(resolver.get(keys.gen_server(cfg, 0)))["http"]
+            client = GenClient(url, token=token, timeout_s=30)
+            try:
+                while True:  # the version before and after the samples: the same one throughout
+                    before = (await client.server_info())["weight_version"]
+                    replies = await asyncio.gather(*(client.generate(p, SAMPLED, rid=os.urandom(6).hex(), return_logprob=True)
+                                                     for p in PROMPTS))
+                    if (await client.server_info())["weight_version"] == before:
+                        return int(before), replies
+            finally:
+                await client.close()
+
+        version, replies = asyncio.run(asyncio.wait_for(sample_at_one_version(), 120))
+        checkpoint = os.path.join(out, "checkpoints", f"step_{version}")
+        while not os.path.exists(os.path.join(checkpoint, "model.safetensors")):  # saved after its publication
+            assert proc.poll() is None and time.monotonic() < deadline + 120, checkpoint
+            time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+    assert version > 3
+    err = (served(replies) - recompute(trainer(checkpoint, False), replies)).abs()
+    assert err.max() <= TOLERANCE, err.max()
+    (initial,) = [os.path.join(cache, d) for d in os.listdir(cache) if d.startswith("tiny-")]
+    assert (served(replies) - recompute(trainer(initial, False), replies)).abs().mean() > MIN_MOVE
+    assert_all_gone(out)

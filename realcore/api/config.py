@@ -247,6 +247,11 @@ class RolloutConfig(_Strict):
         "false: the bound holds at admission only, as in AReaL: every finished rollout is trained, a slow one possibly "
         "staler than that (staleness/head shows it), and no generation is thrown away")
     max_concurrent_rollouts: int = Field(16, gt=0, description="rollouts in flight across all rollout workers")
+    max_concurrent_tool_calls: int = Field(
+        16, gt=0, description="tool-sandbox calls (run_python, e.g. math-tool's) running at once on one node, across "
+        "all of the run's processes there (rollout workers, evaluation, the generate MFC in sync mode): each call holds one of this "
+        "many flock'ed slot files under OUTPUT_DIR/sandbox_slots/HOST while it runs, so their memory is at most this "
+        "many x max_procs x mem_mb; a call that finds no free slot within 60 s returns the error \"busy\" to its agent")
     routing: Literal["round_robin", "least_requests"] = Field(
         "least_requests", description="which generation server (of those holding the current weights) runs the next "
         "rollout: least_requests: the one with fewest rollouts in flight; round_robin: each in turn")

@@ -317,7 +317,8 @@ def _worker_main(conn, parent_pid: int) -> None:
 
 _STARTUP_TIMEOUT_S = 120.0  # first spawn imports sympy (and realcore.data's torch) in the child
 _lock = threading.Lock()  # one request at a time on the shared pipe
-_worker: dict | None = None  # {"proc", "conn", "owner_pid"}
+_worker: dict | None = None  # {"proc", "conn", "owner_pid", "ready"}
+_ready_once: int | None = None  # the pid of the process whose worker has answered "ready" once
 
 
 def _stop_worker() -> None:
@@ -330,44 +331,72 @@ def _stop_worker() -> None:
     w["conn"].close()
 
 
-def _get_worker() -> dict:
+def _start_worker() -> dict:
+    """Start a worker; it reports "ready" once sympy is imported (`_wait_ready`)."""
     global _worker
-    if _worker is not None and (_worker["owner_pid"] != os.getpid() or not _worker["proc"].is_alive()):
-        _stop_worker()  # forked copy, or the worker died (e.g. its creating thread exited: PDEATHSIG)
-    if _worker is None:
-        ctx = mp.get_context("spawn")  # never fork a process that may hold torch threads and locks
-        conn, child_conn = ctx.Pipe()
-        proc = ctx.Process(target=_worker_main, args=(child_conn, os.getpid()), name="realcore-sympy")
-        proc.start()
-        child_conn.close()
-        # Not a daemon (a daemonic caller, e.g. a pool worker, could not start one), so the stop hook
-        # is registered after start(): atexit is LIFO, and multiprocessing's own hook, registered on
-        # its first start(), would otherwise wait forever for this child.
-        atexit.unregister(_stop_worker)
-        atexit.register(_stop_worker)
-        _worker = {"proc": proc, "conn": conn, "owner_pid": os.getpid()}
-        try:
-            ready = conn.poll(_STARTUP_TIMEOUT_S) and conn.recv_bytes() == b"ready"
-        except (EOFError, OSError):  # the child crashed while importing
-            ready = False
-        if not ready:
-            _stop_worker()
-            raise RuntimeError(f"math_verify: the sympy worker failed to start within {_STARTUP_TIMEOUT_S:.0f} s")
+    ctx = mp.get_context("spawn")  # never fork a process that may hold torch threads and locks
+    conn, child_conn = ctx.Pipe()
+    proc = ctx.Process(target=_worker_main, args=(child_conn, os.getpid()), name="realcore-sympy")
+    proc.start()
+    child_conn.close()
+    # Not a daemon (a daemonic caller, e.g. a pool worker, could not start one), so the stop hook
+    # is registered after start(): atexit is LIFO, and multiprocessing's own hook, registered on
+    # its first start(), would otherwise wait forever for this child.
+    atexit.unregister(_stop_worker)
+    atexit.register(_stop_worker)
+    _worker = {"proc": proc, "conn": conn, "owner_pid": os.getpid(), "ready": False}
     return _worker
 
 
+def _wait_ready(w: dict, timeout_s: float) -> bool:
+    global _ready_once
+    if not w["ready"]:
+        try:
+            w["ready"] = w["conn"].poll(max(0.0, timeout_s)) and w["conn"].recv_bytes() == b"ready"
+        except (EOFError, OSError):  # the child crashed while importing
+            _stop_worker()
+            return False
+        if w["ready"]:
+            _ready_once = os.getpid()
+    return w["ready"]
+
+
+def _get_worker(deadline: float) -> dict | None:
+    """The worker, ready, or None when it is not ready by `deadline`. Only a process's first worker
+    may take its whole start-up (_STARTUP_TIMEOUT_S, else RuntimeError): a replacement for one that
+    was killed or died starts at once and is waited on within the call's deadline (until it is
+    ready, a comparison that needs it is False, as on a timeout)."""
+    if _worker is not None and (_worker["owner_pid"] != os.getpid() or not _worker["proc"].is_alive()):
+        _stop_worker()  # forked copy, or the worker died (e.g. its creating thread exited: PDEATHSIG)
+    w = _worker or _start_worker()
+    if _ready_once != os.getpid():
+        if not _wait_ready(w, _STARTUP_TIMEOUT_S):
+            _stop_worker()
+            raise RuntimeError(f"math_verify: the sympy worker failed to start within {_STARTUP_TIMEOUT_S:.0f} s")
+        return w
+    return w if _wait_ready(w, deadline - time.monotonic()) else None
+
+
 def symbolic_equal(a: list, b: list, timeout_s: float = 2.0) -> bool:
-    """sympy `simplify(a - b) == 0` of two parsed trees in the worker; False on timeout (worker
-    recreated) or any error."""
+    """sympy `simplify(a - b) == 0` of two parsed trees in the worker, within `timeout_s` (the
+    worker's restart after a timeout included); False on timeout (the worker is killed and a
+    replacement started at once) or any error."""
     with _lock:
-        w = _get_worker()
+        first = _ready_once != os.getpid()
+        deadline = time.monotonic() + timeout_s
+        w = _get_worker(deadline)
+        if w is None:  # the replacement is still importing sympy
+            return False
+        if first:  # the process's first start-up is not the call's: it gets its whole timeout after it
+            deadline = time.monotonic() + timeout_s
         try:
             w["conn"].send_bytes(json.dumps([a, b]).encode())
-            if w["conn"].poll(timeout_s):
+            if w["conn"].poll(max(0.0, deadline - time.monotonic())):
                 return w["conn"].recv_bytes() == b"1"
         except (EOFError, OSError):  # worker died mid-request (e.g. out of memory)
             pass
         _stop_worker()
+        _start_worker()  # imports sympy while the caller goes on
         return False
 
 

@@ -45,6 +45,13 @@ class Generate:
             raise ValueError(f"outputs {extra} are not produced by workflow {cfg.rollout.workflow!r} (it declares {list(keys)})")
 
     def run(self, model, batch: SequenceSample):
+        from realcore.workflows import sandbox
+
+        # Tool calls share the node's bound with the other processes of the run (docs/tools.md).
+        with sandbox.node_bound(sandbox.node_slots_folder(self.cfg.output_dir), self.cfg.rollout.max_concurrent_tool_calls):
+            return self._run(model, batch)
+
+    def _run(self, model, batch: SequenceSample):
         import torch
 
         from realcore.workflows.engines import BatchingEngine, run_batched

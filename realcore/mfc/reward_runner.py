@@ -3,9 +3,9 @@
 A user reward may raise, hang, or kill its process (os._exit, a segfault in C code). The runner keeps
 `n_procs` spawned children that import the user's modules once and serve calls over a pipe; one
 dispatcher thread in the parent owns them, hands calls to idle children, and enforces each call's
-deadline: a raise is an "error" and the child keeps serving; an overrun kills the child (SIGKILL to its
-process group, so whatever the reward started goes too) and starts a replacement; a dead child is an
-"error" and is replaced. Callers only wait on futures, so `ascore` holds no executor thread.
+deadline: a raise is an "error" and the child keeps serving; an overrun kills the child and every
+process it started, in its group or a session of its own (`_kill_tree`), and starts a replacement (the
+same at close); a dead child is an "error" and is replaced. Callers only wait on futures, so `ascore` holds no executor thread.
 
 The dispatcher thread also starts every child, because PR_SET_PDEATHSIG fires when the *thread* that
 created the child exits: children started from a short-lived caller thread (e.g. `asyncio.to_thread`)
@@ -64,15 +64,66 @@ def _one_line(e: BaseException) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
+# Killing a child with everything it started
+
+
+def _descendants(root: int) -> list[int]:
+    """Live (not zombie) processes descended from `root`, from /proc."""
+    children = collections.defaultdict(list)
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        state, ppid = stat[stat.rindex(b")") + 2 :].split()[:2]  # the name, in parentheses, may hold spaces
+        if state != b"Z":
+            children[int(ppid)].append(int(name))
+    found, todo = [], [root]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def _kill_tree(root: int) -> None:
+    """SIGKILL `root` and every process it started, those in a session of their own (setsid) too,
+    which its process group does not hold. `root` is stopped first so it starts no more; as a child
+    subreaper it adopts its descendants' orphans, so each look finds what the last kill left."""
+    try:
+        os.kill(root, signal.SIGSTOP)
+    except ProcessLookupError:
+        return
+    for _ in range(100):  # each round kills what the previous round's victims forked meanwhile
+        found = _descendants(root)
+        if not found:
+            break
+        for pid in found:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    try:
+        os.killpg(root, signal.SIGKILL)  # the child leads its group once it runs
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# ----------------------------------------------------------------------------------------------
 # Child process
 
 
 def _set_up_child(parent_pid: int) -> None:
-    """Die with the parent (Linux PR_SET_PDEATHSIG), name the process, lead its own process group."""
+    """Die with the parent (Linux PR_SET_PDEATHSIG), name the process, lead its own process group,
+    and adopt its orphaned descendants (a child subreaper), so `_kill_tree` finds a double fork too."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
         libc.prctl(15, ctypes.c_char_p(b"realcore-reward"), 0, 0, 0)  # PR_SET_NAME
+        libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
     except OSError:  # not Linux
         pass
     if os.getppid() != parent_pid:  # the parent died before we asked
@@ -166,10 +217,7 @@ class _Child:
         if self.killed:  # once: after the join its pid may be reused
             return
         self.killed = True
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the child leads its group once it runs
-        except (ProcessLookupError, PermissionError):
-            pass
+        _kill_tree(self.proc.pid)
         self.proc.kill()  # in case it had not reached setpgid yet
         self.proc.join(5)
         self.conn.close()

@@ -48,6 +48,7 @@ from realcore.system.protocol import (Allocate, AskServerVersion, Finish, Regist
 from realcore.system.sampler import EpochSampler
 from realcore.system.staleness import doomed, drop_bound
 from realcore.system.stream import Group, StreamPusher
+from realcore.workflows import sandbox
 
 log = logging.getLogger("realcore.rollout_worker")
 
@@ -216,6 +217,7 @@ class RolloutWorker:
         self.order = EpochSampler(len(self.samples), cfg.dataset.seed, index)
         self.workflow = make_workflow(cfg.rollout.workflow, cfg.rollout.workflow_kwargs)
         self.keys = workflow_keys(cfg.rollout.workflow)
+        sandbox.bound_node_calls(sandbox.node_slots_folder(cfg.output_dir), cfg.rollout.max_concurrent_tool_calls)
         r = cfg.reward
         self.rewards = RewardRunner(r.type, reward_modules(cfg), timeout_s=r.timeout_s, n_procs=r.n_procs)
         resolver = make_name_resolver(cfg.system.name_resolve, secret)

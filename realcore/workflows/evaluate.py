@@ -143,6 +143,14 @@ async def evaluate(cfg: ExperimentConfig, episode: Episode, make_engine: Callabl
     then are cancelled and counted as failed."""
     if not rows:
         raise ValueError("evaluate: no prompts")
+    from realcore.workflows import sandbox
+
+    with sandbox.node_bound(sandbox.node_slots_folder(cfg.output_dir), cfg.rollout.max_concurrent_tool_calls):
+        return await _evaluate(cfg, episode, make_engine, rows)
+
+
+async def _evaluate(cfg: ExperimentConfig, episode: Episode, make_engine: Callable[[GenerationConfig], RolloutEngine],
+                    rows: list[dict]) -> dict[str, float]:
     t0 = time.monotonic()
     keys = workflow_keys(cfg.rollout.workflow)
     greedy_g, sampled_g = eval_gconfigs(cfg)

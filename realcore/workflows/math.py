@@ -22,19 +22,28 @@ from realcore.api.registry import lookup, register_env, register_workflow
 from realcore.api.workflow import Completion, Env, TrajectoryBuilder
 
 
+def plain_ids(tokenizer, text: str) -> list[int]:
+    """Token ids of `text` as data, never markup: a special token's string in it (`<|im_start|>`,
+    EOS) is split into ordinary tokens, so a tool's output cannot forge a turn marker or an end."""
+    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+
+
 def observation_ids(tokenizer, text: str, *, chat: bool) -> list[int]:
     """Token ids of an observation that follows a model turn. chat: a user turn and the next
-    assistant prompt, as the chat template writes them after an assistant message."""
+    assistant prompt, as the chat template writes them after an assistant message. The
+    observation itself is plain text (`plain_ids`); only the template's own markers are special."""
     if not chat:
-        return list(tokenizer.encode(text, add_special_tokens=False))
+        return plain_ids(tokenizer, text)
+    slot = "OBSERVATION_SLOT"
     turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "MODEL_TURN"}]
-    full = tokenizer.apply_chat_template(turns + [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+    full = tokenizer.apply_chat_template(turns + [{"role": "user", "content": slot}], add_generation_prompt=True, tokenize=False)
     cut = full.index("MODEL_TURN") + len("MODEL_TURN")
-    tail = full[cut:]
+    before, _, after = full[cut:].partition(slot)
     eos = tokenizer.eos_token or ""
-    if eos and tail.startswith(eos):  # the model's turn ended with EOS: it is in the sequence already
-        tail = tail[len(eos):]
-    return list(tokenizer.encode(tail, add_special_tokens=False))
+    if eos and before.startswith(eos):  # the model's turn ended with EOS: it is in the sequence already
+        before = before[len(eos):]
+    markup = lambda s: list(tokenizer.encode(s, add_special_tokens=False))  # noqa: E731
+    return markup(before) + plain_ids(tokenizer, text) + markup(after)
 
 
 def _prompt_text(engine, data: dict) -> str:

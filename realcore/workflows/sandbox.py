@@ -23,7 +23,9 @@ This file is also the wrapper's script, so it imports nothing but the standard l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
+import fcntl
 import json
 import math
 import os
@@ -40,6 +42,7 @@ _NOFILE = 256
 _ERR_TAIL_BYTES = 8192  # of stderr only the tail is kept: the exception's line is last
 _ERR_LIMIT_BYTES = 1 << 20  # more stderr than this is runaway output: the call is stopped
 _STOP_GRACE_S = 2.0  # after SIGTERM, the wrapper's time to kill init before SIGKILL to its group
+_SLOT_WAIT_S = 60.0  # a call that finds every node slot taken this long returns error "busy"
 _NOBODY = 65534  # uid/gid of "nobody" (the kernel's overflow id): root's tool code runs as this
 
 # <linux/sched.h>, <linux/mount.h>, <linux/prctl.h>
@@ -59,7 +62,7 @@ class SandboxResult:
 
     output: str  # stdout (+ stderr's last line on an error), at most max_output_chars
     ok: bool  # the code exited with status 0 (and was not stopped)
-    error: str | None  # None, "timeout", "cpu", "memory", "output too long", "exit N", "signal N"
+    error: str | None  # None, "timeout", "cpu", "memory", "output too long", "exit N", "signal N", "busy"
 
 
 async def run_python(code: str, *, cpu_s: float = 2, wall_s: float = 5, mem_mb: int = 256,
@@ -69,8 +72,73 @@ async def run_python(code: str, *, cpu_s: float = 2, wall_s: float = 5, mem_mb: 
     cpu_s: CPU seconds of each process (RLIMIT_CPU, rounded up to whole seconds); wall_s: wall clock
     of the whole call; mem_mb: address space of each process (RLIMIT_AS); max_procs: processes and
     threads of the call, the tool's interpreter included (RLIMIT_NPROC in its own user namespace).
-    Raises RuntimeError when the machine cannot isolate the code (no namespaces)."""
+    Raises RuntimeError when the machine cannot isolate the code (no namespaces). Under
+    `bound_node_calls` the call first waits for a node slot (up to 60 s, else error "busy")."""
     data = _check_args(code, cpu_s, wall_s, mem_mb, max_output_chars, max_procs)
+    if _node_slots is None:
+        return await _run(data, cpu_s, wall_s, mem_mb, max_output_chars, max_procs)
+    slot = await _take_slot(*_node_slots)
+    if slot is None:
+        return SandboxResult("", False, "busy")
+    try:
+        return await _run(data, cpu_s, wall_s, mem_mb, max_output_chars, max_procs)
+    finally:
+        os.close(slot)  # releases the flock
+
+
+# (folder, n) of this process's node-wide bound, set by bound_node_calls; None: unbounded.
+_node_slots: tuple[str, int] | None = None
+
+
+def node_slots_folder(output_dir: str) -> str:
+    """Where a run's processes on this host keep their slot files (one folder per host, so a
+    shared output dir bounds each node, not the cluster)."""
+    return os.path.join(output_dir, "sandbox_slots", os.uname().nodename)
+
+
+def bound_node_calls(folder: str, n: int) -> None:
+    """From now on each run_python call of this process holds one of `n` slot files in `folder`
+    (an exclusive flock) while it runs: the processes of a node that name the same folder run at
+    most n calls at once, so their memory is bounded by n x (max_procs x mem_mb), not by their
+    number. A process that dies releases its slots with its file descriptors."""
+    global _node_slots
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"bound_node_calls: n={n!r} must be an int >= 1")
+    _node_slots = (folder, n)  # the folder is made at the first call: most runs make none
+
+
+@contextlib.contextmanager
+def node_bound(folder: str, n: int):
+    """bound_node_calls for the calls inside the block (evaluation); the previous bound after it."""
+    global _node_slots
+    before = _node_slots
+    bound_node_calls(folder, n)
+    try:
+        yield
+    finally:
+        _node_slots = before
+
+
+async def _take_slot(folder: str, n: int) -> int | None:
+    """A locked slot file's descriptor, or None when none was free within _SLOT_WAIT_S."""
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + _SLOT_WAIT_S
+    while True:
+        first = int.from_bytes(os.urandom(2), "little") % n  # processes start apart: fewer failed tries
+        for i in range(n):
+            fd = os.open(os.path.join(folder, f"slot-{(first + i) % n}"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd
+            except BlockingIOError:
+                os.close(fd)
+        if loop.time() >= deadline:
+            return None
+        await asyncio.sleep(0.02)
+
+
+async def _run(data: bytes, cpu_s, wall_s, mem_mb, max_output_chars, max_procs) -> SandboxResult:
     args = {"parent": os.getpid(), "cpu_s": math.ceil(cpu_s), "mem_mb": mem_mb, "max_procs": max_procs}
     status_r, status_w = os.pipe()
     try:
