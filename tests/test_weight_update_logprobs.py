@@ -221,8 +221,9 @@ def test_a_restarted_servers_logprobs_are_the_trainers(tmp_path):
     try:
         killed = kill_when(proc, out, "gen_server/0", 3)
         cfg = ExperimentConfig.model_validate_json(open(os.path.join(out, "config.json")).read())
-        token = server_token(wire.load_secret(os.path.join(out, ".secret")), cfg.rollout.server_token)
-        resolver, deadline = make_name_resolver(cfg.system.name_resolve), time.monotonic() + 120
+        secret = wire.load_secret(os.path.join(out, ".secret"))
+        token = server_token(secret, cfg.rollout.server_token)
+        resolver, deadline = make_name_resolver(cfg.system.name_resolve, secret), time.monotonic() + 120
         while json.load(open(os.path.join(out, "pids.json")))["gen_server/0"] == killed:  # restarted in place
             assert proc.poll() is None and time.monotonic() < deadline, "gen_server/0 was not restarted"
             time.sleep(0.2)
