@@ -341,6 +341,7 @@ def push_weights(
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     wire.set_max_size(sock, endpoint.limits.max_control_message_bytes)
+    wire.secure(sock, secret, server=False, limits=endpoint.limits)
     sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only on a live connection: POLLOUT means one is up
     sock.setsockopt(zmq.SNDTIMEO, int(connect_timeout_s * 1000))  # should it drop before the send
     monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
