@@ -374,10 +374,16 @@ class _HandshakeWatch:
         self._lock = threading.Lock()
         self._new: list[tuple[zmq.Socket, str]] = []
         self._thread: threading.Thread | None = None
+        self._ids = itertools.count()
 
     def watch(self, sock: zmq.Socket, socket: str) -> None:
-        monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED | zmq.EVENT_MONITOR_STOPPED)
+        # A unique address: pyzmq's get_monitor_socket names it after the socket's fd, which a new
+        # socket reuses while the closed one's monitor may still hold that name ("Address in use").
+        address = f"inproc://realcore-handshakes-{next(self._ids)}"
+        sock.monitor(address, _HANDSHAKE_FAILED | zmq.EVENT_MONITOR_STOPPED)
+        monitor = sock.context.socket(zmq.PAIR)
         monitor.setsockopt(zmq.LINGER, 0)
+        monitor.connect(address)
         with self._lock:
             self._new.append((monitor, socket))
             if self._thread is None:
