@@ -22,7 +22,6 @@ import sys
 import threading
 import time
 
-import psutil
 import zmq
 
 from test_e2e_sync import assert_all_gone, wait_for_metrics
