@@ -117,6 +117,7 @@ def _serve(assign: list, secret: bytes, root: str, spec: dict, out_q) -> None:
         for index, key in assign:
             s = ctx.socket(zmq.ROUTER)
             s.setsockopt(zmq.LINGER, 1000)
+            wire.secure(s, secret, server=True, limits=wire.Limits.of())  # as a worker's (no handshake monitor)
             port = s.bind_to_random_port("tcp://127.0.0.1")  # loopback only
             addr = f"tcp://127.0.0.1:{port}"
             workers[s] = _SimWorker(index)

@@ -7,7 +7,8 @@ loopback and the same with raw frames (the same ZeroMQ calls without msgpack, en
 floor the wire's own work adds to), tensor transfer at 1 MB and 64 MB (sender -> peer, timed until
 the peer's application ack arrives) and the same sizes as raw ZeroMQ frames (zero-copy on both
 sides, no msgpack, no MAC: what the tcp transport alone allows), beside a single-process memcpy, the wire MAC (keyed BLAKE3) and HMAC-SHA256 alone for the same
-sizes.
+sizes. Rows are without CURVE (system.wire_curve=false) unless they say "CURVE": those repeat the
+round trip and the transfers with CURVE on both sockets (the default in a run).
 """
 
 import hashlib
@@ -38,12 +39,17 @@ def _pin(cpus) -> None:
         os.sched_setaffinity(0, cpus)
 
 
-def _peer(addr: str, secret: bytes, cpus=None) -> None:
+def _limits(curve: bool) -> wire.Limits:
+    return wire.Limits(1 << 30, 1 << 20, 30.0, 16, curve)
+
+
+def _peer(addr: str, secret: bytes, cpus=None, curve: bool = False) -> None:
     """Echo pings; ack tensors with their size; exit on 'stop'."""
     _pin(cpus)
     torch.set_num_threads(1)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
+    wire.secure(sock, secret, server=False, limits=_limits(curve))
     sock.connect(addr)
     ep = wire.Endpoint(secret, "bench-peer", socket="bench", address=PEER)
     try:
@@ -178,18 +184,21 @@ def bench_local(nbytes: int, reps: int) -> tuple[float, float, float]:
     return tuple(statistics.median(r[1:]) for r in (pre, fresh, mac, sha))
 
 
-def run_pair(secret: bytes, cpus=None, transfers: bool = True):
+def run_pair(secret: bytes, cpus=None, transfers: bool = True, curve: bool = False, raw: bool = True):
     """(control round trips, raw round trips, {label: GB/s}, {label: raw GB/s}) between this
-    process and a peer, both on `cpus` (None: wherever the scheduler puts them)."""
+    process and a peer, both on `cpus` (None: wherever the scheduler puts them); `curve`: both
+    sockets CURVE (wire.secure), as in a run by default; `raw`: measure raw frames too."""
     before = os.sched_getaffinity(0)
     _pin(cpus)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
+    wire.secure(sock, secret, server=True, limits=_limits(curve))
     port = sock.bind_to_random_port("tcp://127.0.0.1")
-    peer = mp.get_context("spawn").Process(target=_peer, args=(f"tcp://127.0.0.1:{port}", secret, cpus), daemon=True)
+    peer = mp.get_context("spawn").Process(target=_peer, args=(f"tcp://127.0.0.1:{port}", secret, cpus, curve),
+                                           daemon=True)
     peer.start()
     try:
-        ep = wire.Endpoint(secret, "bench", socket="bench")
+        ep = wire.Endpoint(secret, "bench", socket="bench", limits=_limits(curve))
         rtt = bench_ping(sock, ep)
         xfer = {label: bench_transfer(sock, ep, n, reps) for label, (n, reps) in SIZES.items()} if transfers else {}
         wire.send(sock, {"op": "stop"}, endpoint=ep, to=PEER)
@@ -200,11 +209,11 @@ def run_pair(secret: bytes, cpus=None, transfers: bool = True):
             peer.kill()
         sock.close(linger=0)
     try:
-        raw, raw_xfer = bench_raw(ctx, cpus, transfers)
+        raw_rtt, raw_xfer = bench_raw(ctx, cpus, transfers) if raw else ([], {})
     finally:
         ctx.term()
         os.sched_setaffinity(0, before)
-    return rtt, raw, xfer, raw_xfer
+    return rtt, raw_rtt, xfer, raw_xfer
 
 
 def main() -> None:
@@ -219,6 +228,7 @@ def main() -> None:
     # message, whose cost on this VM varies from run to run more than the wire's own work.
     one = {min(os.sched_getaffinity(0))}
     rtt1, raw1, _, _ = run_pair(secret, one, transfers=False)
+    rtt_c, _, xfer_c, _ = run_pair(secret, curve=True, raw=False)
     local = {label: bench_local(n, reps) for label, (n, reps) in SIZES.items()}
 
     us = [t * 1e6 for t in rtt]
@@ -233,9 +243,13 @@ def main() -> None:
     print(f"| control round trip, median, both processes on one core (cpu {min(one)}) "
           f"| {statistics.median(rtt1) * 1e6:.0f} us |")
     print(f"| raw frames round trip, median, both processes on one core | {statistics.median(raw1) * 1e6:.0f} us |")
+    us_c = [t * 1e6 for t in rtt_c]
+    print(f"| CURVE: control round trip, median | {statistics.median(us_c):.0f} us |")
+    print(f"| CURVE: control round trip, p99 | {_percentile(us_c, 0.99):.0f} us |")
     for label in SIZES:
         pre, fresh, mac, sha = local[label]
         print(f"| tensor {label} over tcp, sender -> ack (median) | {xfer[label]:.2f} GB/s |")
+        print(f"| CURVE: tensor {label} over tcp, sender -> ack (median) | {xfer_c[label]:.2f} GB/s |")
         print(f"| raw {label} over tcp, zero-copy both sides, no msgpack, no MAC (ZeroMQ's ceiling) "
               f"| {raw_xfer[label]:.2f} GB/s |")
         print(f"| memcpy {label}, copy_ into preallocated | {pre:.2f} GB/s |")

@@ -64,6 +64,7 @@ def test_malformed_bodies_are_dropped_and_counted(pair):
     dropped at the I/O thread, like a forged message; the worker keeps serving."""
     server, pool = pair
     sock = zmq.Context.instance().socket(zmq.DEALER)
+    wire.secure(sock, SECRET, server=False, limits=wire.Limits.of())  # past CURVE: the run's keys
     sock.connect(server.address)
     client = wire.Endpoint(SECRET, "tester", socket="test")
     for body in ({"first_id": 1}, {"first_id": 1, "n": 2, "evil": 3}, {"first_id": "x", "n": 2}):
@@ -80,6 +81,7 @@ def test_malformed_bodies_are_dropped_and_counted(pair):
 def test_forged_message_dropped_and_counted(pair):
     server, pool = pair
     sock = zmq.Context.instance().socket(zmq.DEALER)
+    wire.secure(sock, SECRET, server=False, limits=wire.Limits.of())  # past CURVE: the run's keys
     sock.connect(server.address)
     wire.send(sock, request(Exit(), 7), endpoint=wire.Endpoint(b"x" * 32, "forger", socket="test"), to=server.address)
     sock.send_multipart([b"garbage"])
@@ -128,6 +130,7 @@ def test_a_replayed_request_is_dropped_and_counted(pair):
     try:
         for address in (server.address, server.address, other.address):
             attacker = zmq.Context.instance().socket(zmq.DEALER)
+            wire.secure(attacker, SECRET, server=False, limits=wire.Limits.of())  # an insider (CURVE keys)
             attacker.connect(address)
             attacker.send_multipart(fetch)
             attacker.close(linger=1000)

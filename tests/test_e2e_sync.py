@@ -128,8 +128,10 @@ def _forge_and_ping(out):
         keys.model_worker(cfg, 0)))["control"]
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    secret = wire.load_secret(os.path.join(out, ".secret"))
+    wire.secure(sock, secret, server=False, limits=wire.Limits.of(cfg.system))  # the run's CURVE keys
     sock.connect(addr)
-    me = wire.Endpoint(wire.load_secret(os.path.join(out, ".secret")), "test", socket="test")
+    me = wire.Endpoint(secret, "test", socket="test")
     wire.send(sock, request(Exit(), 1), endpoint=wire.Endpoint(b"not-the-secret" * 3, "forger", socket="test"), to=addr)
     wire.send(sock, request(Ping(), -99), endpoint=me, to=addr)
     _, header, _ = wire.recv(sock, endpoint=me, timeout_s=10)

@@ -20,11 +20,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 40  # tiny steps take ~0.2 s: the run goes on for seconds after the injection, so heartbeats report it
 
 
-def send(address: str, messages: list[list[bytes]]) -> None:
-    """Each message on a new connection, as someone other than the run's processes."""
+def send(address: str, messages: list[list[bytes]], secret: bytes) -> None:
+    """Each message on a new connection, as someone other than the run's processes (but with the
+    run's CURVE keys: an insider; tests/test_hostile_wire.py sends as an outsider)."""
+    from realcore.system import wire
+
     for frames in messages:
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 2000)
+        wire.secure(sock, secret, server=False, limits=wire.Limits.of())
         sock.connect(address)
         sock.send_multipart(frames)
         sock.close()
@@ -77,25 +81,25 @@ def test_every_dropped_message_is_counted_in_the_metrics(tmp_path, monkeypatch):
         for process, rec in records.items():
             a = rec["control"]
             ping = me.seal(request(Ping(), -7), to=a)
-            send(a, [ping, ping, ping, ping])  # the first is answered, then 3 replays
-            send(a, [me.seal(request(Ping(), -8), to="tcp://127.0.0.1:1")] * 2)  # misaddressed, twice
-            send(a, [forger.seal(request(Ping(), -9), to=a)] * 2)
-            send(a, [wire.encode(request(Ping(), -10), [], secret), stale[a]])
-            send(a, [me.seal({"cmd": 999, "rid": 1, "body": {}}, to=a)])
+            send(a, [ping, ping, ping, ping], secret)  # the first is answered, then 3 replays
+            send(a, [me.seal(request(Ping(), -8), to="tcp://127.0.0.1:1")] * 2, secret)  # misaddressed, twice
+            send(a, [forger.seal(request(Ping(), -9), to=a)] * 2, secret)
+            send(a, [wire.encode(request(Ping(), -10), [], secret), stale[a]], secret)
+            send(a, [me.seal({"cmd": 999, "rid": 1, "body": {}}, to=a)], secret)
             for reason, n in (("replay", 3), ("misaddressed", 2), ("mac", 2), ("malformed", 1), ("stale", 1), ("body", 1)):
                 expect(process, "control", reason, n)
             if "data" in rec:
                 d = rec["data"]
                 ask = me.seal({"rid": 1, "items": []}, to=d)
                 send(d, [ask, ask, ask, forger.seal({"rid": 2, "items": []}, to=d), stale[d],
-                         me.seal({"rid": 3}, to=d)])
+                         me.seal({"rid": 3}, to=d)], secret)
                 for reason, n in (("replay", 2), ("mac", 1), ("stale", 1), ("body", 1)):
                     expect(process, "data", reason, n)
             if "stream" in rec:
                 s = rec["stream"]
                 bad_group = {"group": 1, "keys": list(TRAJECTORY_KEYS), "uid": "r9:9", "grant": 999}
                 send(s, [me.seal(bad_group, [torch.zeros(3)], to=s),  # the wire takes it, the stream refuses it
-                         me.seal(bad_group, to="tcp://127.0.0.1:1"), forger.seal(bad_group, to=s), stale[s]])
+                         me.seal(bad_group, to="tcp://127.0.0.1:1"), forger.seal(bad_group, to=s), stale[s]], secret)
                 for reason in ("body", "misaddressed", "mac", "stale"):
                     expect(process, "stream", reason, 1)
         assert proc.wait(timeout=600) == 0, open(out + ".log").read()[-3000:]

@@ -3,10 +3,15 @@
 One tiny asynchronous run (a generation server with in-memory weight updates, its manager, a
 rollout worker, two model workers, the master) is started while the loopback traffic is captured.
 Once it trains, and while it trains:
-- every captured client-to-server ZeroMQ message (requests to the model workers, the manager,
-  the streams, the weights socket) is replayed as captured, on a new connection;
-- thousands of malformed messages go to every listening ZeroMQ socket: random frames, forged
-  and flipped MACs, truncated real messages, too many frames, frames over `system.max_message_bytes`;
+- the captured ZeroMQ traffic is encrypted (CURVE, system.wire_curve): every connection's greeting
+  names CURVE, no frame of a message is in clear, and no sender name of the run's envelopes shows;
+- every captured client-to-server connection (to the model workers, the manager, the streams, the
+  weights socket) is replayed byte for byte on a new TCP connection: refused at the handshake
+  (the server's short-term keys are new), counted as `handshake`;
+- thousands of malformed messages go to every listening ZeroMQ socket from a peer holding the
+  run's CURVE keys (an insider: an outsider cannot connect, tests/test_hostile_wire.py): random
+  frames, forged and flipped MACs, truncated sealed messages, too many frames, frames over
+  `system.max_message_bytes`;
 - every HTTP endpoint of the generation server is called without the token (401) and with it and
   bad bodies (wrong types, huge and non-finite numbers, out-of-vocabulary ids, deep nesting,
   oversized bodies), also as a concurrent flood.
@@ -89,11 +94,15 @@ def rss(pids: dict[str, int]) -> dict[str, int]:
     return out
 
 
-def send_all(address: str, messages: list[list[bytes]], pause_every: int = 50) -> None:
-    """Each message on one DEALER connection (a ROUTER server sees a new peer, as an attacker)."""
+def send_all(address: str, messages: list[list[bytes]], secret: bytes, pause_every: int = 50) -> None:
+    """Each message on one DEALER connection (a ROUTER server sees a new peer), with the run's
+    CURVE keys (from `secret`): what an insider who gets past the handshake can send."""
+    from realcore.system import wire
+
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 2000)
     sock.setsockopt(zmq.SNDHWM, 0)
+    wire.secure(sock, secret, server=False, limits=wire.Limits.of())
     sock.connect(address)
     try:
         for i, frames in enumerate(messages):
@@ -105,8 +114,25 @@ def send_all(address: str, messages: list[list[bytes]], pause_every: int = 50) -
         sock.close()
 
 
+def replay_raw(address: str, stream: bytes) -> None:
+    """A captured connection's bytes, as captured, on a new TCP connection."""
+    import socket
+
+    try:
+        with socket.create_connection(("127.0.0.1", port(address)), timeout=5) as s:
+            s.settimeout(5)
+            s.sendall(stream)
+            time.sleep(0.05)  # let the server read it before the hang-up
+    except OSError:  # the server closed the connection
+        pass
+
+
+# Sender names of the run's envelopes (inside every sealed header): in clear only if unencrypted.
+CLEAR_MARKERS = (b"master#", b"model_worker/", b"rollout_worker/", b"gserver_manager#")
+
+
 def malformed(real: list[list[bytes]], rng: random.Random) -> list[list[bytes]]:
-    """Messages a receiver must drop: garbage, forged MACs, real ones truncated or flipped."""
+    """Messages a receiver must drop: garbage, forged MACs, real (sealed) ones truncated or flipped."""
     import msgpack
 
     out = []
@@ -219,25 +245,32 @@ def test_a_live_run_survives_malformed_replayed_and_oversized_input(tmp_path):
         assert {n.split(":")[1] for n in zmq_servers} >= {"control", "data", "stream", "weights"}, servers
         secret = wire.load_secret(os.path.join(out, ".secret"))
 
-        # Captured client-to-server messages, by the server socket they went to.
+        # Captured client-to-server connections, by the server socket they went to.
         by_port = {port(a): n for n, a in zmq_servers.items()}
-        captured: dict[str, list[list[bytes]]] = {}
+        captured: dict[str, list[bytes]] = {}
         for (sport, dport), stream in capture.streams().items():
-            if dport in by_port:
-                captured.setdefault(by_port[dport], []).extend(zmtp_messages(stream))
-        for name, msgs in captured.items():  # they are real, authenticated messages
-            for m in msgs[:3]:
-                wire.decode(m, secret)  # they parse with the run's secret
+            if dport in by_port and len(stream) >= 64:
+                captured.setdefault(by_port[dport], []).append(stream)
         assert {n.split(":")[1] for n in captured} >= {"control", "data", "stream"}, sorted(captured)
+        for name, streams in captured.items():  # encrypted: nothing of a message in clear
+            boxes = [f for stream in streams for m in zmtp_messages(stream) for f in m]
+            assert boxes and all(f.startswith(b"\x07MESSAGE") for f in boxes), name  # CURVE boxes only
+            for stream in streams:
+                assert stream[12:32].rstrip(b"\0") == b"CURVE", (name, stream[:64])
+                assert not [m for m in CLEAR_MARKERS if m in stream], name
 
         sent_bad: dict[str, int] = {}
         rng = random.Random(0)
+        me = wire.Endpoint(secret, "fuzzer", socket="test")
         for name, address in zmq_servers.items():
-            replays = captured.get(name, [])[:40]
-            send_all(address, replays + malformed(captured.get(name, []), rng))
+            replays = captured.get(name, [])[:20]
+            for stream in replays:
+                replay_raw(address, stream)
+            sealed = [me.seal({"cmd": 1, "rid": -i, "body": {}}, to=address) for i in range(1, 21)]
+            send_all(address, malformed(sealed, rng), secret)
             sent_bad[name] = len(replays) + MALFORMED_PER_SOCKET
         for name, address in zmq_servers.items():  # frames over the limit: refused by ZeroMQ itself
-            send_all(address, [[b"h", b"\0" * (MAX_MESSAGE_BYTES + 1), b"m"]])
+            send_all(address, [[b"h", b"\0" * (MAX_MESSAGE_BYTES + 1), b"m"]], secret)
 
         http = [a for n, a in servers.items() if n.endswith(":http")][0]
         token = server_token(secret)

@@ -578,7 +578,7 @@ def test_weight_updates_from_disk_and_memory(server, models):
         a2 = await gen(client, "w-a2")
         await asyncio.to_thread(push_weights, server["weights"], SECRET, "3", state_b, 10)
         b2 = await gen(client, "w-b2")
-        with pytest.raises(TimeoutError):  # a forged message is dropped: no answer at all
+        with pytest.raises(ConnectionError, match="CURVE handshake"):  # another secret: it cannot even connect
             await asyncio.to_thread(push_weights, server["weights"], b"x" * 32, "4", state_b, 0.5)
         with pytest.raises(RuntimeError, match="missing"):  # authenticated but incomplete: refused, nothing changed
             partial = {"lm_head.weight": state_b["model.embed_tokens.weight"]}
@@ -592,7 +592,7 @@ def test_weight_updates_from_disk_and_memory(server, models):
     assert b.output_ids != a.output_ids and b.weight_version == "1"
     assert a2.output_ids == a.output_ids and a2.weight_version == "2"
     assert b2.output_ids == b.output_ids and b2.weight_version == "3"
-    assert b3.output_ids == b.output_ids and b3.weight_version == "3" and info["dropped_weight_messages"] >= 1
+    assert b3.output_ids == b.output_ids and b3.weight_version == "3" and info["drops"].get("weights/handshake", 0) >= 1
 
 
 

@@ -436,3 +436,117 @@ def test_a_large_message_is_maced_on_several_threads_with_the_same_digest():
     assert bytes(frames[-1]) == one.digest()
     _, (t,) = wire.decode(frames, SECRET)
     assert torch.equal(t, big)
+
+
+# --- unauthenticated input: nothing parsed before the MAC, frames capped, CURVE ---------------------
+
+
+def _curve_pair(sock, limits=None):
+    """A CURVE server ROUTER (bound) and its address, and the limits used."""
+    lim = limits or wire.Limits(2**24, 2**16, 5.0, 16, True)
+    router = sock(zmq.ROUTER)
+    router.setsockopt(zmq.RCVTIMEO, 5000)
+    wire.secure(router, SECRET, server=True, limits=lim, socket="test-curve")
+    return router, f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}", lim
+
+
+def test_a_header_of_msgpack_bombs_is_hashed_not_parsed(sock):
+    """8 MiB of 0x80 (each an empty map: ~73x larger as Python objects if unpacked) as the
+    header of a zero-copy message: refused by its MAC, having cost about its own bytes."""
+    import tracemalloc
+
+    lim = wire.Limits(2**24, 2**24, 5.0, 16, False)
+    router = sock(zmq.ROUTER)
+    address = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
+    dealer = sock(zmq.DEALER)
+    dealer.connect(address)
+    dealer.send_multipart([b"\x80" * (8 << 20), b"t" * 100, b"m" * 32])
+    assert wire.readable(router, 5000)
+    before = drops.snapshot().get("test-bomb/mac", 0)
+    tracemalloc.start()
+    try:
+        with pytest.raises(wire.BadMessage, match="mac"):
+            wire.recv(router, endpoint=wire.Endpoint(SECRET, "r", socket="test-bomb", address=address, limits=lim),
+                      router=True)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 12 << 20, peak  # the frame's 8 MiB copy, not 600 MB of empty dicts
+    assert drops.snapshot()["test-bomb/mac"] == before + 1
+
+
+def test_a_message_of_too_many_frames_is_drained_and_counted(sock):
+    """100,000 empty frames to a socket that takes 16: read to the end without being kept, counted
+    as malformed; the next message on the socket is served."""
+    lim = wire.Limits(2**20, 2**16, 5.0, 16, False)
+    router = sock(zmq.ROUTER)
+    address = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
+    dealer = sock(zmq.DEALER)
+    dealer.connect(address)
+    dealer.send_multipart([b""] * 100_000)
+    client, server = _ep("client"), wire.Endpoint(SECRET, "r", socket="test-frames", address=address, limits=lim)
+    wire.send(dealer, {"n": 1}, [torch.arange(3)], endpoint=client, to=address, zero_copy=True)
+    with pytest.raises(wire.BadMessage, match="100001 frames"):  # + the routing id
+        wire.recv(router, endpoint=server, router=True, timeout_s=10)
+    assert drops.snapshot()["test-frames/malformed"] >= 1
+    _, header, (t,) = wire.recv(router, endpoint=server, router=True, timeout_s=10)
+    assert header == {"n": 1} and t.tolist() == [0, 1, 2]
+    # A control socket reads at most CONTROL_MAX_FRAMES per message, and goes on to the next.
+    dealer.send_multipart([b""] * 1000)
+    wire.send(dealer, {"n": 2}, endpoint=client, to=address)
+    assert wire.readable(router, 5000)
+    before = drops.snapshot().get("test-ctl/malformed", 0)
+    deadline = time.time() + 5
+    while (frames := wire.recv_waiting(router, "test-ctl")) is None and time.time() < deadline:
+        time.sleep(0.01)
+    assert server.open(frames, router=True)[1] == {"n": 2}
+    assert drops.snapshot()["test-ctl/malformed"] == before + 1
+
+
+def test_curve_round_trip_and_keys_from_the_secret(sock):
+    router, address, lim = _curve_pair(sock)
+    dealer = sock(zmq.DEALER)
+    wire.secure(dealer, SECRET, server=False, limits=lim)
+    dealer.connect(address)
+    client, server = _ep("client"), wire.Endpoint(SECRET, "r", socket="test-curve", address=address, limits=lim)
+    wire.send(dealer, {"x": 1}, [torch.ones(4)], endpoint=client, to=address, zero_copy=True)
+    peer, header, (t,) = wire.recv(router, endpoint=server, router=True, timeout_s=10)
+    assert header == {"x": 1} and t.tolist() == [1.0] * 4
+    wire.send(router, {"ok": True}, endpoint=server, to=peer)
+    assert wire.recv(dealer, endpoint=client, timeout_s=10)[1] == {"ok": True}
+    assert wire.curve_keys(SECRET, "server") == wire.curve_keys(SECRET, "server")
+    assert wire.curve_keys(SECRET, "server") != wire.curve_keys(b"t" * 32, "server")
+    assert wire.curve_keys(SECRET, "server") != wire.curve_keys(SECRET, "client")
+
+
+def test_curve_keeps_out_peers_without_the_secret(sock):
+    """A plain peer and a CURVE peer with another secret's keys cannot complete a handshake: what
+    they send is never delivered (8 MiB of 0x80 included), and the server counts each failure."""
+    router, address, lim = _curve_pair(sock)
+    before = drops.snapshot().get("test-curve/handshake", 0)
+    plain = sock(zmq.DEALER)
+    plain.connect(address)
+    wrong = sock(zmq.DEALER)
+    wire.secure(wrong, b"w" * 32, server=False, limits=lim)
+    wrong.connect(address)
+    for s in (plain, wrong):
+        s.send_multipart([b"\x80" * (8 << 20), b"m" * 32], copy=False)
+        s.send_multipart([b""] * 1000)
+    assert _wait_for(lambda: drops.snapshot().get("test-curve/handshake", 0) >= before + 2, 10)
+    assert not wire.readable(router, 500)  # nothing delivered
+
+
+def _wait_for(cond, timeout_s):
+    deadline = time.time() + timeout_s
+    while not cond() and time.time() < deadline:
+        time.sleep(0.02)
+    return cond()
+
+
+def test_curve_off_is_a_plain_socket(sock):
+    lim = wire.Limits(2**20, 2**16, 5.0, 16, False)
+    s = sock(zmq.ROUTER)
+    wire.secure(s, SECRET, server=True, limits=lim, socket="x")
+    assert s.getsockopt(zmq.MECHANISM) == zmq.NULL
+    wire.secure(s, SECRET, server=True, limits=wire.Limits.of(), socket=None)
+    assert s.getsockopt(zmq.MECHANISM) == zmq.CURVE

@@ -480,6 +480,16 @@ class SystemConfig(_Strict):
     max_control_message_bytes: int = Field(
         64 * 2**20, gt=0, description="largest control message (and message header) a socket accepts: control "
         "sockets carry msgpack metadata only (capped at max_message_bytes)")
+    max_message_frames: int = Field(
+        65536, ge=4, description="most frames one ZeroMQ message may have on a tensor-carrying socket (a data-plane "
+        "reply or a weight push sends one frame per tensor, e.g. one per weight of the model); a message with more "
+        "is read to its end without being kept, dropped and counted as malformed (control sockets take 8)")
+    wire_curve: bool = Field(
+        True, description="encrypt and authenticate every ZeroMQ connection with CURVE, keys derived from the run's "
+        "secret: a peer without the secret cannot complete a handshake, so it cannot make a listener read or parse "
+        "anything. false saves CURVE's cost (docs/wire.md) but lets anyone who reaches system.host connect, send "
+        "frames that are read before the MAC refuses them, and read every message (prompts, rollouts, weights) in "
+        "clear on the network")
     clock_skew_s: float = Field(
         30.0, ge=0, description="a receiver rejects messages stamped earlier than its own start minus this (replays "
         "captured before it restarted); also the clock difference between hosts that is tolerated")

@@ -341,9 +341,10 @@ def push_weights(
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     wire.set_max_size(sock, endpoint.limits.max_control_message_bytes)
+    wire.secure(sock, secret, server=False, limits=endpoint.limits)
     sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only on a live connection: POLLOUT means one is up
     sock.setsockopt(zmq.SNDTIMEO, int(connect_timeout_s * 1000))  # should it drop before the send
-    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | _HANDSHAKE_FAILED)
     try:
         sock.connect(address)
         _wait_connected(sock, monitor, address, connect_timeout_s)
@@ -371,6 +372,10 @@ def push_weights(
         raise RuntimeError(f"push_weights to {address} failed: {header.get('error')}")
 
 
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+
 def _wait_connected(sock: zmq.Socket, monitor: zmq.Socket, address: str, timeout_s: float) -> None:
     """Until `sock` (IMMEDIATE) has a live connection. Why not just wait: the address comes from a
     server that was ready, so a refused connection means it is gone, and waiting out `timeout_s`
@@ -384,6 +389,10 @@ def _wait_connected(sock: zmq.Socket, monitor: zmq.Socket, address: str, timeout
         ready = dict(poller.poll(int(left * 1000) + 1))
         if sock in ready:
             return
-        if monitor in ready and recv_monitor_message(monitor)["event"] == zmq.EVENT_CONNECT_RETRIED:
+        event = recv_monitor_message(monitor)["event"] if monitor in ready else None
+        if event is not None and event & _HANDSHAKE_FAILED:  # before the retry it causes
+            raise ConnectionError(f"push_weights: {address} refused the CURVE handshake (another run's server, "
+                                  "or one whose system.wire_curve differs)")
+        if event == zmq.EVENT_CONNECT_RETRIED:
             raise ConnectionError(f"push_weights: {address} refused the connection (nothing listens there)")
     raise ConnectionError(f"push_weights: no connection to {address} within {timeout_s:g} s")

@@ -531,6 +531,7 @@ class WeightsReceiver:
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         wire.set_max_size(self.sock, limits.max_message_bytes)  # one frame = one weight tensor
+        wire.secure(self.sock, secret, server=True, limits=limits, socket="weights")
         self.address = f"tcp://{host}:{self.sock.bind_to_random_port(f'tcp://{host}')}"
         self.endpoint = wire.Endpoint(secret, "gen_server", socket="weights", address=self.address, limits=limits)
         self.dropped = 0  # unauthenticated, unparsable or replayed messages (counted by wire too)

@@ -214,6 +214,7 @@ class NodeRelay:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         wire.set_max_size(self.sock, limits.max_control_message_bytes)
+        wire.secure(self.sock, secret, server=False, limits=limits)
         self.endpoint = wire.Endpoint(secret, f"{name}/relay", socket=self.SOCKET, limits=limits)
         self.answer = answer
         self._routes: dict[str, bytes] = {}  # worker address -> the routing id of our connection to it
@@ -319,7 +320,7 @@ class NodeRelay:
         self.answer(fwd.peer, {"rid": fwd.rid, "ok": True, "body": {"sizes": sizes, "body": body}, "error": None})
 
     def on_readable(self) -> None:
-        while (frames := wire.recv_waiting(self.sock)) is not None:
+        while (frames := wire.recv_waiting(self.sock, self.SOCKET)) is not None:
             try:
                 _, header, tensors = self.endpoint.open(frames[1:])  # counts its own drops
             except wire.BadMessage:
@@ -362,6 +363,7 @@ class ControlServer:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 1000)
         wire.set_max_size(self.sock, limits.max_control_message_bytes)
+        wire.secure(self.sock, secret, server=True, limits=limits, socket=self.SOCKET)
         port = self.sock.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
         self.endpoint = wire.Endpoint(secret, name, socket=self.SOCKET, address=self.address, limits=limits)
@@ -454,7 +456,7 @@ class ControlServer:
                     self.relay.expire(time.monotonic())
             if self.sock in events:
                 # control messages are small: copied into bytes, cheaper than zero-copy frames
-                while (frames := wire.recv_waiting(self.sock)) is not None:
+                while (frames := wire.recv_waiting(self.sock, self.SOCKET)) is not None:
                     self._handle(frames)
         while not self._out.empty():  # replies queued just before close (e.g. to EXIT) still go out
             peer, header = self._out.get()
@@ -501,6 +503,7 @@ class WorkerPool:
         self.sock.setsockopt(zmq.ROUTING_ID, f"pool-{secrets.token_hex(8)}".encode())
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send that cannot be queued raises, never vanishes
         wire.set_max_size(self.sock, self.limits.max_control_message_bytes)
+        wire.secure(self.sock, secret, server=False, limits=self.limits)
         self._route: dict[str, bytes] = {}  # worker -> the routing id of its current connection
         self._by_route: dict[bytes, str] = {}
         self._generation = itertools.count()
@@ -847,7 +850,7 @@ class WorkerPool:
             while not self._out.empty():
                 self._send_round([(worker, rid, header, self.relay_timeout_s, wrap) for worker, rid, header, wrap in self._out.get()])
             if self.sock in events:
-                while (frames := wire.recv_waiting(self.sock)) is not None:  # Socket.poll(0) builds a Poller per call
+                while (frames := wire.recv_waiting(self.sock, self.SOCKET)) is not None:  # Socket.poll(0) builds a Poller per call
                     self._on_reply(frames)
             now = time.monotonic()
             if now >= next_ping:

@@ -66,6 +66,7 @@ class DataServer:
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 1000)
         wire.set_max_size(self.sock, limits.max_control_message_bytes)  # requests are metadata only
+        wire.secure(self.sock, secret, server=True, limits=limits, socket=self.SOCKET)
         port = self.sock.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
         self.endpoint = wire.Endpoint(secret, name, socket=self.SOCKET, address=self.address, limits=limits)
@@ -121,6 +122,7 @@ class DataClient:
             s = zmq.Context.instance().socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
             wire.set_max_size(s, self.endpoint.limits.max_message_bytes)  # replies carry tensors
+            wire.secure(s, self.secret, server=False, limits=self.endpoint.limits)
             s.connect(address)
             self._socks[address] = s
         return self._socks[address]

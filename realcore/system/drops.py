@@ -6,8 +6,9 @@ Every receiver that rejects a message calls `count(socket, reason, detail)`. The
 their heartbeat Status, rollout workers in their FINISH counters, generation servers through the
 manager), which writes each step's share as `dropped/<socket>/<reason>` in metrics.jsonl.
 
-Reasons (docs/wire.md): mac, malformed, misaddressed, replay, stale (wire.py), body (a
-message the wire accepted but whose content its receiver refused).
+Reasons (docs/wire.md): mac, malformed, misaddressed, replay, stale, handshake (wire.py: a peer
+that failed the CURVE handshake), body (a message the wire accepted but whose content its
+receiver refused).
 """
 
 from __future__ import annotations

@@ -84,6 +84,7 @@ class ManagerClient:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         wire.set_max_size(self.sock, self.endpoint.limits.max_control_message_bytes)
+        wire.secure(self.sock, self.secret, server=False, limits=self.endpoint.limits)
         self.sock.connect(address)
         self.address = address
 

@@ -63,6 +63,7 @@ class TrajectoryStream:
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         wire.set_max_size(self.sock, limits.max_message_bytes)
+        wire.secure(self.sock, secret, server=True, limits=limits, socket=self.SOCKET)
         port = self.sock.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
         self.endpoint = wire.Endpoint(secret, name, socket=self.SOCKET, address=self.address, limits=limits)
@@ -141,6 +142,7 @@ class StreamPusher:
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             wire.set_max_size(sock, self.endpoint.limits.max_control_message_bytes)  # acks only
+            wire.secure(sock, secret, server=False, limits=self.endpoint.limits)
             sock.connect(address)
             self.socks.append((sock, address, asyncio.Lock()))
         self._next = itertools.cycle(range(len(self.socks)))

@@ -37,7 +37,14 @@ once, only when addressed to it, and nothing stamped before its own start minus
 dropped (`BadMessage`, counted in realcore.system.drops). docs/wire.md has the details.
 
 Sizes are bounded: receiving sockets set ZMQ_MAXMSGSIZE (per frame) from `Limits`, and a sender
-refuses a frame its receiver would drop, naming the config key.
+refuses a frame its receiver would drop, naming the config key. Nothing is parsed before the MAC:
+a receiver reads the frames of a message as they are (up to a number of frames: the rest is read
+and let go), hashes them, and only then unpacks the header.
+
+Connections: with `system.wire_curve` (the default) every socket is a ZeroMQ CURVE server (bound)
+or client (connecting), keys derived from the run's secret (`secure`): a peer without the secret
+cannot complete a handshake, so it cannot make a listener read a frame at all, and the traffic is
+encrypted. The MAC and envelope stay: they also hold between the run's own processes (replays).
 
 Zero-copy send means ZeroMQ reads the tensor's memory *after* ``send`` returns: do not modify a
 sent tensor until the peer has acknowledged it (acknowledge at the application level anyway:
@@ -61,6 +68,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import blake3
 import msgpack
 import zmq
+import zmq.utils.z85
 from zmq.backend import Socket as _RawSocket
 from zmq.backend import zmq_poll
 
@@ -83,6 +91,11 @@ REPLAY_WINDOW = 1024
 # Senders remembered per receiver; the least recently heard one is forgotten first, and anything
 # it (or any sender not heard of) stamped before its last message is then refused as stale.
 MAX_SENDERS = 4096
+# Frames one message may have on a control socket (one frame, plus a ROUTER's routing id; a few
+# more for a zero-copy message without tensors): a message with more is drained and dropped.
+CONTROL_MAX_FRAMES = 8
+_CURVE_SERVER_CONTEXT = "realcore 2026-11 wire CURVE server key"
+_CURVE_CLIENT_CONTEXT = "realcore 2026-11 wire CURVE client key"
 # Dtypes allowed on the wire, by name. A name is data, so decode() checks it against this list
 # before it looks it up in torch. torch itself is imported on the first tensor: the processes that
 # only pass control messages (launcher, master, manager) start ~2 s of CPU sooner without it.
@@ -304,18 +317,110 @@ class Limits:
     max_message_bytes: int  # a tensor frame (ZMQ_MAXMSGSIZE of tensor-carrying sockets)
     max_control_message_bytes: int  # a header (ZMQ_MAXMSGSIZE of control sockets)
     clock_skew_s: float
+    max_message_frames: int = 65536  # frames of one message on a tensor-carrying socket
+    curve: bool = True  # CURVE on every connection (secure)
 
     @classmethod
     def of(cls, system: SystemConfig | None = None) -> Limits:
         s = system if system is not None else SystemConfig()
         control = min(s.max_control_message_bytes, s.max_message_bytes)  # lowering one lowers both
-        return cls(s.max_message_bytes, control, s.clock_skew_s)
+        return cls(s.max_message_bytes, control, s.clock_skew_s, s.max_message_frames, s.wire_curve)
 
 
 def set_max_size(sock: zmq.Socket, nbytes: int) -> None:
     """ZMQ_MAXMSGSIZE: a peer that sends a larger frame is disconnected before ZeroMQ allocates
     it (the socket goes on serving the others). Set it before bind/connect."""
     sock.setsockopt(zmq.MAXMSGSIZE, int(nbytes))
+
+
+@functools.lru_cache(maxsize=16)
+def curve_keys(secret: bytes, role: str) -> tuple[bytes, bytes]:
+    """(public, secret) CURVE keys, Z85, of `role` ("server" or "client") for the run's secret. The
+    server's public key is a secret too: a client must know it to say HELLO, and it never travels
+    in clear (CurveZMQ sends only short-term keys, boxed), so it is what keeps outsiders out."""
+    context = {"server": _CURVE_SERVER_CONTEXT, "client": _CURVE_CLIENT_CONTEXT}[role]
+    sk = zmq.utils.z85.encode(blake3.blake3(secret, derive_key_context=context).digest())
+    return zmq.curve_public(sk), sk
+
+
+def secure(sock: zmq.Socket, secret: bytes, *, server: bool, limits: Limits, socket: str | None = None) -> None:
+    """Make `sock` a CURVE server (`server`: it binds) or client (it connects) with the run's keys,
+    unless `limits.curve` is off. Call it before bind/connect. A server's failed handshakes are
+    counted as drops under `socket` (its name in drop counts), reason "handshake"."""
+    if not limits.curve:
+        return
+    server_public, server_secret = curve_keys(secret, "server")
+    if server:
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, server_secret)
+        if socket is not None:
+            _handshakes.watch(sock, socket)
+    else:
+        public, key = curve_keys(secret, "client")
+        sock.setsockopt(zmq.CURVE_SERVERKEY, server_public)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, key)
+
+
+_HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+
+
+class _HandshakeWatch:
+    """One thread per process reading the monitor sockets of its CURVE servers: each failed
+    handshake (a peer without the keys) is counted in realcore.system.drops. A monitor ends (and
+    its PAIR is closed here) when its socket closes, or when the context terminates."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._new: list[tuple[zmq.Socket, str]] = []
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count()
+
+    def watch(self, sock: zmq.Socket, socket: str) -> None:
+        # A unique address: pyzmq's get_monitor_socket names it after the socket's fd, which a new
+        # socket reuses while the closed one's monitor may still hold that name ("Address in use").
+        address = f"inproc://realcore-handshakes-{next(self._ids)}"
+        sock.monitor(address, _HANDSHAKE_FAILED | zmq.EVENT_MONITOR_STOPPED)
+        monitor = sock.context.socket(zmq.PAIR)
+        monitor.setsockopt(zmq.LINGER, 0)
+        monitor.connect(address)
+        with self._lock:
+            self._new.append((monitor, socket))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="wire-handshakes", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        from zmq.utils.monitor import parse_monitor_message
+
+        watched: dict[zmq.Socket, str] = {}
+        while True:
+            with self._lock:
+                watched.update(self._new)
+                self._new.clear()
+            if not watched:
+                time.sleep(0.2)
+                continue
+            try:
+                for monitor, _ in zmq_poll([(m, _POLLIN) for m in watched], 200):
+                    event = parse_monitor_message(monitor.recv_multipart())
+                    if event["event"] == zmq.EVENT_MONITOR_STOPPED:
+                        del watched[monitor]
+                        monitor.close(0)
+                        continue
+                    drops.count(watched[monitor], "handshake",
+                                f"a peer failed the CURVE handshake ({event['endpoint'].decode(errors='replace')}, "
+                                f"event {event['event']}, value {event['value']})")
+            except zmq.ZMQError:  # the context is terminating: let the monitors go
+                for monitor in watched:
+                    monitor.close(0)
+                watched.clear()
+                with self._lock:
+                    self._thread = None
+                return
+
+
+_handshakes = _HandshakeWatch()
 
 
 class Peer(NamedTuple):
@@ -458,47 +563,57 @@ def send_frames(sock: zmq.Socket, frames: list, *, noblock: bool = False) -> Non
         _SEND(sock, f, (flags | _SNDMORE) if i < last else flags, small)
 
 
-def recv_frames(sock: zmq.Socket, *, noblock: bool = False, copy: bool = False) -> list:
+def _drain(sock: zmq.Socket, kept: int) -> BadMessage:
+    """Read the rest of a message over the frame cap without keeping it (libzmq hands over a
+    message only whole, so the rest is already here): the error to drop it with."""
+    n = kept
+    while _GET(sock, _RCVMORE):
+        _RECV(sock, 0, True)
+        n += 1
+    return BadMessage("malformed", f"a message of {n} frames, over the {kept} a message may have here")
+
+
+def recv_frames(sock: zmq.Socket, *, noblock: bool = False, copy: bool = False,
+                max_frames: int = CONTROL_MAX_FRAMES) -> list:
     """One multipart message: zmq.Frames (zero-copy) or bytes (`copy`, cheaper for small
-    messages). zmq.Again when `noblock` and none is waiting."""
+    messages). zmq.Again when `noblock` and none is waiting; BadMessage (malformed) for a message
+    of more than `max_frames` frames, read to its end and let go."""
     frames = [_RECV(sock, _NOBLOCK if noblock else 0, copy)]
     while _GET(sock, _RCVMORE):  # the rest of a multipart message has arrived with its first frame
+        if len(frames) >= max_frames:
+            raise _drain(sock, len(frames))
         frames.append(_RECV(sock, 0, copy))
     return frames
 
 
-def recv_waiting(sock: zmq.Socket) -> list[bytes] | None:
+def recv_waiting(sock: zmq.Socket, socket: str = "control") -> list[bytes] | None:
     """The next message waiting on `sock` as bytes frames, or None when there is none: asking
     ZMQ_EVENTS first, since a NOBLOCK recv on an empty socket raises zmq.Again (~10 us to build the
-    exception, at the end of every drain of a busy socket)."""
-    if not _GET(sock, _EVENTS) & _POLLIN:
-        return None
-    try:
-        return recv_frames(sock, noblock=True, copy=True)
-    except zmq.Again:
-        return None
+    exception, at the end of every drain of a busy socket). A message of more than
+    CONTROL_MAX_FRAMES frames is dropped and counted under `socket` (its name in drop counts)."""
+    while _GET(sock, _EVENTS) & _POLLIN:
+        try:
+            return recv_frames(sock, noblock=True, copy=True)
+        except zmq.Again:
+            return None
+        except BadMessage as e:
+            drops.count(socket, e.reason, e.detail)
+    return None
 
 
-def _tensor_count(head: bytes) -> int:
-    """How many tensor frames a header announces (a hint for receiving them zero-copy, read before
-    the MAC is checked; decode() checks it after), or a large number if it does not parse."""
-    try:
-        return len(msgpack.unpackb(head, raw=False, strict_map_key=False)[_META_KEY])
-    except Exception:
-        return 1 << 30
-
-
-def recv_message(sock: zmq.Socket, *, router: bool = False) -> list:
-    """One multipart message (blocking): the routing identity (`router`), header and MAC as bytes,
-    the tensor frames the header announces as zmq.Frames (zero-copy). A zmq.Frame costs far more
-    than a copy of a small frame (bench/wire.py), so only tensors are received as Frames."""
+def recv_message(sock: zmq.Socket, *, router: bool = False, max_frames: int = 65536) -> list:
+    """One multipart message (blocking), nothing in it parsed (the MAC comes first): the routing
+    identity (`router`) and the first frame (a header, or a whole one-frame message) as bytes, the
+    others (tensors, the MAC) as zmq.Frames, zero-copy. A zmq.Frame costs far more than a copy of
+    a small frame (bench/wire.py), so control messages, one frame, never make one. BadMessage
+    (malformed) for more than `max_frames` frames: the rest is read and let go."""
     frames = [_RECV(sock, 0, True)]
     if router and _GET(sock, _RCVMORE):
         frames.append(_RECV(sock, 0, True))
-    n = _tensor_count(frames[-1]) if _GET(sock, _RCVMORE) else 0
     while _GET(sock, _RCVMORE):
-        frames.append(_RECV(sock, 0, n <= 0))
-        n -= 1
+        if len(frames) >= max_frames:
+            raise _drain(sock, len(frames))
+        frames.append(_RECV(sock, 0, False))
     return frames
 
 
@@ -531,7 +646,12 @@ def recv(
         ms = max(0, math.ceil(timeout_s * 1000))
         if not readable(sock, ms):
             raise TimeoutError(f"wire.recv: no message on {what or 'socket'} within {timeout_s:g} s")
-    return endpoint.open(recv_message(sock, router=router), router=router)
+    try:
+        frames = recv_message(sock, router=router, max_frames=endpoint.limits.max_message_frames + int(router))
+    except BadMessage as e:
+        drops.count(endpoint.socket, e.reason, e.detail)
+        raise
+    return endpoint.open(frames, router=router)
 
 
 def count_dropped(socket: str, reason: str, detail: str = "") -> None:
