@@ -62,7 +62,8 @@ def test_every_dropped_message_is_counted_in_the_metrics(tmp_path, monkeypatch):
         for root, _, files in os.walk(tmp_path / "nr"):
             for f in files:
                 try:
-                    rec = json.loads(open(os.path.join(root, f)).read())
+                    # A stored entry is its MAC (hex), a newline, then the value (realcore/system/name_resolve.py).
+                    rec = json.loads(open(os.path.join(root, f)).read().split("\n", 1)[-1])
                 except ValueError:
                     continue
                 if isinstance(rec, dict) and "control" in rec:

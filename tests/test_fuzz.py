@@ -68,7 +68,8 @@ def listening(out: str) -> dict[str, str]:
     for root, _, files in os.walk(os.path.join(out, "nr")):
         for f in files:
             try:
-                rec = json.loads(open(os.path.join(root, f)).read())
+                # A stored entry is its MAC (hex), a newline, then the value (realcore/system/name_resolve.py).
+                rec = json.loads(open(os.path.join(root, f)).read().split("\n", 1)[-1])
             except (ValueError, OSError):
                 continue
             if not isinstance(rec, dict):
