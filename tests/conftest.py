@@ -1,4 +1,5 @@
 import os
+import subprocess
 
 # One thread per process: two are pathologically slow on these 2-core CPUs (see README).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -40,6 +41,16 @@ def skip_unless_ci(reason: str) -> None:
     if os.environ.get("REALCORE_CI") == "1":
         pytest.fail(f"CI installs this, but: {reason}")
     pytest.skip(reason, allow_module_level=True)
+
+
+def stop_daemon(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """End a daemon a test started (redis, etcd): SIGTERM, then SIGKILL after `grace_s`."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def import_unless_ci(module: str, reason: str):

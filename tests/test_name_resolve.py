@@ -11,7 +11,7 @@ import time
 import uuid
 
 import pytest
-from conftest import import_unless_ci, skip_unless_ci
+from conftest import import_unless_ci, skip_unless_ci, stop_daemon
 
 from realcore.api.config import NameResolveConfig
 from realcore.system import drops
@@ -41,12 +41,7 @@ def _serve(argv: list[str], address: str, backend: str, log_path):
                 time.sleep(0.1)
         yield address
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_daemon(proc)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import sys
 import time
 
 import pytest
-from conftest import skip_unless_ci
+from conftest import skip_unless_ci, stop_daemon
 
 from realcore.api.config import NameResolveConfig
 from realcore.system.name_resolve import FileNameResolver, UnsafeStoreError, make_name_resolver
@@ -147,12 +147,7 @@ def redis_with_auth(tmp_path_factory):
                 time.sleep(0.1)
         yield f"127.0.0.1:{port}", d
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_daemon(proc)
 
 
 def test_redis_credentials(redis_with_auth, monkeypatch):
@@ -268,12 +263,7 @@ def etcd_with_auth(tmp_path_factory):
         admin.authstub.AuthEnable(etcdrpc.AuthEnableRequest(), 5)
         yield f"127.0.0.1:{port}", d
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_daemon(proc)
 
 
 def test_etcd_credentials(etcd_with_auth, monkeypatch):
