@@ -16,7 +16,8 @@ import pytest
 
 import sglang_standin
 from realcore.backends.server_launch import wait_own_listener
-from realcore.launch.local import open_log, private_logs_dir, redact_line, spawn_command
+from realcore.backends.server_launch import redact_line
+from realcore.launch.local import open_log, private_logs_dir, spawn_command
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -31,6 +31,7 @@ import hmac
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -432,3 +433,23 @@ def client_for(engine: str, url: str, *, token: str | None, timeout_s: float, lo
     from realcore.backends.lora import LORA_NAME
 
     return GenClient(url, token=token, timeout_s=timeout_s, lora_name=LORA_NAME if lora and engine == "sglang" else None)
+
+
+# `api_key='...'` (SGLang's ServerArgs repr), `api-key: ...`, `--api-key X`, `api_key=X`.
+_KEY_VALUE = re.compile(rb"""(api[_-]?key['"]?\s*[=:]\s*|--api-key\s+)('[^']*'|"[^"]*"|[^\s,)]+)""", re.IGNORECASE)
+
+
+def redact_line(line: bytes, secrets: tuple[bytes, ...]) -> bytes:
+    for s in secrets:
+        line = line.replace(s, b"<redacted>")
+    return _KEY_VALUE.sub(rb"\1<redacted>", line)
+
+
+def copy_redacted(src, out, redact: tuple[str, ...]) -> None:
+    """Copy `src` (a child's output) to `out` line by line, each secret and every api_key's value
+    replaced; ends when the child and its own children have closed the pipe."""
+    secrets = tuple(s.encode() for s in redact if s)
+    with src, out:
+        for line in iter(src.readline, b""):
+            out.write(redact_line(line, secrets))
+            out.flush()

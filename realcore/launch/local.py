@@ -7,7 +7,6 @@ them in order) and SIGKILL when the launcher dies, so no process is ever left be
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from realcore.backends.server_launch import copy_redacted
 from realcore.system.process import die_with_parent
 
 
@@ -81,26 +81,6 @@ def private_logs_dir(path: str) -> None:
     for entry in os.scandir(path):
         if entry.is_file(follow_symlinks=False):
             os.chmod(entry.path, 0o600)
-
-
-# `api_key='...'` (SGLang's ServerArgs repr), `api-key: ...`, `--api-key X`, `api_key=X`.
-_KEY_VALUE = re.compile(rb"""(api[_-]?key['"]?\s*[=:]\s*|--api-key\s+)('[^']*'|"[^"]*"|[^\s,)]+)""", re.IGNORECASE)
-
-
-def redact_line(line: bytes, secrets: tuple[bytes, ...]) -> bytes:
-    for s in secrets:
-        line = line.replace(s, b"<redacted>")
-    return _KEY_VALUE.sub(rb"\1<redacted>", line)
-
-
-def copy_redacted(src, out, redact: tuple[str, ...]) -> None:
-    """Copy `src` (a child's output) to `out` line by line, each secret and every api_key's value
-    replaced; ends when the child and its own children have closed the pipe."""
-    secrets = tuple(s.encode() for s in redact if s)
-    with src, out:
-        for line in iter(src.readline, b""):
-            out.write(redact_line(line, secrets))
-            out.flush()
 
 
 def describe_exit(rc: int) -> str:

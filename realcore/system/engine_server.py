@@ -34,9 +34,8 @@ import time
 
 from realcore.api.alloc import parse_allocation_mode
 from realcore.api.config import ExperimentConfig
-from realcore.backends.server_launch import (SERVER_MEM_FRACTION, engine_available, server_command, wait_http_ready,
-                                             wait_own_listener)
-from realcore.launch.local import copy_redacted
+from realcore.backends.server_launch import (SERVER_MEM_FRACTION, copy_redacted, engine_available, server_command,
+                                             wait_http_ready, wait_own_listener)
 from realcore.system import keys
 from realcore.system.name_resolve import make_name_resolver
 from realcore.system.process import die_with_parent
