@@ -100,7 +100,7 @@ def mean_prompt_len(args) -> float:
     from realcore.api.config import DatasetConfig, ModelConfig
     from realcore.api.registry import lookup
     from realcore.backends.models import load_tokenizer, prepare_model
-    from realcore.system.plugins import load_plugins
+    from realcore.launch.plugins import load_plugins
 
     load_plugins([])
     tok = load_tokenizer(prepare_model(ModelConfig(), seed=1))

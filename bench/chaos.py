@@ -9,7 +9,7 @@ checkpoint every 2 steps) and, once the run has made progress, kills one process
 turn (generation server, rollout worker, gserver manager, model worker, master) with SIGKILL, a
 random one of its type at a random moment: the i-th once the run trained 2 + 3i steps (and
 more than when the previous kill hit). Then it checks, from the run's ledger and its final recover checkpoint
-(realcore.system.ledger.audit): exit code 0; no sequence trained twice; every step trained
+(realcore.trainer.ledger.audit): exit code 0; no sequence trained twice; every step trained
 `batch_size` groups; staleness within `max_head_offpolicyness`; no accepted rollout lost; and
 that the trainer (master and model workers) kept its process ids through every rollout-side kill.
 A run without faults gives the wall-time baseline. Prints one table (and one row per trial).
@@ -115,7 +115,7 @@ def wait_for(cond, proc, timeout_s: float) -> bool:
 
 def trial(out: str, steps: int, cache: str, rng: random.Random, kinds=KINDS, timeout_s: float = 900) -> dict:
     """Run one trial killing one process of each of `kinds` in turn; returns what happened."""
-    from realcore.system.ledger import audit
+    from realcore.trainer.ledger import audit
 
     t0 = time.monotonic()
     log = open(out + ".log", "w")

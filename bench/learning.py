@@ -155,11 +155,10 @@ def final_checkpoint(out: str) -> str | None:
 def evaluate(overrides: list[str]) -> dict[str, float]:
     """realcore.eval in this process (python -m realcore.eval would import torch again per call)."""
     from realcore import eval as rc_eval
-    from realcore.mfc.reward import reward_modules
-    from realcore.mfc.reward_runner import RewardRunner
+    from realcore.workflows.reward_runner import reward_runner_for
 
     cfg, policy, episode, rows = rc_eval.load(overrides)
-    runner = RewardRunner(cfg.reward.type, reward_modules(cfg), timeout_s=cfg.reward.timeout_s, n_procs=cfg.reward.n_procs)
+    runner = reward_runner_for(cfg)
     try:
         return rc_eval.run(cfg, policy, episode, rows, runner)
     finally:

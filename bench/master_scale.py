@@ -7,7 +7,7 @@ For each N, P simulator processes (multiprocessing spawn) each bind N/P ROUTER s
 127.0.0.1 and serve them all from ONE thread with a zmq.Poller. Each simulated worker publishes
 its address with the name resolver exactly like a model worker (key `keys.model_worker(cfg, i)`)
 and speaks `wire` (msgpack + HMAC, the run's secret) with the typed messages of
-realcore.system.protocol: it answers PING with a Status,
+realcore.transport.protocol: it answers PING with a Status,
 CONFIGURE/FETCH/RUN_MFC with metadata shaped like a real ModelWorker's replies (sequence
 lengths, no tensors; the ids in a FETCH/RUN_MFC's `clear` dropped first), CLEAR/SAVE/PUBLISH_WEIGHTS with {}, EXIT with {} (then it stops). Replies
 are instant, so a step's time is the master's own scheduling plus the wire.
@@ -79,7 +79,7 @@ def _plen(sid: int) -> int:
 
 def _commands(msg) -> set:
     """The commands a message carries: its own, or those it relays (a RELAY of RELAYs: theirs)."""
-    from realcore.system.protocol import Cmd, Relay, Split
+    from realcore.transport.protocol import Cmd, Relay, Split
 
     if isinstance(msg, Split):
         return {msg.cmd}
@@ -99,10 +99,10 @@ def _serve(assign: list, secret: bytes, root: str, spec: dict, out_q) -> None:
     """Host the workers in `assign` [(index, name-resolve key)] on one thread; report when done."""
     import zmq
 
-    from realcore.system import wire
-    from realcore.system.control import NodeRelay
-    from realcore.system.name_resolve import FileNameResolver
-    from realcore.system.protocol import (BadBody, Clear, Configure, Configured, Exit, Fetch, Fetched, MFCDone, Ping,
+    from realcore.transport import wire
+    from realcore.transport.control import NodeRelay
+    from realcore.transport.name_resolve import FileNameResolver
+    from realcore.transport.protocol import (BadBody, Clear, Configure, Configured, Exit, Fetch, Fetched, MFCDone, Ping,
                                           Relay, RunMFC, Split, Status, parse_request, reply)
 
     pid = os.getpid()
@@ -176,7 +176,7 @@ def _serve(assign: list, secret: bytes, root: str, spec: dict, out_q) -> None:
                 continue
             last_msg = now
             for s, _ in events:
-                if s in relays:  # the real relay of realcore.system.control, as a model worker runs it
+                if s in relays:  # the real relay of realcore.transport.control, as a model worker runs it
                     relays[s].on_readable()
                     continue
                 w = workers[s]
@@ -268,11 +268,11 @@ def run_one(n: int, steps: int, n_procs: int, relay_group: int, fanout: int = 8)
 
     from realcore.dfg.graph import build_graph
     from realcore.launch.config_loader import load_config
-    from realcore.system import wire
-    from realcore.system import keys as rc_keys
-    from realcore.system.batch_source import source_keys
-    from realcore.system.master import Master
-    from realcore.system.metrics import MetricsWriter
+    from realcore.transport import wire
+    from realcore.transport import keys as rc_keys
+    from realcore.trainer.batch_source import source_keys
+    from realcore.trainer.master import Master
+    from realcore.trainer.metrics import MetricsWriter
 
     tmp = tempfile.mkdtemp(prefix="rc-master-scale-")
     procs: list = []
@@ -388,7 +388,7 @@ def main() -> None:
 
     import torch
 
-    from realcore.system.plugins import load_plugins
+    from realcore.launch.plugins import load_plugins
 
     torch.set_num_threads(1)
     load_plugins([])

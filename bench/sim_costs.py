@@ -256,7 +256,8 @@ def _sim_train_engine(base):
 
 def install() -> None:
     """Replace the two engine classes in this process (what bench/sim_plugin.py does on import)."""
-    from realcore.backends import gen_server, generation, torch_engine
+    from realcore.backends.genserver import server as gen_server
+    from realcore.backends import generation, torch_engine
 
     if getattr(torch_engine.TorchEngine, "is_sim", False):
         return

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 import zmq  # noqa: E402
 
-from realcore.system import wire  # noqa: E402
+from realcore.transport import wire  # noqa: E402
 
 N_PING = 2000
 N_PING_WARMUP = 200

@@ -62,7 +62,7 @@ def load(argv: list[str]):
 
 def run(cfg, policy, episode, rows, runner) -> dict[str, float]:
     """The eval metrics (realcore.workflows.evaluate), plus the reward calls that failed."""
-    from realcore.mfc.reward_runner import RewardCall
+    from realcore.workflows.reward_runner import RewardCall
     from realcore.workflows.engines import BatchingEngine
     from realcore.workflows.evaluate import evaluate
 
@@ -94,14 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"realcore.eval: {bad[0]}: arguments are key=value config overrides (see docs/evaluation.md)", file=sys.stderr)
         return 2
-    from realcore.mfc.reward import reward_modules
-    from realcore.mfc.reward_runner import RewardRunner
     from realcore.workflows.evaluate import eval_dataset
 
     try:
         cfg, policy, episode, rows = load(argv)
-        r = cfg.reward
-        runner = RewardRunner(r.type, reward_modules(cfg), timeout_s=r.timeout_s, n_procs=r.n_procs)
+        runner = reward_runner_for(cfg)
     except KeyboardInterrupt:
         return 130
     except (ValueError, OSError) as e:  # config, model, dataset, workflow or reward: the user's to fix

@@ -164,7 +164,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def lora_serving(args: argparse.Namespace):
     """SGLang's LoRA flags -> gen_server.LoraServing, or None when LoRA is off (as SGLang,
     --lora-paths turns it on)."""
-    from realcore.backends.gen_server import LoraServing
+    from realcore.backends.genserver.server import LoraServing
 
     if not (args.enable_lora or args.lora_paths):
         return None
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s realcore.serve %(levelname)s %(message)s")
-    from realcore.backends.gen_server import is_loopback, run_server
+    from realcore.backends.genserver.server import is_loopback, run_server
 
     for name in IGNORED:
         if getattr(args, name.replace("-", "_")) not in (None, False):

@@ -250,9 +250,9 @@ def test_one_trial_in_two_output_dirs_runs_twice(tmp_path, cache):
     name-resolution store, two output_dirs: the second runs to the end beside the live first, which
     keeps its own keys and goes on training."""
     from realcore.api.config import ExperimentConfig
-    from realcore.system import keys
-    from realcore.system.name_resolve import make_name_resolver
-    from realcore.system.wire import load_secret
+    from realcore.transport import keys
+    from realcore.transport.name_resolve import make_name_resolver
+    from realcore.transport.wire import load_secret
 
     nr = str(tmp_path / "nr")
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
@@ -336,7 +336,7 @@ def listening(pid: int) -> list[tuple[str, int]]:
 def test_store_listens_on_its_host_only():
     import torch.distributed as dist
 
-    from realcore.system.rendezvous import serve_store
+    from realcore.transport.rendezvous import serve_store
 
     store = serve_store("127.0.0.1", 2, timedelta(seconds=10))
     # Only this store's port: earlier tests in this process may have left sockets of their own.
@@ -358,8 +358,8 @@ def _mesh_rank(rank: int, root: str, result_dir: str) -> None:
     import torch.distributed as dist
 
     from realcore.api.config import ExperimentConfig, MFCConfig, NameResolveConfig, SystemConfig
-    from realcore.system.name_resolve import make_name_resolver
-    from realcore.system.rendezvous import init_mesh
+    from realcore.transport.name_resolve import make_name_resolver
+    from realcore.transport.rendezvous import init_mesh
 
     cfg = ExperimentConfig(experiment_name="rdv", trial_name="t", output_dir=result_dir,
                            mfcs=[MFCConfig(name="n", type="sft_update")],
@@ -381,8 +381,8 @@ def test_mesh_rendezvous_binds_the_chosen_address_and_keeps_its_port(tmp_path):
     import torch.multiprocessing as mp
 
     from realcore.api.config import ExperimentConfig, MFCConfig, NameResolveConfig
-    from realcore.system import keys
-    from realcore.system.name_resolve import make_name_resolver
+    from realcore.transport import keys
+    from realcore.transport.name_resolve import make_name_resolver
 
     root = str(tmp_path / "nr")
     resolver = make_name_resolver(NameResolveConfig(root=root), MESH_SECRET)
@@ -412,7 +412,7 @@ def test_mesh_rendezvous_binds_the_chosen_address_and_keeps_its_port(tmp_path):
 
 
 def test_gloo_is_pointed_at_the_interface_of_the_host(monkeypatch):
-    from realcore.backends.weight_group import bind_gloo_to
+    from realcore.transport.interfaces import bind_gloo_to
 
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     bind_gloo_to("127.0.0.1")

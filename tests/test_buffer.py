@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from realcore.system.buffer import SampleBuffer
+from realcore.trainer.buffer import SampleBuffer
 
 A = SimpleNamespace(name="a", inputs=("p",), n_seqs=2)
 B = SimpleNamespace(name="b", inputs=("p", "x"), n_seqs=3)

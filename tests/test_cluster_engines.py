@@ -1,5 +1,5 @@
 """SGLang/vLLM servers as tasks of a cluster run: the job steps and placement groups they get, the
-checks, and the task itself (realcore/system/engine_server.py) run for real with the built-in
+checks, and the task itself (realcore/launch/engine_server.py) run for real with the built-in
 server standing in for SGLang (the test switch REALCORE_TEST_ENGINE_BUILTIN=1: the same command
 line with `python -m realcore.serve`). The runs under real Slurm and Ray are in test_slurm.py and
 test_ray.py."""
@@ -142,7 +142,7 @@ def test_engine_task_gives_its_server_a_memory_share_and_dtype(tmp_path, monkeyp
     """Slurm and Ray give a server GPUs of its own: 0.85 of each unless rollout.server_mem_fraction
     says otherwise, generation.dtype as configured; whether it is on a GPU, the task's own torch
     tells (cuda=None: its CUDA_VISIBLE_DEVICES, set by Slurm or Ray)."""
-    from realcore.system import engine_server
+    from realcore.launch import engine_server
 
     seen = []
 
@@ -164,7 +164,7 @@ def test_engine_task_gives_its_server_a_memory_share_and_dtype(tmp_path, monkeyp
 
 
 def _run_dir(tmp_path, allocation_mode="sglang.d1+d1"):
-    from realcore.system.wire import write_secret
+    from realcore.transport.wire import write_secret
 
     out = tmp_path / "run"
     (out / "logs").mkdir(parents=True)
@@ -178,7 +178,7 @@ def _run_dir(tmp_path, allocation_mode="sglang.d1+d1"):
 
 
 def _start_task(out, **env):
-    argv = [sys.executable, "-m", "realcore.system.run_worker", "--type", "gen_server", "--index", "0", "--world", "1",
+    argv = [sys.executable, "-m", "realcore.launch.run_worker", "--type", "gen_server", "--index", "0", "--world", "1",
             "--config", f"{out}/config.json", "--secret-file", f"{out}/.secret", "--n-servers", "1"]
     log = open(f"{out}/logs/gen_server-0.log", "ab")
     return subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
@@ -186,10 +186,10 @@ def _start_task(out, **env):
 
 
 def _published(cfg, proc, timeout=120) -> dict:
-    from realcore.system import keys
-    from realcore.system.name_resolve import make_name_resolver
+    from realcore.transport import keys
+    from realcore.transport.name_resolve import make_name_resolver
 
-    from realcore.system.wire import load_secret
+    from realcore.transport.wire import load_secret
 
     resolver = make_name_resolver(cfg.system.name_resolve, load_secret(f"{cfg.output_dir}/.secret"))
     deadline = time.time() + timeout
@@ -224,7 +224,7 @@ def _get(url, token, path="/v1/models"):
 
 def _token(out):
     from realcore.backends.server_launch import server_token
-    from realcore.system.wire import load_secret
+    from realcore.transport.wire import load_secret
 
     return server_token(load_secret(f"{out}/.secret"))
 

@@ -10,10 +10,10 @@ import pytest
 import zmq
 
 from realcore.launch.config_loader import import_user_modules, load_config
-from realcore.system import drops, wire
-from realcore.system.buffer import SampleBuffer, split_balanced
-from realcore.system.control import ControlServer, WorkerPool, wait_all
-from realcore.system.protocol import (Clear, Exit, Fetch, Fetched, Pause, RemoteError, Start,
+from realcore.transport import drops, wire
+from realcore.trainer.buffer import SampleBuffer, split_balanced
+from realcore.transport.control import ControlServer, WorkerPool, wait_all
+from realcore.transport.protocol import (Clear, Exit, Fetch, Fetched, Pause, RemoteError, Start,
                                       Status, WorkerLost, request)
 from test_buffer import sizes
 from test_relay import serve as serve_with
@@ -171,7 +171,7 @@ def test_master_logs_every_process_drops_as_totals():
     import collections
     from types import SimpleNamespace
 
-    from realcore.system.master import Master
+    from realcore.trainer.master import Master
 
     status = {"model_worker/0": Status("running", 11, drops={"control/replay": 2}),
               "gserver_manager": Status("running", 12, relayed_drops={"gen_server/0": {"weights/mac": 4}}),
@@ -257,9 +257,9 @@ def test_a_reply_sent_while_or_after_the_server_closes_is_dropped_not_a_crash():
     below) used to send on the closed waker socket: ZMQError, or a segfault in libzmq (CI)."""
     code = """if True:
         import threading
-        from realcore.system.control import ControlServer
-        from realcore.system.protocol import Status
-        from realcore.system.wire import Peer
+        from realcore.transport.control import ControlServer
+        from realcore.transport.protocol import Status
+        from realcore.transport.wire import Peer
         for _ in range(20):
             server = ControlServer("127.0.0.1", b"s" * 32, status=lambda: Status("running", 1), name="w")
             go, errors = threading.Event(), []
@@ -302,7 +302,7 @@ def test_wait_all_deadline_names_late_workers(pair):
 
 
 def test_model_worker_pause_holds_requests(tmp_path):
-    from realcore.system.model_worker import ModelWorker
+    from realcore.trainer.model_worker import ModelWorker
 
     cfg = load_config(["experiment=ppo-math", f"output_dir={tmp_path}", f"system.name_resolve.root={tmp_path}/nr"])
     import_user_modules(cfg)
@@ -356,8 +356,8 @@ def test_buffer_readiness_and_balanced_split():
 def test_one_message_to_several_workers_is_serialized_once(monkeypatch):
     """A fan-out of one message object (every rank of a replica gets the same RunMFC) builds its
     body once; each worker still gets it under its own request id."""
-    import realcore.system.control as control
-    from realcore.system import protocol
+    import realcore.transport.control as control
+    from realcore.transport import protocol
 
     servers = [ControlServer("127.0.0.1", SECRET, status=lambda: Status("running", 1), name=f"w{i}") for i in range(3)]
     stop = threading.Event()
@@ -387,10 +387,10 @@ def test_a_rollout_workers_manager_client_follows_a_restarted_manager_at_once(tm
     import json
 
     from realcore.api.config import ExperimentConfig, MFCConfig
-    from realcore.system import keys
-    from realcore.system.name_resolve import make_name_resolver
-    from realcore.system.protocol import Allocate, Grant, Register, Registered
-    from realcore.system.rollout_worker import ManagerClient
+    from realcore.transport import keys
+    from realcore.transport.name_resolve import make_name_resolver
+    from realcore.transport.protocol import Allocate, Grant, Register, Registered
+    from realcore.rollout.rollout_worker import ManagerClient
 
     cfg = ExperimentConfig(experiment_name="manager-client", trial_name=tmp_path.name, output_dir=str(tmp_path),
                            mfcs=[MFCConfig(name="n", type="t")],

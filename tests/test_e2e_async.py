@@ -143,7 +143,7 @@ def test_in_flight_weight_updates(tmp_path, update):
     # Requests ran across an update, not aborted by it (nccl: held while the buckets arrived).
     servers = [t for n, t in logs.items() if n.startswith("gen_server")]
     assert any("running requests go on under it" in t for t in servers), logs.keys()
-    from realcore.system.ledger import audit
+    from realcore.trainer.ledger import audit
 
     a = audit(str(out), batch_size=4, max_head_offpolicyness=1)
     assert (a.steps, a.duplicated, a.short_steps, a.over_stale) == (steps, 0, [], 0)

@@ -92,7 +92,7 @@ def test_killed_rank_recovers_from_megatron_checkpoint(tmp_path, cache):
     import signal
     import time
 
-    from realcore.system.ledger import audit
+    from realcore.trainer.ledger import audit
 
     out = str(tmp_path / "run")
     (tmp_path / "parity_reward.py").write_text(PARITY_REWARD)

@@ -119,9 +119,9 @@ def _forge_and_ping(out):
     """Send a message signed with a wrong key to model_worker/0, then a real ping: it must be
     dropped, counted, and the worker must keep answering."""
     from realcore.api.config import ExperimentConfig
-    from realcore.system import keys, wire
-    from realcore.system.name_resolve import make_name_resolver
-    from realcore.system.protocol import Exit, Ping, request
+    from realcore.transport import keys, wire
+    from realcore.transport.name_resolve import make_name_resolver
+    from realcore.transport.protocol import Exit, Ping, request
 
     cfg = ExperimentConfig.model_validate_json(open(os.path.join(out, "config.json")).read())
     addr = json.loads(make_name_resolver(cfg.system.name_resolve, wire.load_secret(os.path.join(out, ".secret"))).get(

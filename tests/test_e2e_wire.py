@@ -23,7 +23,7 @@ STEPS = 40  # tiny steps take ~0.2 s: the run goes on for seconds after the inje
 def send(address: str, messages: list[list[bytes]], secret: bytes) -> None:
     """Each message on a new connection, as someone other than the run's processes (but with the
     run's CURVE keys: an insider; tests/test_hostile_wire.py sends as an outsider)."""
-    from realcore.system import wire
+    from realcore.transport import wire
 
     for frames in messages:
         sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -35,8 +35,8 @@ def send(address: str, messages: list[list[bytes]], secret: bytes) -> None:
 
 
 def test_every_dropped_message_is_counted_in_the_metrics(tmp_path, monkeypatch):
-    from realcore.system import wire
-    from realcore.system.protocol import Ping, request
+    from realcore.transport import wire
+    from realcore.transport.protocol import Ping, request
     from realcore.api.workflow import TRAJECTORY_KEYS
 
     out = str(tmp_path / "run")
@@ -62,7 +62,7 @@ def test_every_dropped_message_is_counted_in_the_metrics(tmp_path, monkeypatch):
         for root, _, files in os.walk(tmp_path / "nr"):
             for f in files:
                 try:
-                    # A stored entry is its MAC (hex), a newline, then the value (realcore/system/name_resolve.py).
+                    # A stored entry is its MAC (hex), a newline, then the value (realcore/transport/name_resolve.py).
                     rec = json.loads(open(os.path.join(root, f)).read().split("\n", 1)[-1])
                 except ValueError:
                     continue

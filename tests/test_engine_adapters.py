@@ -23,7 +23,7 @@ import time
 import pytest
 from aiohttp import web
 
-from realcore.backends.gen_client import generate_resumable
+from realcore.backends.clients.sglang_api import generate_resumable
 from realcore.backends.server_launch import (
     SGLANG_KEY_FILE,
     engine_available,
@@ -33,7 +33,7 @@ from realcore.backends.server_launch import (
     sglang_cpu_stub_dir,
     wait_http_ready,
 )
-from realcore.backends.vllm_client import VLLMClient
+from realcore.backends.clients.vllm import VLLMClient
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -74,7 +74,7 @@ def _own_env(env: dict) -> dict:
 
 
 def test_engine_gloo_and_nccl_bind_to_the_serving_address(monkeypatch):
-    from realcore.backends.weight_group import gloo_ifname
+    from realcore.transport.interfaces import gloo_ifname
 
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
@@ -300,7 +300,7 @@ def test_launcher_starts_servers_with_server_python_and_a_resolved_host(tmp_path
     from realcore.launch.config_loader import ConfigError, load_config
     from realcore.launch.launcher import prepare_output, resolve_local_host, start_engine_servers
     from realcore.launch.validate import validate
-    from realcore.system.process import node_address
+    from realcore.launch.process import node_address
 
     record = tmp_path / "argv.json"
     exe = tmp_path / "engine-env" / "bin" / "python"
@@ -918,7 +918,7 @@ def test_real_vllm_server(tmp_path):
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(os.environ.get("REALCORE_TEST_SGLANG") != "1", reason="set REALCORE_TEST_SGLANG=1 (needs sglang installed)")
 def test_real_sglang_server(tmp_path):
-    from realcore.backends.gen_client import GenClient
+    from realcore.backends.clients.sglang_api import GenClient
 
     _real_engine_test("sglang", GenClient, tmp_path)
 
@@ -935,10 +935,10 @@ def test_real_sglang_receives_a_weight_broadcast(tmp_path):
     import torch
 
     from realcore.api.config import ModelConfig, TinyModelConfig
-    from realcore.backends.gen_client import GenClient
+    from realcore.backends.clients.sglang_api import GenClient
     from realcore.backends.generation import read_hf_weights
     from realcore.backends.models import prepare_model
-    from realcore.system.weight_broadcast import WeightSender
+    from realcore.weights.broadcast import WeightSender
 
     tiny = TinyModelConfig(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1)
     model_a = prepare_model(ModelConfig(name="tiny", tiny=tiny, cache_dir=str(tmp_path)), seed=1)
@@ -1001,7 +1001,7 @@ def test_real_sglang_serves_a_lora_adapter(tmp_path, monkeypatch):
 
     from realcore.api.config import LoraConfig, ModelConfig, TinyModelConfig
     from realcore.backends import lora
-    from realcore.backends.gen_client import GenClient
+    from realcore.backends.clients.sglang_api import GenClient
     from realcore.backends.models import load_model, prepare_model
 
     tiny = TinyModelConfig(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1)

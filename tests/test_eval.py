@@ -159,7 +159,7 @@ def test_holdout_keeps_its_questions_out_of_training_and_evaluation_sees_only_th
 def test_greedy_eval_on_the_built_in_engine_is_deterministic(cache):
     from realcore.backends.generation import GenerationEngine
     from realcore.backends.models import load_model, load_tokenizer, prepare_model
-    from realcore.mfc.reward_runner import RewardCall, RewardRunner
+    from realcore.workflows.reward_runner import RewardCall, RewardRunner
     from realcore.workflows.engines import BatchingEngine
 
     path = prepare_model(ModelConfig(cache_dir=cache), seed=1)

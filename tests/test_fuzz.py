@@ -68,7 +68,7 @@ def listening(out: str) -> dict[str, str]:
     for root, _, files in os.walk(os.path.join(out, "nr")):
         for f in files:
             try:
-                # A stored entry is its MAC (hex), a newline, then the value (realcore/system/name_resolve.py).
+                # A stored entry is its MAC (hex), a newline, then the value (realcore/transport/name_resolve.py).
                 rec = json.loads(open(os.path.join(root, f)).read().split("\n", 1)[-1])
             except (ValueError, OSError):
                 continue
@@ -98,7 +98,7 @@ def rss(pids: dict[str, int]) -> dict[str, int]:
 def send_all(address: str, messages: list[list[bytes]], secret: bytes, pause_every: int = 50) -> None:
     """Each message on one DEALER connection (a ROUTER server sees a new peer), with the run's
     CURVE keys (from `secret`): what an insider who gets past the handshake can send."""
-    from realcore.system import wire
+    from realcore.transport import wire
 
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 2000)
@@ -229,8 +229,8 @@ async def http_fuzz(url: str, token: str, vocab: int) -> dict[str, int]:
 @pytest.mark.timeout(900)
 def test_a_live_run_survives_malformed_replayed_and_oversized_input(tmp_path):
     from realcore.backends.server_launch import server_token
-    from realcore.system import wire
-    from realcore.system.ledger import audit
+    from realcore.transport import wire
+    from realcore.trainer.ledger import audit
 
     out, cache = str(tmp_path / "run"), str(tmp_path / "cache")
     capture = LoopbackCapture()

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from realcore.api.config import GenerationConfig, ModelConfig
-from realcore.backends.gen_client import GenClient, generate_resumable, push_weights
-from realcore.backends.gen_server import run_server
+from realcore.backends.clients.sglang_api import GenClient, generate_resumable, push_weights
+from realcore.backends.genserver.server import run_server
 from realcore.backends.generation import GenerationEngine, read_hf_weights
 from realcore.backends.models import load_model, load_tokenizer, prepare_model
 
@@ -34,7 +34,7 @@ PROMPT = [5, 17, 42, 9, 100]
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 SERVER = """
 import json, os, sys
-from realcore.backends.gen_server import run_server
+from realcore.backends.genserver.server import run_server
 run_server(sys.argv[1], seed=3, max_batch_size=8, token=sys.argv[2], secret=bytes.fromhex(os.environ["SECRET_HEX"]),
            max_body_bytes=int(sys.argv[3]), on_ready=lambda a: print(json.dumps(a), flush=True), device="cpu")
 """
@@ -436,7 +436,7 @@ def test_rollout_worker_stops_a_rollout_the_update_makes_too_stale(server, model
     nothing is dropped (rollout.drop_stale=false)."""
     from types import SimpleNamespace
 
-    from realcore.system.rollout_worker import RoutedClient, StaleRollout
+    from realcore.rollout.rollout_worker import RoutedClient, StaleRollout
 
     params = {"temperature": 1.0, "ignore_eos": True, "max_new_tokens": 300}
 
@@ -474,7 +474,7 @@ def test_rollout_worker_counts_staleness_from_the_first_token(server, models):
     and cancelled, though the stream would have trained it."""
     from types import SimpleNamespace
 
-    from realcore.system.rollout_worker import RoutedClient
+    from realcore.rollout.rollout_worker import RoutedClient
 
     long = {"temperature": 1.0, "ignore_eos": True, "max_new_tokens": 300}
     replies = []
@@ -515,7 +515,7 @@ def test_a_retried_episode_counts_staleness_from_its_own_tokens(server, models):
     from types import SimpleNamespace
 
     from realcore.api.workflow import TrajectoryBuilder
-    from realcore.system.rollout_worker import RolloutWorker
+    from realcore.rollout.rollout_worker import RolloutWorker
 
     long = {"temperature": 1.0, "ignore_eos": True, "max_new_tokens": 300}
 
@@ -780,7 +780,7 @@ def test_engine_thread_fails_only_the_request_that_raises(models):
     import concurrent.futures
     import threading
 
-    from realcore.backends.gen_server import EngineLoop, RequestFailed, _Generate, _Weights
+    from realcore.backends.genserver.server import EngineLoop, RequestFailed, _Generate, _Weights
 
     core = EngineLoop(load_model(models["A"]), load_tokenizer(models["A"]), seed=0)
     thread = threading.Thread(target=core.run, daemon=True)
@@ -863,7 +863,7 @@ def test_a_weight_push_to_a_server_that_is_gone_fails_at_once():
 
 
 def test_reply_spans_give_each_token_its_version():
-    from realcore.backends.gen_client import parse_generate_reply
+    from realcore.backends.clients.sglang_api import parse_generate_reply
 
     def reply(spans, n=5):
         meta = {"finish_reason": {"type": "length"}, "weight_version": "2", "weight_version_spans": spans,

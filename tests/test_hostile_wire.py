@@ -57,7 +57,7 @@ def _zmq_peers(address: str) -> list[zmq.Socket]:
     """A plain DEALER and one with another secret's CURVE keys, each with a junk message queued
     (it never leaves: no handshake completes). They reconnect every 50 ms until closed: a
     steady flood of handshakes."""
-    from realcore.system import wire
+    from realcore.transport import wire
 
     socks = []
     for keys in (None, b"not the run's secret" * 2):

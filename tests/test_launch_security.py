@@ -157,7 +157,7 @@ def test_an_sglang_run_leaves_no_token_or_secret_in_its_logs(tmp_path, token_fil
     assert any("sglang.launch_server" in c for c in cmdlines), cmdlines[:5]
     assert not [c for c in cmdlines if token in c]
     secret = open(out / ".secret", "rb").read()
-    from realcore.system.wire import load_secret
+    from realcore.transport.wire import load_secret
 
     needles = {token, load_secret(str(out / ".secret")).hex()}
     assert stat.S_IMODE(os.stat(out / "logs").st_mode) == 0o700

@@ -18,7 +18,7 @@ import torch
 
 from realcore.api.config import LoraConfig, OptimizerConfig, RoleConfig
 from realcore.backends import lora
-from realcore.backends.gen_client import GenClient
+from realcore.backends.clients.sglang_api import GenClient
 from realcore.backends.torch_engine import TorchEngine
 from test_torch_engine import make_data, n_loss_tokens, nll_loss
 from test_weight_broadcast import GREEDY, PROMPT, Servers, call, greedy
@@ -243,7 +243,8 @@ def test_sglang_command_serves_the_adapter_from_the_start(model_dir, tmp_path, m
     (the test switch REALCORE_TEST_ENGINE_BUILTIN=1): requests name the adapter from version 0 on,
     and the base model's tokens are unchanged by the zero adapter; an adapter above the rank bound
     is refused, an updated adapter is loaded under the same name."""
-    from realcore.backends.server_launch import client_for, server_command
+    from realcore.backends.clients.registry import client_for
+    from realcore.backends.server_launch import server_command
 
     cfg = LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"])
     argv, env = server_command("sglang", model_path=model_dir, host="127.0.0.1", port=1, tp=1, seed=3,
@@ -334,7 +335,7 @@ def test_async_run_with_lora_other_paths(tmp_path, monkeypatch, how):
 def test_in_memory_push_of_the_adapter_alone(model_dir, tmp_path):
     """rollout.weight_update=memory with LoRA: the trainer pushes the adapter's tensors alone with
     its config over the authenticated wire; the server applies them as /load_lora_adapter would."""
-    from realcore.backends.gen_client import push_weights
+    from realcore.backends.clients.sglang_api import push_weights
     from test_gen_server import MAX_BODY, SECRET, SERVER, TOKEN
 
     eng = TorchEngine(model_dir, lora_role(), total_steps=1)

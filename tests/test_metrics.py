@@ -1,4 +1,4 @@
-"""Step metrics (realcore/system/metrics.py) in TensorBoard, and what the processes that route
+"""Step metrics (realcore/trainer/metrics.py) in TensorBoard, and what the processes that route
 messages import: the master and the manager start without torch (~2 s of CPU each per start)."""
 
 import os
@@ -7,7 +7,7 @@ import sys
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from realcore.system.metrics import MetricsWriter
+from realcore.trainer.metrics import MetricsWriter
 
 
 def scalars(out, tag):
@@ -32,11 +32,11 @@ def test_tensorboard_shows_each_step_once_after_a_resume(tmp_path):
 
 ROUTERS = """
 import sys
-from realcore.system.plugins import load_plugins
+from realcore.launch.plugins import load_plugins
 load_plugins([])  # the built-in datasets, MFCs and workflows register without torch
-import realcore.system.master, realcore.system.gserver_manager, realcore.system.run_worker
+import realcore.trainer.master, realcore.rollout.gserver_manager, realcore.launch.run_worker
 from realcore.backends.server_launch import server_token  # every worker derives the servers' token
-from realcore.system.metrics import MetricsWriter
+from realcore.trainer.metrics import MetricsWriter
 MetricsWriter(sys.argv[1], 1).close()
 print(sorted(m for m in ("torch", "transformers", "aiohttp") if m in sys.modules))
 """

@@ -14,8 +14,8 @@ import pytest
 from conftest import import_unless_ci, skip_unless_ci, stop_daemon
 
 from realcore.api.config import NameResolveConfig
-from realcore.system import drops
-from realcore.system.name_resolve import KeyExistsError, NoSecretError, make_name_resolver, scoped_key
+from realcore.transport import drops
+from realcore.transport.name_resolve import KeyExistsError, NoSecretError, make_name_resolver, scoped_key
 
 SECRET = b"s" * 32
 
@@ -178,7 +178,7 @@ def _run_cfg(output_dir: str):
 def test_one_trial_in_two_output_dirs_keeps_two_scopes(nr, tmp_path, monkeypatch):
     """The default trial0 launched into two output_dirs: two runs, each with its own keys; a run's
     (re)start clears its own scope only. The same output_dir, relative or absolute, is one run."""
-    from realcore.system import keys
+    from realcore.transport import keys
 
     a, b = _run_cfg(str(tmp_path / "a")), _run_cfg(str(tmp_path / "b"))
     assert keys.scope(a) != keys.scope(b)

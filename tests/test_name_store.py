@@ -18,7 +18,7 @@ import pytest
 from conftest import skip_unless_ci, stop_daemon
 
 from realcore.api.config import NameResolveConfig
-from realcore.system.name_resolve import FileNameResolver, UnsafeStoreError, make_name_resolver
+from realcore.transport.name_resolve import FileNameResolver, UnsafeStoreError, make_name_resolver
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECRET = b"k" * 32
@@ -83,7 +83,7 @@ def test_private_root_folders_and_files(tmp_path):
 
 def _reader(root: str, key: str, ready, out) -> None:
     """A run process waiting for a peer's address, as the master waits for its model workers."""
-    from realcore.system import drops, name_resolve
+    from realcore.transport import drops, name_resolve
 
     name_resolve.use_secret(SECRET)
     nr = make_name_resolver(NameResolveConfig(root=root))
@@ -186,8 +186,8 @@ def test_a_rank_refuses_a_store_without_the_runs_proof(tmp_path):
     refused at once by a joining rank, before it trusts a single key."""
     from datetime import timedelta
 
-    from realcore.system import keys
-    from realcore.system.rendezvous import LOOPBACK, init_mesh, serve_store, store_address
+    from realcore.transport import keys
+    from realcore.transport.rendezvous import LOOPBACK, init_mesh, serve_store, store_address
 
     cfg = _mesh_cfg(tmp_path)
     nr = make_name_resolver(cfg.system.name_resolve, SECRET)
@@ -209,8 +209,8 @@ def test_a_local_mesh_listens_on_loopback_whatever_system_host(tmp_path, monkeyp
     import psutil
     import torch.distributed as dist
 
-    from realcore.system import keys
-    from realcore.system.rendezvous import check_proof, init_mesh, parse_address
+    from realcore.transport import keys
+    from realcore.transport.rendezvous import check_proof, init_mesh, parse_address
 
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # process-wide: kept from bind_gloo_to, undone after
     cfg = _mesh_cfg(tmp_path, host="0.0.0.0")

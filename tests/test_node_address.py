@@ -1,8 +1,8 @@
-"""Workers bind and publish their node's address (realcore.system.process.node_address)."""
+"""Workers bind and publish their node's address (realcore.launch.process.node_address)."""
 
 import pytest
 
-from realcore.system.process import node_address
+from realcore.launch.process import node_address
 
 
 def test_host_as_given():

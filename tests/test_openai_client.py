@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from realcore.api.config import GenerationConfig, ModelConfig
-from realcore.backends.gen_client import GenClient
+from realcore.backends.clients.sglang_api import GenClient
 from realcore.backends.models import load_tokenizer, prepare_model
 from realcore.backends.server_launch import wait_http_ready
 from realcore.serve import API_KEY_ENV

@@ -1,4 +1,4 @@
-"""Per-process set-up (realcore/system/process.py): no child of a worker outlives it.
+"""Per-process set-up (realcore/launch/process.py): no child of a worker outlives it.
 
 A worker SIGKILLed while a library's forked helper runs (megatron-core's checkpoint writer forks
 one per bucket) must not leave that helper behind: here a real worker process forks through
@@ -14,7 +14,7 @@ import psutil
 
 WORKER = """
 import multiprocessing as mp, sys, time
-from realcore.system.process import setup_worker_process
+from realcore.launch.process import setup_worker_process
 setup_worker_process("rc-test", 1)
 child = mp.get_context("fork").Process(target=time.sleep, args=(120,))
 child.start()
@@ -41,7 +41,7 @@ def test_a_forked_helper_dies_with_its_killed_worker():
 
 EXITING = """
 import atexit, concurrent.futures, sys, threading, time
-from realcore.system.process import run_and_exit
+from realcore.launch.process import run_and_exit
 
 EXECUTOR = concurrent.futures.ThreadPoolExecutor(1)  # still referenced at exit, as an event loop's default one
 

@@ -3,7 +3,7 @@ memory that grows with the gaps in each rollout worker's seqs, not with the run'
 
 import random
 
-from realcore.system.batch_source import PromptSet
+from realcore.trainer.batch_source import PromptSet
 
 
 def test_answers_as_a_set_does_in_any_order():

@@ -71,7 +71,7 @@ def test_killed_worker_is_named_and_the_rest_stop(cluster, tmp_path):
             assert proc.poll() is None and time.time() < deadline, proc.communicate()
             time.sleep(0.5)
         from realcore.api.config import ExperimentConfig
-        from realcore.system import keys as rc_keys
+        from realcore.transport import keys as rc_keys
 
         cfg = ExperimentConfig.model_validate_json(open(f"{out}/config.json").read())
         pids = {i: json.loads(open(f"{out}/.name_resolve/{rc_keys.model_worker(cfg, i)}/.value").read().partition("\n")[2])["pid"] for i in (0, 1)}

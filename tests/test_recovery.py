@@ -315,7 +315,7 @@ def test_restarted_server_gets_the_current_weights(tmp_path, cache, update):
     weights (disk: the manager loads them; memory: the master pushes them; nccl: rank 0 builds a
     new weight-update group with it and broadcasts them) before it serves
     again, so the run finishes, with its trainer untouched and its samples within the bound."""
-    from realcore.system.ledger import audit
+    from realcore.trainer.ledger import audit
 
     out = str(tmp_path / "run")
     proc = subprocess.Popen(cmd(out, "recover_mode=auto", f"rollout.weight_update={update}", "trainer.total_steps=10",

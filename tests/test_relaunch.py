@@ -80,7 +80,7 @@ def test_fresh_launch_into_records_is_refused_and_resume_continues(used, tmp_pat
 
 
 def test_start_over_moves_the_records_aside(used, tmp_path, cache):
-    from realcore.system import recover
+    from realcore.trainer import recover
 
     out = copy_of(used, tmp_path)
     before = snapshot(out)
@@ -100,7 +100,8 @@ def test_start_over_moves_the_records_aside(used, tmp_path, cache):
 
 WRITER = r'''
 import json, os, shutil, signal, sys
-from realcore.system import durable, recover
+from realcore.transport import durable
+from realcore.trainer import recover
 
 out, step, kill_at, swap = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "swap"
 if not swap:
@@ -128,7 +129,7 @@ print("events", events[0])
 
 
 def write_checkpoint(out, step, mark):
-    from realcore.system import recover
+    from realcore.trainer import recover
 
     tmp = recover.begin(out, step)
     os.makedirs(os.path.join(tmp, "model_worker-0"))
@@ -142,7 +143,7 @@ def write_checkpoint(out, step, mark):
 def test_a_kill_while_a_checkpoint_is_replaced_leaves_one(tmp_path, swap, new_step):
     """SIGKILL the writer at each rename, swap and delete of the commit in turn (then once past
     the last): `latest()` always finds a whole checkpoint, the old one or the new one."""
-    from realcore.system import recover
+    from realcore.trainer import recover
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
     outcomes = []

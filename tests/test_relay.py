@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from realcore.system.control import Columns, ControlServer, WorkerPool, wait_all
-from realcore.system.master import relay_groups, relay_tops
-from realcore.system.protocol import Clear, Fetch, Fetched, MFCDone, RemoteError, RunMFC, Status, WorkerLost
+from realcore.transport.control import Columns, ControlServer, WorkerPool, wait_all
+from realcore.trainer.master import relay_groups, relay_tops
+from realcore.transport.protocol import Clear, Fetch, Fetched, MFCDone, RemoteError, RunMFC, Status, WorkerLost
 
 SECRET = b"r" * 32
 

@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from realcore.mfc.reward_runner import RewardCall, RewardOutcome, RewardRunner
+from realcore.workflows.reward_runner import RewardCall, RewardOutcome, RewardRunner
 
 # One reward whose behaviour the response selects, so one runner (one child start-up) serves most tests.
 REWARDS = textwrap.dedent('''
@@ -213,7 +213,7 @@ def test_close_leaves_nothing(runner, tmp_path):  # last test of the shared runn
 
 PARENT = r"""
 import time
-from realcore.mfc.reward_runner import RewardCall, RewardRunner
+from realcore.workflows.reward_runner import RewardCall, RewardRunner
 
 if __name__ == "__main__":
     r = RewardRunner("math", ["realcore.data"], timeout_s=30.0)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from realcore.api.config import ModelConfig
-from realcore.backends.gen_client import GenClient
+from realcore.backends.clients.sglang_api import GenClient
 from realcore.backends.models import prepare_model
 from realcore.backends.server_launch import server_command, wait_http_ready
 from realcore.serve import API_KEY_ENV, api_key, config_argv, parse_args

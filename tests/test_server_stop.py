@@ -1,4 +1,4 @@
-"""realcore.system.server_stop: the gserver manager stops a generation server that fails every request
+"""realcore.rollout.server_stop: the gserver manager stops a generation server that fails every request
 (so the launcher restarts it), and only the process that serves the server's address."""
 
 import json
@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from realcore.system.server_stop import stop_server, take_reason
+from realcore.rollout.server_stop import stop_server, take_reason
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -93,7 +93,7 @@ def running_workers(out) -> dict[str, int]:
         except (OSError, ValueError, IndexError):
             continue
         module = argv[argv.index("-m") + 1:][:2] if "-m" in argv else []
-        worker = module[:1] == ["realcore.system.run_worker"]
+        worker = module[:1] == ["realcore.launch.run_worker"]
         if not worker or f"{out}/config.json" not in argv or state == "Z":
             continue
         kind = argv[argv.index("--type") + 1]
@@ -147,7 +147,7 @@ def restarts(out) -> list[dict]:
 
 def assert_ledger_exact(out, batch_size=4, eta=2):
     """No sequence trained twice, none lost, every step full, staleness within the bound."""
-    from realcore.system.ledger import audit
+    from realcore.trainer.ledger import audit
 
     a = audit(out, batch_size=batch_size, max_head_offpolicyness=eta)
     assert a.duplicated == 0 and a.lost == 0 and a.short_steps == [] and a.over_stale == 0, a

@@ -7,9 +7,9 @@ import time
 import pytest
 import zmq
 
-from realcore.system import columns
-from realcore.system.control import Columns, Gathered, NodeRelay, wait_all
-from realcore.system.protocol import (Cmd, Fetch, Fetched, MFCDone, RemoteError, RunMFC, Split, WorkerLost, parse,
+from realcore.transport import columns
+from realcore.transport.control import Columns, Gathered, NodeRelay, wait_all
+from realcore.transport.protocol import (Cmd, Fetch, Fetched, MFCDone, RemoteError, RunMFC, Split, WorkerLost, parse,
                                       to_body)
 from tests.test_relay import Node
 

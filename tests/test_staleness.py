@@ -2,8 +2,9 @@
 
 import pytest
 
-from realcore.system.protocol import ManagerState
-from realcore.system.staleness import Admission, admit, doomed, drop_bound, is_stale, update_mode
+from realcore.transport.protocol import ManagerState
+from realcore.api.versions import doomed, drop_bound, is_stale, update_mode
+from realcore.rollout.admission import Admission, admit
 
 
 class Ctl:
@@ -264,8 +265,8 @@ def test_drop_bound_and_update_modes():
 
 def test_dynamic_filtering_and_trajectory_layout():
     from realcore.api.workflow import TRAJECTORY_KEYS, Completion, TrajectoryBuilder, check_trajectories
-    from realcore.system.rollout_worker import keep_group
-    from realcore.system.stream import Group, decode_group, encode_group
+    from realcore.rollout.rollout_worker import keep_group
+    from realcore.transport.stream import Group, decode_group, encode_group
 
     assert keep_group([0.0, 1.0], True) and keep_group([1.0, 1.0], False)
     assert not keep_group([1.0, 1.0, 1.0], True) and not keep_group([0.0, 0.0], True)
@@ -294,7 +295,7 @@ def test_a_server_caught_up_during_an_update_ends_at_the_newest_version():
     import threading
     from types import SimpleNamespace
 
-    from realcore.system.gserver_manager import GServerManager, Server
+    from realcore.rollout.gserver_manager import GServerManager, Server
 
     m = object.__new__(GServerManager)  # only what _catch_up uses: no sockets, no monitor thread
     m.cfg = SimpleNamespace(rollout=SimpleNamespace(weight_update="disk"))

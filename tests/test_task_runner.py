@@ -18,7 +18,7 @@ from realcore.launch.supervise import heartbeat_path
 out, status = sys.argv[1], sys.argv[2]
 cfg = ExperimentConfig(experiment_name="runner", trial_name="t", output_dir=out, mfcs=[MFCConfig(name="n", type="t")],
                        system={"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 4.0})
-worker = [sys.executable, "-c", "import sys, time; from realcore.system.process import start_heartbeat; "
+worker = [sys.executable, "-c", "import sys, time; from realcore.launch.process import start_heartbeat; "
           "start_heartbeat(sys.argv[1], 0.2); time.sleep(600)", heartbeat_path(out, "model_worker/1")]
 rc, why = run_task(cfg, worker, name="model_worker/1", attempt=0, restart=False, shield_term=True,
                    job_ending=lambda: open(status).read().split()[:1] != ["running"])

@@ -302,7 +302,7 @@ def test_the_lr_schedule_ends_at_the_runs_last_optimizer_step():
     """A ppo_update step makes ppo_n_minibatches x ppo_epochs optimizer steps: the cosine decay must
     span all of them, not end a third of the way through the run."""
     from realcore.launch.config_loader import load_config
-    from realcore.system.model_worker import optimizer_steps
+    from realcore.trainer.model_worker import optimizer_steps
 
     cfg = load_config(["experiment=ppo-math", "model=tiny", "trainer.total_steps=7", "ppo.ppo_n_minibatches=2",
                        "ppo.ppo_epochs=3"])

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import torch
 
-from realcore.system import rendezvous
+from realcore.transport import rendezvous
 
 
 class _Resolver:
@@ -46,7 +46,7 @@ def _init_mesh_with(monkeypatch, device):
 def test_a_mesh_on_gpus_is_nccl_bound_to_the_ranks_gpu(monkeypatch):
     """Mocks init_process_group (NCCL needs GPUs): a rank on cuda:1 makes an NCCL group bound to
     cuda:1 (device_id), with gloo and NCCL sockets on system.host's interface."""
-    from realcore.backends.weight_group import gloo_ifname
+    from realcore.transport.interfaces import gloo_ifname
 
     backend, kw = _init_mesh_with(monkeypatch, torch.device("cuda", 1))
     assert backend == "nccl" and kw["device_id"] == torch.device("cuda", 1)
@@ -66,7 +66,7 @@ def test_a_model_worker_selects_its_device_before_its_mesh(monkeypatch):
     """Mocks the GPU: select_device answers cuda:0 (what a process given one GPU in its
     CUDA_VISIBLE_DEVICES gets) and init_mesh records what it is given."""
     from realcore.backends import device
-    from realcore.system.model_worker import ModelWorker
+    from realcore.trainer.model_worker import ModelWorker
 
     order = []
     monkeypatch.setattr(device, "select_device", lambda name="auto": order.append("select") or torch.device("cuda", 0))
@@ -87,9 +87,9 @@ class _CountsHostCopies(torch.Tensor):
 def test_a_memory_update_copies_the_weights_to_the_host_once_for_all_servers(monkeypatch):
     """Three servers, one copy of each tensor to the host (the engine's tensors stand for GPU ones:
     the copies are counted), and every server gets the same host tensors."""
-    from realcore.backends import gen_client
-    from realcore.system.model_worker import ModelWorker
-    from realcore.system.protocol import PublishWeights
+    from realcore.backends.clients import sglang_api as gen_client
+    from realcore.trainer.model_worker import ModelWorker
+    from realcore.transport.protocol import PublishWeights
 
     state = {"a": torch.randn(4, 3).as_subclass(_CountsHostCopies), "b": torch.randn(5).as_subclass(_CountsHostCopies)}
     pushed = []

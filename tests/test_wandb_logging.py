@@ -15,7 +15,7 @@ from conftest import skip_unless_ci
 
 from realcore.launch.config_loader import ConfigError, load_config
 from realcore.launch.validate import validate
-from realcore.system.metrics import MetricsWriter, wandb_init_kwargs, wandb_run_id
+from realcore.trainer.metrics import MetricsWriter, wandb_init_kwargs, wandb_run_id
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MISSING = "logging.wandb.project is set but the wandb package is not installed: pip install wandb"

@@ -1,7 +1,7 @@
 """rollout.weight_update=nccl on CPU: the same protocol over gloo. Built-in servers join the
 trainer's weight-update group through SGLang's /init_weights_update_group and receive bucketed
 broadcasts through /update_weights_from_distributed (realcore.backends.weight_group, the trainer's
-side realcore.system.weight_broadcast); a restarted server rejoins; an async run ends with every
+side realcore.weights.broadcast); a restarted server rejoins; an async run ends with every
 server at the trainer's version. The NCCL path itself needs GPUs: its test skips here."""
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from realcore.backends import weight_group
-from realcore.backends.gen_client import GenClient
+from realcore.transport import interfaces
+from realcore.backends.clients.sglang_api import GenClient
 from realcore.backends.generation import read_hf_weights
-from realcore.system.weight_broadcast import WeightSender
+from realcore.weights.broadcast import WeightSender
 from test_gen_server import _make_model, started
 
 pytestmark = pytest.mark.timeout(180)
@@ -29,7 +30,7 @@ PROMPT = [5, 17, 42, 9, 100]
 GREEDY = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 24}
 SERVER = """
 import json, sys
-from realcore.backends.gen_server import run_server
+from realcore.backends.genserver.server import run_server
 run_server(sys.argv[1], seed=3, max_batch_size=8, token=sys.argv[2], on_ready=lambda a: print(json.dumps(a), flush=True))
 """
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -246,13 +247,14 @@ def test_update_without_a_group_is_refused(servers):
 NCCL_SCRIPT = """
 import os, sys, time, datetime, torch, torch.distributed as dist
 from realcore.backends import weight_group as wg
+from realcore.transport.interfaces import gloo_ifname
 rank, port = int(sys.argv[1]), int(sys.argv[2])
 torch.cuda.set_device(rank)  # NCCL ranks on distinct GPUs (NCCL refuses two ranks of one GPU)
 T = datetime.timedelta(seconds=60)
 store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, T, wait_for_workers=False)
 g = wg.new_group("nccl", store, rank, 2, "g", host="127.0.0.1", timeout=T)
 assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ  # set for the group's creation only
-assert os.environ["NCCL_SOCKET_IFNAME"] == "=" + wg.gloo_ifname("127.0.0.1")
+assert os.environ["NCCL_SOCKET_IFNAME"] == "=" + gloo_ifname("127.0.0.1")
 x = torch.arange(1000, device="cuda").to(torch.bfloat16)
 if rank == 0:
     wg.send(g, [x], T)
@@ -318,10 +320,10 @@ def test_nccl_errors_raise_only_while_a_group_is_made(monkeypatch):
 
 def test_nccl_bootstraps_on_the_interface_of_the_host(monkeypatch):
     monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
-    weight_group.bind_nccl_to("127.0.0.1")
-    assert os.environ["NCCL_SOCKET_IFNAME"] == "=" + weight_group.gloo_ifname("127.0.0.1")  # that one exactly
+    interfaces.bind_nccl_to("127.0.0.1")
+    assert os.environ["NCCL_SOCKET_IFNAME"] == "=" + interfaces.gloo_ifname("127.0.0.1")  # that one exactly
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib")
-    weight_group.bind_nccl_to("127.0.0.1")
+    interfaces.bind_nccl_to("127.0.0.1")
     assert os.environ["NCCL_SOCKET_IFNAME"] == "ib"  # the user's choice stays
 
 
@@ -334,7 +336,7 @@ def test_the_group_outlives_a_buckets_wait():
 
 
 def test_weights_go_in_the_servers_dtype():
-    from realcore.system.weight_broadcast import dtype_of_servers, wire_tensor
+    from realcore.weights.broadcast import dtype_of_servers, wire_tensor
 
     assert dtype_of_servers(["bfloat16", "bfloat16"]) == torch.bfloat16
     assert dtype_of_servers(["float32"]) == torch.float32 and dtype_of_servers(["half"]) == torch.float16

@@ -5,7 +5,7 @@ One real trainer per method (a float32 TorchEngine on the tiny model, trained wi
 that moves its log-probs on the prompts below by 0.2-0.7 per step, measured and asserted), and one
 real built-in server process (float32, bearer token, in-memory weights socket) shared by the
 methods; each test first puts the server back on the base weights. Each method runs as a run
-publishes (realcore.system.model_worker): `disk` (save_hf, then /update_weights_from_disk),
+publishes (realcore.trainer.model_worker): `disk` (save_hf, then /update_weights_from_disk),
 `memory` (push_weights over the authenticated wire), `nccl` (WeightSender's protocol over gloo:
 NCCL itself needs GPUs), and LoRA's: the adapter folder alone (/load_lora_adapter through the
 client's disk update), the adapter's tensors alone pushed in memory, and nccl's merged weights.
@@ -33,9 +33,9 @@ import torch
 
 from realcore.api.config import LoraConfig, OptimizerConfig, RoleConfig
 from realcore.backends import lora, weight_group
-from realcore.backends.gen_client import push_weights
+from realcore.backends.clients.sglang_api import push_weights
 from realcore.backends.torch_engine import TorchEngine
-from realcore.system.weight_broadcast import WeightSender
+from realcore.weights.broadcast import WeightSender
 from test_weight_broadcast import TOKEN, call  # `fn(client)` in a fresh event loop, with the same token
 
 pytestmark = pytest.mark.timeout(120)
@@ -48,7 +48,7 @@ PROMPTS = [[5, 17, 42, 9, 100], [300, 7, 88, 1], [64, 65, 66, 67, 68, 69]]
 SAMPLED = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 12, "ignore_eos": True}
 SERVER = """
 import json, os, sys
-from realcore.backends.gen_server import run_server
+from realcore.backends.genserver.server import run_server
 run_server(sys.argv[1], seed=3, max_batch_size=8, token=sys.argv[2], secret=bytes.fromhex(os.environ["SECRET_HEX"]),
            dtype="float32", on_ready=lambda a: print(json.dumps(a), flush=True))
 """
@@ -205,10 +205,10 @@ def test_a_restarted_servers_logprobs_are_the_trainers(tmp_path):
     import time
 
     from realcore.api.config import ExperimentConfig
-    from realcore.backends.gen_client import GenClient
+    from realcore.backends.clients.sglang_api import GenClient
     from realcore.backends.server_launch import server_token
-    from realcore.system import keys, wire
-    from realcore.system.name_resolve import make_name_resolver
+    from realcore.transport import keys, wire
+    from realcore.transport.name_resolve import make_name_resolver
     from test_e2e_sync import assert_all_gone, wait_for_metrics
     from test_recovery import ASYNC, REPO, cmd, kill_when
 

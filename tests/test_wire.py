@@ -12,7 +12,7 @@ import pytest
 import torch
 import zmq
 
-from realcore.system import drops, wire
+from realcore.transport import drops, wire
 
 torch.set_num_threads(1)
 SECRET = b"s" * 32

@@ -472,7 +472,7 @@ class SystemConfig(_Strict):
         10.0, gt=0, description="the built-in generation server's /init_weights_update_group answers 400 when the "
         "trainer's TCPStore at master_address:master_port does not accept a connection within this (joining the "
         "group once connected has its own, longer deadline)")
-    # ZeroMQ wire limits and replay protection (realcore/system/wire.py, docs/wire.md).
+    # ZeroMQ wire limits and replay protection (realcore/transport/wire.py, docs/wire.md).
     max_message_bytes: int = Field(
         2**31, gt=0, description="largest frame a tensor-carrying ZeroMQ socket accepts (ZMQ_MAXMSGSIZE; one frame "
         "is one tensor, the largest being one weight tensor of an in-memory weight update); a sender fails naming "

@@ -17,7 +17,7 @@ from typing import Callable
 
 from aiohttp import web
 
-from realcore.system import wire
+from realcore.transport import wire
 
 # The watchdog of each open connection, by aiohttp's protocol (request.protocol); removed on close.
 _WATCHDOGS: dict[object, Watchdog] = {}

@@ -180,7 +180,7 @@ def server_command(
         argv += lora_fns.sglang_flags(lora, initial, lora_fns.LORA_NAME)
         if not cuda:  # SGLang's default LoRA kernels are Triton (GPU)
             argv += ["--lora-backend", "torch_native"]
-    from realcore.backends.weight_group import gloo_ifname
+    from realcore.transport.interfaces import gloo_ifname
 
     ifname = gloo_ifname(host)
     # The engine's gloo groups (its CPU groups, a gloo weight-update group) on `host`; on GPUs also
@@ -418,21 +418,6 @@ async def wait_http_ready(
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
                 last = type(e).__name__
             await asyncio.sleep(max(0.0, min(_POLL_S, deadline - time.monotonic())))
-
-
-def client_for(engine: str, url: str, *, token: str | None, timeout_s: float, lora: bool = False):
-    """The HTTP client for a server of `engine`: SGLang's API for the built-in server and SGLang,
-    the adapter for vLLM. All have the same async interface (see gen_client.GenClient). `lora`
-    (a LoRA run): SGLang's requests name the adapter (the built-in server merges it into its weights)."""
-    if engine == "vllm":
-        from realcore.backends.vllm_client import VLLMClient
-
-        return VLLMClient(url, token=token, timeout_s=timeout_s)
-    from realcore.backends.gen_client import GenClient
-
-    from realcore.backends.lora import LORA_NAME
-
-    return GenClient(url, token=token, timeout_s=timeout_s, lora_name=LORA_NAME if lora and engine == "sglang" else None)
 
 
 # `api_key='...'` (SGLang's ServerArgs repr), `api-key: ...`, `--api-key X`, `api_key=X`.

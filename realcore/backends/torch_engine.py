@@ -39,7 +39,7 @@ from realcore.backends.batching import (cu_seqlens, lr_factor, reduce_weighted, 
 from realcore.backends.device import compute_device, group_device, to_device
 from realcore.backends.precision import compute_dtype
 from realcore.backends.varlen_attention import packed_kwargs, standard_attention, use_packed_attention
-from realcore.system.durable import replace_dir
+from realcore.transport.durable import replace_dir
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 

@@ -32,6 +32,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from realcore.transport.interfaces import bind_gloo_to, bind_nccl_to
+
 # The dtype names SGLang's clients send (str(dtype) without "torch.").
 DTYPES = {name: getattr(torch, name) for name in ("float32", "float16", "bfloat16", "float64", "int64", "int32",
                                                    "int8", "uint8", "bool")}
@@ -107,34 +109,6 @@ def nccl_errors_raise():
                 os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
             else:
                 os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = before
-
-
-def bind_nccl_to(host: str) -> None:
-    """NCCL's bootstrap (and socket transport) on the interface that holds `host`, exactly that one
-    ("=name"; process-wide, read when NCCL first starts), unless NCCL_SOCKET_IFNAME is set already.
-    A wildcard or unknown address leaves NCCL's default."""
-    name = gloo_ifname(host)
-    if name is not None and "NCCL_SOCKET_IFNAME" not in os.environ:
-        os.environ["NCCL_SOCKET_IFNAME"] = f"={name}"
-
-
-def bind_gloo_to(host: str) -> None:
-    """Gloo listens on the address of the machine's hostname unless GLOO_SOCKET_IFNAME names an
-    interface: name the one that holds `host` (process-wide), so gloo's sockets stay on the chosen
-    address. A wildcard or unknown address leaves gloo's default."""
-    name = gloo_ifname(host)
-    if name is not None and "GLOO_SOCKET_IFNAME" not in os.environ:
-        os.environ["GLOO_SOCKET_IFNAME"] = name
-
-
-def gloo_ifname(host: str) -> str | None:
-    """The network interface that holds address `host`, if any."""
-    import psutil
-
-    for name, addrs in psutil.net_if_addrs().items():
-        if any(a.address.split("%")[0] == host for a in addrs):
-            return name
-    return None
 
 
 def wait_listening(host: str, port: int, timeout_s: float) -> None:

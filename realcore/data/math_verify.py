@@ -8,7 +8,7 @@ for expressions with variables or irrationals, values at a few fixed points (dif
 different); only what is still undecided goes to sympy's `simplify(a - b) == 0`, which can still be
 slow, so it runs in one spawned worker process that receives parsed trees (data, not text), reused
 across calls and killed and recreated past its time limit. The reward runner's child process around
-the whole reward (realcore/mfc/reward_runner.py) is the second barrier. docs/math-verifier.md has
+the whole reward (realcore/workflows/reward_runner.py) is the second barrier. docs/math-verifier.md has
 the rules and how this compares with `math-verify`.
 """
 

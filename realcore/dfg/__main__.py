@@ -7,7 +7,7 @@ import sys
 
 def main(argv: list[str]) -> int:
     from realcore.launch.config_loader import ConfigError, import_user_modules, load_config
-    from realcore.system.batch_source import source_keys
+    from realcore.trainer.batch_source import source_keys
     from realcore.dfg.draw import draw
     from realcore.dfg.graph import GraphError, build_graph
 

@@ -3,7 +3,7 @@
 import sys
 
 from realcore.launch.launcher import main
-from realcore.system.process import run_and_exit
+from realcore.launch.process import run_and_exit
 
 if __name__ == "__main__":
     run_and_exit(lambda: main(sys.argv[1:]))

@@ -2,7 +2,7 @@
 worker process on the node where it runs, and the set-up of each whole-run start.
 
 The task runner (`python -m realcore.launch.cluster run [--restart] -- RUN_WORKER_ARGS`, or
-`run_task` inside a Ray task) starts `python -m realcore.system.run_worker RUN_WORKER_ARGS` as its
+`run_task` inside a Ray task) starts `python -m realcore.launch.run_worker RUN_WORKER_ARGS` as its
 child and watches it as the local launcher watches its children (supervise.py), next to it:
 - Hangs: a child whose heartbeat file (`OUTPUT_DIR/.heartbeat/NAME`, on the shared filesystem) is
   older than `system.heartbeat_timeout_s` gets SIGUSR1 (faulthandler writes its stacks to its
@@ -45,7 +45,7 @@ from realcore.api.config import ExperimentConfig
 from realcore.launch.local import Proc, describe_exit, dump_stacks_and_kill, spawn_command, stop_all
 from realcore.launch.supervise import (ROLLOUT_SIDE, STABLE_S, begin_attempt, count_quick_death, heartbeat_path, hung,
                                        last_beat, record)
-from realcore.system.process import PREEMPTED_EXIT, run_and_exit
+from realcore.launch.process import PREEMPTED_EXIT, run_and_exit
 
 POLL_S = 0.5
 
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--config", required=True)
     b.add_argument("--attempt", type=int, required=True)
     b.add_argument("--note", help="write the attempt to this file (the launcher reads it)")
-    r = sub.add_parser("run", help="run one worker (the arguments after -- go to realcore.system.run_worker)")
+    r = sub.add_parser("run", help="run one worker (the arguments after -- go to realcore.launch.run_worker)")
     r.add_argument("--restart", action="store_true", help="restart the worker in place when it dies or hangs")
     r.add_argument("--shield-term", action="store_true", help="SIGTERM means preemption (Slurm)")
     r.add_argument("--status-file", help="the batch script's status: SIGTERM ends the task once it says the job ends")
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = _read_config(known.config)
     name = worker_name(known.type, index)
     shield = ["--ignore-sigterm"] if args.shield_term else []
-    rc, why = run_task(cfg, [sys.executable, "-m", "realcore.system.run_worker", *worker_args, *shield], name=name,
+    rc, why = run_task(cfg, [sys.executable, "-m", "realcore.launch.run_worker", *worker_args, *shield], name=name,
                        attempt=known.attempt,
                        restart=args.restart and known.type in ROLLOUT_SIDE, shield_term=args.shield_term,
                        job_ending=(lambda: _job_ending(args.status_file)) if args.status_file else None)
@@ -203,7 +203,7 @@ def _job_ending(status_file: str) -> bool:
 
 
 def begin(cfg: ExperimentConfig, attempt: int, note: str | None) -> int:
-    from realcore.system.name_resolve import make_name_resolver
+    from realcore.transport.name_resolve import make_name_resolver
 
     begin_attempt(cfg, make_name_resolver(cfg.system.name_resolve))
     restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)

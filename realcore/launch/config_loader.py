@@ -13,7 +13,7 @@ from pathlib import Path
 import pydantic
 
 from realcore.api.config import ExperimentConfig
-from realcore.system.plugins import load_plugins
+from realcore.launch.plugins import load_plugins
 
 
 class ConfigError(ValueError):

@@ -31,10 +31,10 @@ from realcore.launch.run_lock import claim_output, hold_run
 from realcore.launch.supervise import Supervisor, begin_attempt, record, write_pids
 from realcore.launch.validate import (check_inputs, check_model_layout, check_placement, check_ray, check_slurm,
                                       validate)
-from realcore.system import keys
-from realcore.system.engine_server import free_port
-from realcore.system.name_resolve import make_name_resolver
-from realcore.system.process import PREEMPTED_EXIT
+from realcore.transport import keys
+from realcore.launch.engine_server import free_port
+from realcore.transport.name_resolve import make_name_resolver
+from realcore.launch.process import PREEMPTED_EXIT
 
 
 def run_on_cluster(cfg: ExperimentConfig, dfg: DataFlowGraph, alloc: AllocationMode, dry_run: bool) -> int:
@@ -82,7 +82,7 @@ def precreate_slurm_logs(cfg: ExperimentConfig, alloc: AllocationMode) -> None:
 def prepare_output(cfg: ExperimentConfig, dfg: DataFlowGraph) -> tuple[str, str]:
     """Output folders, the resolved config for workers, a fresh per-run secret, dfg.png (drawn by
     a thread while the workers start: ~1 s of matplotlib that need not delay them)."""
-    from realcore.system.wire import write_secret
+    from realcore.transport.wire import write_secret
 
     out = os.path.abspath(cfg.output_dir)
     private_logs_dir(os.path.join(out, "logs"))  # 0700, files 0600: engines log their arguments
@@ -125,7 +125,7 @@ def resolve_local_host(cfg: ExperimentConfig) -> None:
     here, once, before anything starts, so config.json, every worker and every server command line
     carry the address itself (SGLang would be given the literal `--host auto`). On a cluster each
     worker resolves its own node's address (run_worker)."""
-    from realcore.system.process import node_address
+    from realcore.launch.process import node_address
 
     try:
         cfg.system.host = node_address(cfg.system.host, cfg.system.interface)
@@ -206,7 +206,7 @@ def start_engine_servers(cfg: ExperimentConfig, alloc: AllocationMode, env: dict
     `rollout.server_python` runs them (SGLang/vLLM in an environment of their own). `plan`: their
     GPUs (None: none, the CPU route)."""
     from realcore.backends.server_launch import server_token
-    from realcore.system.wire import load_secret
+    from realcore.transport.wire import load_secret
 
     plan = plan or Plan((), "")
     out = os.path.abspath(cfg.output_dir)
@@ -402,7 +402,7 @@ def run_local(cfg: ExperimentConfig, dfg: DataFlowGraph, alloc: AllocationMode, 
     """Start every process here, each on the GPUs `plan` gives it, and supervise them (supervise.py);
     with recover_mode=auto, a failed run is stopped and started again (it resumes from its last
     recover checkpoint), up to recover_retries times."""
-    from realcore.system.wire import load_secret
+    from realcore.transport.wire import load_secret
 
     plan = plan or Plan((), "")
     config_path, secret_path = prepare_output(cfg, dfg)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from realcore.backends.server_launch import copy_redacted
-from realcore.system.process import die_with_parent
+from realcore.launch.process import die_with_parent
 
 
 @dataclass
@@ -33,8 +33,8 @@ class Proc:
 
 
 def spawn(name: str, args: list[str], *, env: dict, log_path: str | None) -> Proc:
-    """Start `python -m realcore.system.run_worker ARGS`; output to log_path (None: inherit)."""
-    return spawn_command(name, [sys.executable, "-m", "realcore.system.run_worker", *args], env=env, log_path=log_path)
+    """Start `python -m realcore.launch.run_worker ARGS`; output to log_path (None: inherit)."""
+    return spawn_command(name, [sys.executable, "-m", "realcore.launch.run_worker", *args], env=env, log_path=log_path)
 
 
 def spawn_command(name: str, argv: list[str], *, env: dict, log_path: str | None,

@@ -1,6 +1,6 @@
 """`scheduler=ray`: the same worker processes as the local scheduler, placed by Ray.
 
-Each worker is a Ray task that runs `python -m realcore.system.run_worker ...` as a child process
+Each worker is a Ray task that runs `python -m realcore.launch.run_worker ...` as a child process
 (the child dies with its Ray worker: PDEATHSIG) under the task runner of realcore/launch/cluster.py,
 so the worker code is identical under every scheduler. The runner watches the child's heartbeat
 file next to it: a hung worker gets its stacks dumped into its log (SIGUSR1, SIGCONT) and is
@@ -45,7 +45,7 @@ from realcore.api.config import ExperimentConfig
 from realcore.launch.placement import check_nccl, gpus_per_server
 from realcore.launch.supervise import (ROLLOUT_SIDE, STABLE_S, begin_attempt, count_quick_death, heartbeat_path, hung,
                                        record)
-from realcore.system.process import PREEMPTED_EXIT
+from realcore.launch.process import PREEMPTED_EXIT
 
 
 def worker_specs(cfg: ExperimentConfig, alloc: AllocationMode) -> list[tuple[str, str, int]]:
@@ -144,7 +144,7 @@ def run_ray(cfg: ExperimentConfig, alloc: AllocationMode, config_path: str, secr
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from realcore.system.name_resolve import make_name_resolver
+    from realcore.transport.name_resolve import make_name_resolver
 
     r = cfg.ray
     ray.init(address=r.address, namespace=f"realcore-{cfg.experiment_name}-{cfg.trial_name}",
@@ -180,7 +180,7 @@ def run_ray(cfg: ExperimentConfig, alloc: AllocationMode, config_path: str, secr
 
         def submit(name: str, attempt: int):
             kind, index = kinds[name]
-            argv = [r.python or sys.executable, "-m", "realcore.system.run_worker", "--type", kind,
+            argv = [r.python or sys.executable, "-m", "realcore.launch.run_worker", "--type", kind,
                     "--index", str(index), *common, "--attempt", str(attempt)]
             options = {"num_cpus": r.cpus_per_worker, "max_retries": 0, "name": name}
             if kind in groups:

@@ -1,7 +1,7 @@
 """One launcher per output_dir: a file lock the launcher holds for its whole run.
 
 The output_dir is the run's identity: its name-resolution keys live under a hash of it
-(realcore/system/keys.py), so runs with different output_dirs never clash, whatever their
+(realcore/transport/keys.py), so runs with different output_dirs never clash, whatever their
 experiment/trial, and only a second launch of the same output_dir has to be refused.
 
 Why flock: taking it is atomic, so two launches a second apart cannot both pass (looking for the
@@ -28,7 +28,7 @@ from typing import IO
 
 from realcore.api.config import ExperimentConfig
 from realcore.launch.config_loader import ConfigError
-from realcore.system.durable import fsync_dir
+from realcore.transport.durable import fsync_dir
 
 READ_HOLDER_S = 1.0  # the holder writes its name right after taking the lock
 # What makes a folder another run's: a resume would continue from these, a fresh run would mix with them.

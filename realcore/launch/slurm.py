@@ -54,7 +54,7 @@ from realcore.launch.cluster import Follow
 from realcore.launch.config_loader import ConfigError
 from realcore.launch.placement import gpus_per_server
 from realcore.launch.supervise import record
-from realcore.system.process import PREEMPTED_EXIT
+from realcore.launch.process import PREEMPTED_EXIT
 
 ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD",
           "RESIZING", "SIGNALING", "STAGE_OUT")

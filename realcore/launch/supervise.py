@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 from realcore.api.config import ExperimentConfig
 from realcore.launch.local import Proc, describe_exit, dump_stacks_and_kill, stop_all
-from realcore.system import keys
-from realcore.system.process import PREEMPTED_EXIT
-from realcore.system.server_stop import take_reason
+from realcore.transport import keys
+from realcore.launch.process import PREEMPTED_EXIT
+from realcore.rollout.server_stop import take_reason
 
 ROLLOUT_SIDE = ("gen_server", "gserver_manager", "rollout_worker")
 STABLE_S = 60.0  # a restarted process that lives this long is no longer "crash looping"

@@ -13,7 +13,7 @@ from realcore.data.datasets import SKIP_TOO_LONG, LoadedDataset, describe_skips
 from realcore.dfg.graph import DataFlowGraph, build_graph
 from realcore.launch.config_loader import ConfigError, import_user_modules
 from realcore.launch.placement import Plan, check_nccl, node_gpus, plan_local
-from realcore.system.batch_source import source_keys
+from realcore.trainer.batch_source import source_keys
 
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,127}")
 

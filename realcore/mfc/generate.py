@@ -15,8 +15,7 @@ import asyncio
 from realcore.api.data import SequenceSample
 from realcore.api.registry import make_workflow, register_mfc, workflow_keys
 from realcore.api.workflow import check_trajectories, workflow_data
-from realcore.mfc.reward import reward_modules
-from realcore.mfc.reward_runner import RewardCall, RewardRunner
+from realcore.workflows.reward_runner import RewardCall, RewardRunner, reward_runner_for
 
 
 @register_mfc("generate")
@@ -58,7 +57,7 @@ class Generate:
 
         if self.runner is None:
             r = self.cfg.reward
-            self.runner = RewardRunner(r.type, reward_modules(self.cfg), timeout_s=r.timeout_s, n_procs=r.n_procs)
+            self.runner = reward_runner_for(self.cfg)
         counters = {"reward/errors": 0, "reward/timeouts": 0}
 
         async def reward_fn(prompt, completion, prompt_ids, completion_ids, row) -> float:

@@ -9,12 +9,7 @@ from __future__ import annotations
 
 from realcore.api.data import SequenceSample, tensor_to_text
 from realcore.api.registry import register_mfc
-from realcore.mfc.reward_runner import RewardCall, RewardRunner
-
-
-def reward_modules(cfg) -> list[str]:
-    """What a reward process imports to find registered rewards: ours and the user's."""
-    return ["realcore.data", "realcore.mfc", "realcore.workflows", *cfg.imports]
+from realcore.workflows.reward_runner import RewardCall, RewardRunner, reward_runner_for
 
 
 @register_mfc("reward")
@@ -34,8 +29,7 @@ class Reward:
         import torch
 
         if self.runner is None:
-            r = self.cfg.reward
-            self.runner = RewardRunner(r.type, reward_modules(self.cfg), timeout_s=r.timeout_s, n_procs=r.n_procs)
+            self.runner = reward_runner_for(self.cfg)
         tok = model.tokenizer
         items = []
         for sample in batch.samples:

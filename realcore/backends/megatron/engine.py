@@ -40,7 +40,7 @@ from realcore.backends.megatron.cpu_compat import apply_cpu_compat, cuda_to_cpu_
 from realcore.backends.megatron.parallel import check_megatron_config, init_parallel_state, sequence_parallel
 from realcore.backends.megatron.varlen_attention import packed_seq_params
 from realcore.backends.precision import compute_dtype
-from realcore.system.durable import replace_dir
+from realcore.transport.durable import replace_dir
 
 
 class MegatronEngine(Engine):

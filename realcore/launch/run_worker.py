@@ -1,0 +1,128 @@
+"""Entry point of every worker process: `python -m realcore.launch.run_worker --type TYPE ...`.
+
+The launcher (or a Slurm/Ray step) starts it with the run's resolved config file and secret file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from realcore.api.alloc import parse_allocation_mode
+from realcore.api.config import ExperimentConfig
+from realcore.launch.process import PREEMPTED_EXIT, run_and_exit, setup_worker_process, start_heartbeat
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--type", choices=["master", "model_worker", "gen_server", "gserver_manager", "rollout_worker"], required=True)
+    p.add_argument("--index", type=int, default=0)
+    p.add_argument("--index-from", metavar="ENV", help="read the index from this variable (SLURM_PROCID in a job step)")
+    p.add_argument("--world", type=int, required=True, help="number of model workers")
+    p.add_argument("--config", required=True, help="resolved experiment config (JSON)")
+    p.add_argument("--secret-file", required=True)
+    p.add_argument("--n-servers", type=int, default=0, help="generation servers (async mode)")
+    p.add_argument("--attempt", type=int, default=0, help="how many times the launcher restarted the whole run")
+    p.add_argument("--ignore-sigterm", action="store_true",
+                   help="a task runner stops this process, not SIGTERM (Slurm sends SIGTERM to every process of a step)")
+    args = p.parse_args(argv)
+
+    if args.index_from:
+        args.index = int(os.environ[args.index_from])
+    with open(args.config) as f:
+        cfg = ExperimentConfig.model_validate_json(f.read())
+    from realcore.launch.process import node_address
+
+    # Bind and publish this node's address (several nodes under Slurm; loopback by default).
+    cfg.system.host = node_address(cfg.system.host, cfg.system.interface)
+    name = args.type if args.type in ("master", "gserver_manager") else f"{args.type}/{args.index}"
+    setup_worker_process(f"rc-{name}", cfg.system.threads_per_process, ignore_sigterm=args.ignore_sigterm,
+                         torch_threads=args.type not in ("master", "gserver_manager"))
+    start_heartbeat(os.path.join(cfg.output_dir, ".heartbeat", name.replace("/", "-")), cfg.system.heartbeat_interval_s)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s", stream=sys.stderr)
+    if args.type == "master":  # the master's output goes to the console; keep a copy with the logs
+        handler = logging.FileHandler(os.path.join(cfg.output_dir, "logs", "master.log"))
+        handler.setFormatter(logging.getLogger().handlers[0].formatter)
+        logging.getLogger().addHandler(handler)
+    if "SLURMD_NODENAME" in os.environ:
+        logging.info("on node %s (job %s), address %s", os.environ["SLURMD_NODENAME"], os.environ.get("SLURM_JOB_ID"), cfg.system.host)
+
+    from realcore.launch.plugins import load_plugins
+    from realcore.transport.wire import load_secret
+
+    load_plugins(cfg.imports)
+    secret = load_secret(args.secret_file)
+    from realcore.transport.name_resolve import use_secret
+
+    use_secret(secret)  # every resolver of this process signs and checks its entries with it
+    # Every generation server requires a bearer token, on loopback too (any local user can reach a
+    # loopback port): rollout.server_token, or one derived from the run's secret, which every process
+    # of the run (the launcher included, for SGLang/vLLM) and nobody else can read.
+    from realcore.backends.server_launch import server_token
+
+    cfg.rollout.server_token = server_token(secret, cfg.rollout.server_token)
+    if args.type == "master":
+        from realcore.trainer.master import Master, Preempted, write_curves
+
+        master = Master(cfg, secret, args.world)
+        try:
+            master.run()
+        except Preempted as e:
+            logging.warning("%s: a recover checkpoint holds the run; start it again to continue", e)
+            return PREEMPTED_EXIT
+        finally:
+            master.shutdown()
+        write_curves(cfg.output_dir)
+        return 0
+
+    return run(args, cfg, secret)
+
+
+def run(args, cfg: ExperimentConfig, secret: bytes) -> int:
+    if args.type == "model_worker":
+        from realcore.trainer.model_worker import ModelWorker
+
+        worker = ModelWorker(cfg, args.index, args.world, secret)
+        try:
+            worker.run()
+        finally:
+            worker.close()
+    elif args.type == "gen_server" and parse_allocation_mode(cfg.allocation_mode).backend != "local":
+        from realcore.launch.engine_server import serve_engine  # SGLang/vLLM under Slurm or Ray
+
+        return serve_engine(cfg, args.index)
+    elif args.type == "gen_server":
+        import json
+
+        from realcore.backends.genserver.server import run_server
+        from realcore.transport import keys, wire
+        from realcore.transport.name_resolve import make_name_resolver
+
+        resolver = make_name_resolver(cfg.system.name_resolve)
+        run_server(cfg.model.path, host=cfg.system.host, port=0, seed=cfg.seed + 1000 * args.index,
+                   max_batch_size=cfg.generation.max_batch_size, device=cfg.generation.device, dtype=cfg.generation.dtype, token=cfg.rollout.server_token, secret=secret,
+                   max_body_bytes=cfg.system.max_http_body_bytes, limits=wire.Limits.of(cfg.system), stop_on_sigterm=not args.ignore_sigterm,
+                   header_timeout_s=cfg.system.http_header_timeout_s, body_timeout_s=cfg.system.http_body_timeout_s,
+                   connect_timeout_s=cfg.system.weight_group_connect_timeout_s,
+                   on_ready=lambda addrs: resolver.put(keys.gen_server(cfg, args.index), json.dumps(addrs), replace=True))
+    elif args.type == "gserver_manager":
+        from realcore.rollout.gserver_manager import GServerManager
+
+        manager = GServerManager(cfg, secret, args.n_servers, args.attempt)
+        try:
+            manager.run()
+        finally:
+            manager.close()
+    elif args.type == "rollout_worker":
+        import asyncio
+
+        from realcore.rollout.rollout_worker import RolloutWorker
+
+        asyncio.run(RolloutWorker(cfg, args.index, secret).main())
+    return 0
+
+
+if __name__ == "__main__":
+    run_and_exit(main)

@@ -1,0 +1,582 @@
+"""The master worker: schedules the dataflow graph's MFCs onto model workers, moves only metadata.
+
+One step: take `batch_size` new samples from the batch source (dataset shards or the trajectory
+stream), then run every MFC whose inputs are ready on `n_seqs` samples (independent MFCs
+concurrently; each worker executes requests in arrival order, so collectives line up; an MFC that
+waits only for the one being sent goes in its request, Master.chain), then release the samples
+(each worker drops them with its next request), publish the new weights to the generation
+servers, log, and checkpoint.
+A recover checkpoint (recover.py) lets a restarted run continue from the step it was written at.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import gc
+import itertools
+import json
+import logging
+import os
+import queue
+import signal
+import time
+
+from realcore.api.alloc import parse_allocation_mode
+from realcore.api.config import ExperimentConfig
+from realcore.api.registry import lookup
+from realcore.dfg.graph import DataFlowGraph, MFCNode, build_graph
+from realcore.transport import drops, keys, wire
+from realcore.trainer import recover
+from realcore.trainer.batch_source import DatasetSource, Group, StreamSource, source_keys
+from realcore.trainer.buffer import SampleBuffer, split_balanced
+from realcore.transport.columns import merged_stats
+from realcore.transport.control import Columns, Gathered, Reply, WorkerPool, wait_all, when_all_done
+from realcore.trainer.ledger import Ledger
+from realcore.trainer.metrics import MetricsWriter, wandb_init_kwargs
+from realcore.transport.name_resolve import make_name_resolver
+from realcore.transport.protocol import (Clear, Configure, Evaluate, Exit, Fetch, ManagerState, RemoteError, Restore, RunMFC, Save,
+                                      SaveState, Snapshot, WorkerLost, parse)
+from realcore.weights.sync import make_weight_sync
+
+log = logging.getLogger("realcore.master")
+MANAGER = keys.MANAGER
+
+
+class Preempted(Exception):
+    """SIGTERM arrived: a recover checkpoint was written; the run should be started again later."""
+
+
+def _report_when_done(name: str, futs: dict[str, Reply], events: queue.Queue) -> None:
+    """Put (name, None) on `events` when every future is done, or (name, error) at the first failure."""
+    if futs:
+        when_all_done(futs, lambda error: events.put((name, error)))
+    else:
+        events.put((name, None))
+
+
+def merge_stats(replies: list, into: dict) -> None:
+    """Counts (int stats) are summed over workers; means are averaged, weighted by how many
+    sequences each worker processed (columns.merged_stats; a relay's reply is merged already)."""
+    into.update(merged_stats([(r.stats, r.n) for r in replies]))
+
+
+def relay_groups(addresses: dict[str, str], size: int) -> dict[str, list[str]]:
+    """Model workers whose requests go through one relay (control.NodeRelay): those of one host
+    (their control address's), in order, up to `size` a group; the first of each relays for it.
+    A worker alone in its group is sent to directly."""
+    by_host: dict[str, list[str]] = {}
+    for name, address in addresses.items():
+        by_host.setdefault(address.rsplit(":", 1)[0], []).append(name)
+    groups = [names[i:i + size] for names in by_host.values() for i in range(0, len(names), size)]
+    return {g[0]: g for g in groups if len(g) > 1}
+
+
+def relay_tops(leaders: list[str], fanout: int) -> dict[str, str]:
+    """leader -> the first leader of its run of `fanout` leaders (in order), whose relay passes on
+    every message to it (WorkerPool's tops); a leader alone in its run is sent to directly."""
+    runs = [leaders[i:i + fanout] for i in range(0, len(leaders), fanout)]
+    return {leader: run[0] for run in runs if len(run) > 1 for leader in run}
+
+
+def replica_groups(heads: list[int], names: list[str], relay_of: dict[str, str], top_of: dict[str, str]) -> list[list[int]]:
+    """The data-parallel replicas (indices) whose heads one relay serves (or the relays under one
+    top), each group in replica order, groups in the order of their first replica; a head sent to
+    directly is a group alone. A step's requests to a group travel as one (WorkerPool.request_columns)."""
+    out: list[list[int]] = []
+    by_leader: dict[str, list[int]] = {}
+    for d, head in enumerate(heads):
+        leader = relay_of.get(names[head])
+        leader = top_of.get(leader, leader)
+        if leader is None:
+            out.append([d])
+        elif leader in by_leader:
+            by_leader[leader].append(d)
+        else:
+            by_leader[leader] = [d]
+            out.append(by_leader[leader])
+    return out
+
+
+def take(col: list, spans: list[tuple[int, int]]) -> list:
+    """The entries of `col` in the index ranges `spans` (one slice when there is one range)."""
+    return col[spans[0][0]:spans[0][1]] if len(spans) == 1 else [x for a, b in spans for x in col[a:b]]
+
+
+def spans_of(starts: list[int], ds: list[int]) -> list[tuple[int, int]]:
+    """Index ranges [starts[d], starts[d + 1]) of replicas `ds`, adjacent ones merged."""
+    spans: list[tuple[int, int]] = []
+    for d in ds:
+        if spans and spans[-1][1] == starts[d]:
+            spans[-1] = (spans[-1][0], starts[d + 1])
+        else:
+            spans.append((starts[d], starts[d + 1]))
+    return spans
+
+
+def calm_collector() -> None:
+    """The master makes ~75k small containers a step at 1000 workers (metadata per sample); with
+    Python's default thresholds the cyclic collector then ran ~5 full collections a step over all
+    that setup left alive (torch, transformers, the registries): ~40% of the master's CPU
+    (bench/master_scale.py). What exists now lives for the run: frozen out of collections; young
+    objects are collected when 20000 (not 700) accumulate, older generations 20x less often."""
+    gc.freeze()
+    gc.set_threshold(20_000, 20, 20)
+
+
+class Master:
+    def __init__(self, cfg: ExperimentConfig, secret: bytes, n_workers: int):
+        self.cfg = cfg
+        self.n_workers = n_workers
+        self.async_mode = cfg.mode == "async"
+        self.dfg: DataFlowGraph = build_graph(cfg, source_keys(cfg))
+        self.nodes = [self.dfg.nodes[n] for n in self.dfg.order()]
+        self.buffer = SampleBuffer(self.nodes)
+        self.names = [f"model_worker/{i}" for i in range(n_workers)]
+        self.index_of = {n: i for i, n in enumerate(self.names)}
+        self.alloc = parse_allocation_mode(cfg.allocation_mode)
+        self.mesh = self.alloc.train
+        # One head per data-parallel replica holds the replica's samples and answers for it.
+        self.heads = [self.mesh.dp_head(d) for d in range(self.mesh.dp)]
+        self.head_set = set(self.heads)
+        self.resolver = make_name_resolver(cfg.system.name_resolve, secret)
+        timeout = cfg.system.startup_timeout_s
+        addrs = {n: json.loads(self.resolver.wait(keys.model_worker(cfg, i), timeout_s=timeout))["control"]
+                 for i, n in enumerate(self.names)}
+        if self.async_mode:
+            addrs[MANAGER] = json.loads(self.resolver.wait(keys.manager(cfg), timeout_s=timeout))["control"]
+        drops.set_log_interval(cfg.system.drop_log_interval_s)
+        self.pool = WorkerPool(
+            addrs, secret,
+            heartbeat_interval_s=cfg.system.heartbeat_interval_s, heartbeat_timeout_s=cfg.system.heartbeat_timeout_s,
+            name="master", limits=wire.Limits.of(cfg.system),
+            relays=(relays := relay_groups({n: addrs[n] for n in self.names}, cfg.system.relay_group_size)),
+            relay_timeout_s=cfg.system.request_timeout_s, tops=relay_tops(list(relays), cfg.system.relay_fanout),
+        )
+        self.groups = replica_groups(self.heads, self.names, self.pool.relay_of, self.pool.top_of)
+        self.drop_tally = drops.Tally()
+        self.drop_totals: collections.Counter[str] = collections.Counter()  # "process/socket/reason" -> drops this attempt
+        self.next_id = 0
+        self.version = 0
+        self.step = 0
+        self.weights = make_weight_sync(self) if self.alloc.gen is not None else None
+        self.source = StreamSource(self) if self.async_mode else DatasetSource(self)
+        self.preempt_requested = False
+        self.terminated = False  # SIGTERM: whoever sent it stops every process of the run
+        self.counters: dict[str, int] = {}  # rollout workers' totals (reward errors, ...) logged so far
+        self.to_clear: dict[int, list[int]] = {}  # worker -> released samples its next Fetch/RunMFC drops
+
+    # --- calls --------------------------------------------------------------------------------
+
+    def wait(self, futs: dict[str, Reply], what: str, timeout_s: float | None = None) -> dict:
+        return wait_all(futs, timeout_s or self.cfg.system.request_timeout_s, what)
+
+    def call_all(self, msg, what: str, timeout_s: float | None = None) -> dict:
+        return self.wait(self.pool.request_many({n: msg for n in self.names}), what, timeout_s)
+
+    def with_clears(self, msgs: dict[str, Fetch | RunMFC]) -> dict[str, Fetch | RunMFC]:
+        """`msgs` with each worker's released samples to drop before it runs them (Master.release)."""
+        out = {}
+        for name, msg in msgs.items():
+            ids = self.to_clear.pop(self.index_of[name], None)
+            out[name] = dataclasses.replace(msg, clear=ids) if ids else msg
+        return out
+
+    def clear_on(self, index: int, ids: list[int]) -> None:
+        self.wait({self.names[index]: self.pool.request(self.names[index], Clear(ids))}, "clear")
+
+    def call_manager(self, msg, what: str):
+        """One request to the gserver manager, surviving its restart: when it publishes a new
+        address (the launcher restarted it; it replayed its journal), reconnect and send again.
+        Every manager command is idempotent, so a command that reached the old one is harmless."""
+        deadline = time.monotonic() + self.cfg.system.request_timeout_s
+        while True:
+            fut = self.pool.request(MANAGER, msg)
+            while True:
+                try:
+                    return fut.result(timeout=1.0)
+                except TimeoutError:
+                    if self._manager_moved():
+                        break
+                except WorkerLost:
+                    while not self._manager_moved():
+                        if time.monotonic() > deadline:
+                            raise TimeoutError(f"manager {what}: the gserver manager is gone and did not come back") from None
+                        time.sleep(0.5)
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"manager {what}: no reply within {self.cfg.system.request_timeout_s:g} s")
+            log.warning("the gserver manager restarted; sending %s again", what)
+
+    def _manager_moved(self) -> bool:
+        try:
+            address = json.loads(self.resolver.get(keys.manager(self.cfg)))["control"]
+        except KeyError:
+            return False
+        if address == self.pool.addresses[MANAGER]:
+            return False
+        self.pool.reconnect(MANAGER, address)
+        return True
+
+    def while_waiting(self) -> None:
+        """Called while the master waits for trajectories: servers that restarted get the
+        current weights (in memory mode only the trainer can give them)."""
+        status = self.pool.status.get(MANAGER)
+        behind = status.info.get("behind", "") if status is not None else ""
+        if behind and self.weights is not None:
+            self.weights.catch_up([int(i) for i in str(behind).split(",")])
+
+    # --- the step -----------------------------------------------------------------------------
+
+    def collective(self, node: MFCNode) -> bool:
+        """Runs on every rank of each replica (a Megatron role's forward/backward), or on heads only."""
+        if node.model is None or self.cfg.roles()[node.model].backend != "megatron":
+            return False
+        return not (self.alloc.gen is not None and getattr(lookup("mfc", node.type), "generates", False))
+
+    def chain(self, node: MFCNode, ids: list[int], parts: list[list[int]], busy, costs: list[int] | None = None) -> list[MFCNode]:
+        """MFCs to send with `node` on the same ids, run right after it on each worker: one request
+        per worker where each was one more round trip (the master's cost per worker,
+        bench/master_scale.py). An MFC joins when it waits only for what `node` (or one chained
+        before it) produces, takes exactly these ids, runs on the heads as `node` does, and is
+        split as `node` is by its own token costs: so it runs where it would have run anyway.
+        Not after generation (the responses it makes change every later MFC's costs), nor for
+        collective (Megatron) MFCs (other ranks read a head's outputs through the data plane,
+        which a chained MFC could reach before the head stored them). `costs`: those `parts` were
+        split by (an MFC with the same costs splits the same way: not split again)."""
+        if self.collective(node) or getattr(lookup("mfc", node.type), "generates", False):
+            return []
+        have = self.buffer.common_keys(ids) | set(node.outputs)
+        made = set(node.outputs)
+        out: list[MFCNode] = []
+        for b in self.nodes:
+            if (b is node or b.name in busy or b.n_seqs != len(ids) or self.collective(b)
+                    or not set(b.inputs) <= have or not set(b.inputs) & made
+                    or self.buffer.touched(b, ids) or self.buffer.ready(b) is not None):
+                continue
+            mine = self.buffer.costs(ids, b.inputs)
+            if mine != costs and split_balanced(ids, mine, self.mesh.dp) != parts:
+                continue
+            out.append(b)
+            have |= set(b.outputs)
+            made |= set(b.outputs)
+        return out
+
+    def dispatch(self, node: MFCNode, ids: list[int], busy) -> tuple[list[MFCNode], dict[str, Reply]]:
+        """Send `node` on `ids` (and the MFCs chained to it) to its workers: (chained MFCs, replies)."""
+        costs = self.buffer.costs(ids, node.inputs)
+        parts = split_balanced(ids, costs, self.mesh.dp)
+        chained = self.chain(node, ids, parts, busy, costs)
+        for n in (node, *chained):
+            self.buffer.start(n, ids)
+        # Who holds each input, for every id at once (in part order), then cut per part: what the
+        # chain makes is stored by the head that runs the part.
+        made, stored = set(node.outputs), set(node.inputs)
+        for b in chained:
+            stored |= set(b.inputs) - made
+            made |= set(b.outputs)
+        order = [sid for part in parts for sid in part]
+        cols = self.buffer.owners(order, stored)
+        starts = list(itertools.accumulate(map(len, parts), initial=0))
+        # One request per group of replicas (a relay's, or one replica's): the ids of its parts in
+        # order, and who holds each input of each (columns.py).
+        collective = self.collective(node)
+        groups = [[d] for d in range(len(parts))] if collective else self.groups
+        msgs = []
+        for ds in groups:
+            spans = spans_of(starts, ds)
+            ids = take(order, spans)
+            heads = [self.heads[d] for d in ds for _ in parts[d]]
+            then, made = [], set(node.outputs)
+            for b in chained:
+                then.append(RunMFC(b.name, ids, {k: heads if k in made else take(cols[k], spans) for k in b.inputs}))
+                made |= set(b.outputs)
+            msgs.append(RunMFC(node.name, ids, {k: take(cols[k], spans) for k in node.inputs}, then=then))
+        if collective:  # every rank of a replica; the heads' replies are the replica's
+            futs = self.pool.request_many(self.with_clears({self.names[i]: msgs[self.mesh.dp_rank(i)]
+                                                            for i in range(self.n_workers)}))
+        else:
+            futs = self.pool.request_columns([
+                Columns([self.names[self.heads[d]] for d in ds], [len(parts[d]) for d in ds], msg,
+                        [self.to_clear.pop(self.heads[d], []) for d in ds]) for ds, msg in zip(groups, msgs)])
+        return chained, futs
+
+    def run_step(self, step: int, metrics: dict, writer: MetricsWriter) -> None:
+        # name of the first MFC -> (the MFCs sent together, ids, replies, start time)
+        running: dict[str, tuple[list[MFCNode], list[int], dict[str, Reply], float]] = {}
+        busy: set[str] = set()  # every MFC in `running`, chained ones included
+        # Each request reports once, when all its workers replied (or at the first failure): O(workers)
+        # per MFC, where waking up on every reply and re-scanning every future was O(workers^2).
+        events: queue.Queue = queue.Queue()
+        while True:
+            for node in self.nodes:
+                if node.name in busy:
+                    continue
+                ids = self.buffer.ready(node)
+                if ids is not None:
+                    chained, futs = self.dispatch(node, ids, busy)
+                    running[node.name] = ([node, *chained], ids, futs, time.perf_counter())
+                    busy.update(n.name for n in running[node.name][0])
+                    _report_when_done(node.name, futs, events)
+            if not running:
+                break
+            writer.live(step, "running " + ", ".join(sorted(busy)))
+            try:
+                name, error = events.get(timeout=self.cfg.system.request_timeout_s)
+            except queue.Empty:
+                raise TimeoutError(f"MFCs {', '.join(sorted(busy))}: no reply within {self.cfg.system.request_timeout_s:g} s") from None
+            if error is not None:  # a worker failed or was lost: the run cannot go on
+                raise error
+            nodes, ids, futs, t0 = running.pop(name)
+            wall = time.perf_counter() - t0
+            got = [r if isinstance(r, Gathered) else Gathered([w], [len(r.ids)], r)
+                   for w, r in wait_all(futs, 0, f"MFC {name}").items()
+                   if isinstance(r, Gathered) or self.index_of[w] in self.head_set]  # the rest of a replica echoes its head
+            for g in got:
+                if len(g.reply.then) != len(nodes) - 1:
+                    raise RemoteError(f"{g.workers[0]}: MFC {name} answered {len(g.reply.then)} chained MFCs of {len(nodes) - 1}")
+            owners = [g.owners(self.index_of) for g in got]
+            per_node = [[g.reply for g in got]] + [[g.reply.then[k] for g in got] for k in range(len(nodes) - 1)]
+            # A chain's wall time is shared out by the slowest worker's own time in each MFC.
+            slowest = [max((r.seconds for r in rs), default=0.0) for rs in per_node]
+            total = sum(slowest)
+            for node, rs, s in zip(nodes, per_node, slowest):
+                self.buffer.add_many([(own, r.ids, r.tokens, r.seqs) for own, r in zip(owners, rs)])
+                self.buffer.finish(node, ids)
+                merge_stats(rs, metrics)
+                share = wall * s / total if total > 0 else wall / len(nodes)
+                metrics[f"time/{node.name}_s"] = metrics.get(f"time/{node.name}_s", 0.0) + share
+                busy.discard(node.name)
+                if node.trains:
+                    self.version += 1
+
+    def log_drops(self, metrics: dict) -> None:
+        """Messages dropped since this run (attempt) started, as dropped/<process>/<socket>/<reason>
+        totals: the master's own, and those the workers and the manager (for itself and the
+        generation servers) reported in their last heartbeat. Rollout workers' came in the
+        manager's counters (counted into drop_totals by the caller)."""
+        reports = [("master", os.getpid(), drops.snapshot())]
+        for name, s in list(self.pool.status.items()):
+            if s is not None:
+                reports.append((name, s.pid, s.drops))
+                reports += [(relayed, s.pid, d) for relayed, d in s.relayed_drops.items()]
+        for process, pid, totals in reports:
+            for k, n in self.drop_tally.update((process, pid), totals).items():
+                self.drop_totals[f"{process}/{k}"] += n
+        metrics.update({f"dropped/{k}": n for k, n in self.drop_totals.items()})
+
+    def release(self, now: bool = False) -> None:
+        """Forget the samples every MFC has run on. Each worker drops only what it holds (a Clear of
+        every id to every worker was O(workers x batch) bytes per step), with its next Fetch or
+        RunMFC (every head gets one each step): a round trip per worker per step saved. `now`: with
+        a Clear each, waited for (the run's last step, or before stopping)."""
+        ids = self.buffer.completed()
+        for w, mine in self.buffer.holders(ids).items():
+            self.to_clear.setdefault(w, []).extend(mine)
+        self.buffer.release(ids)
+        if now and self.to_clear:
+            held, self.to_clear = self.to_clear, {}
+            self.wait(self.pool.request_many({self.names[w]: Clear(mine) for w, mine in held.items()}), "release")
+
+    def ledger_rows(self, groups: list[Group], trained_version: int) -> list[tuple[str, int, list[int], list[int]]]:
+        rows = []
+        for g in groups:
+            n = self.buffer.sequences(g.sid, "input_ids") or 1
+            starts = g.version_start if g.version_start is not None else [trained_version] * n
+            ends = g.version_end if g.version_end is not None else [trained_version] * n
+            rows.append((g.uid, n, starts, ends))
+        return rows
+
+    def save(self, step: int) -> None:
+        path = os.path.join(self.cfg.output_dir, "checkpoints", f"step_{step}")
+        self.call_all(Save(path), "checkpoint")
+        log.info("saved %s", path)
+
+    # --- recovery -----------------------------------------------------------------------------
+
+    def save_recover(self, step: int) -> None:
+        """A recover checkpoint of the state after `step`. The manager's admission state is taken
+        before the streams' waiting trajectories: a rollout that finishes in between is then both
+        "running" (it will run again) and waiting in a stream, a duplicate the stream source
+        discards, where the other order could lose it."""
+        t0 = time.perf_counter()
+        out = self.cfg.output_dir
+        tmp = recover.begin(out, step)
+        if self.async_mode:
+            recover.write_json(os.path.join(tmp, "manager.json"), self.call_manager(Snapshot(), "snapshot"))
+        self.call_all(SaveState(tmp), "recover checkpoint")
+        recover.write_json(os.path.join(tmp, "master.json"),
+                           recover.MasterState(step, self.version, self.next_id, self.source.state()))
+        path = recover.commit(tmp, out, step)
+        log.info("recover checkpoint %s (%.1f s)", path, time.perf_counter() - t0)
+
+    def recover_on(self) -> bool:
+        return self.cfg.recover_mode != "disabled" or self.cfg.trainer.recover_freq_steps is not None
+
+    def resume_from(self) -> tuple[recover.MasterState, str] | None:
+        """The recover checkpoint to continue from (recover_mode resume/auto), or None."""
+        if self.cfg.recover_mode == "disabled":
+            return None
+        found = recover.latest(self.cfg.output_dir)
+        if found is None:
+            return None
+        _, path = found
+        state = recover.MasterState(**recover.read_json(os.path.join(path, "master.json")))
+        saved = len([d for d in os.listdir(path) if d.startswith("model_worker-")])
+        if saved != self.n_workers:
+            raise ValueError(f"recover checkpoint {path} holds {saved} model workers, this run has {self.n_workers}: "
+                             "resume with the allocation_mode it was written with")
+        return state, path
+
+    def _on_term(self, exit_handler, signum, frame) -> None:
+        self.terminated = True
+        exit_handler(signum, frame)
+
+    def _on_preempt(self, signum, frame) -> None:
+        if self.step >= self.cfg.trainer.total_steps:  # the run is done: it ends as it was going to
+            log.warning("preempted after the last step: finishing the run")
+        else:
+            log.warning("preempted: finishing step %d, then writing a recover checkpoint and stopping", self.step + 1)
+        self.preempt_requested = True
+
+    # --- main ---------------------------------------------------------------------------------
+
+    def configure(self, recover_from: str | None = None) -> None:
+        replies = self.call_all(Configure(recover_from=recover_from), "configure", self.cfg.system.startup_timeout_s)
+        calm_collector()
+        if not self.async_mode:
+            skipped: dict[str, int] = {}
+            for r in replies.values():
+                for why, n in r.skipped.items():
+                    skipped[why] = skipped.get(why, 0) + n
+            log.info("dataset: %d rows, %d usable, skipped %s", sum(r.n_rows for r in replies.values()),
+                     sum(r.n_samples for r in replies.values()), skipped or "none")
+
+    def run(self) -> None:
+        cfg = self.cfg
+        # Preemption (the launcher got SIGTERM): checkpoint at the end of this step. SIGTERM itself
+        # still means "stop now", as for every worker.
+        signal.signal(signal.SIGUSR2, self._on_preempt)
+        on_term = signal.getsignal(signal.SIGTERM)
+        if callable(on_term):  # run_worker's exit_on_sigterm; SIG_IGN under a Slurm task runner stays
+            signal.signal(signal.SIGTERM, lambda signum, frame: self._on_term(on_term, signum, frame))
+        resumed = self.resume_from()
+        path = None
+        if resumed is not None:
+            state, path = resumed
+            self.step, self.version, self.next_id = state.step, state.version, state.next_id
+            print(f"realcore: resuming from step {self.step} (recover checkpoint {path})", flush=True)
+        self.configure(path)
+        writer = MetricsWriter(cfg.output_dir, cfg.trainer.total_steps, resume_step=self.step,
+                               wandb_init=wandb_init_kwargs(cfg))
+        ledger = Ledger(cfg.output_dir, resume_step=self.step)
+        if resumed is not None:
+            self.source.load_state(resumed[0].source, ledger)
+        try:
+            if cfg.eval.freq_steps and self.step == 0:  # the base policy, before anything trains
+                t0 = time.perf_counter()
+                metrics = {"step": 0, "version": 0, **self.evaluate()}
+                writer.write({**metrics, "time/step_s": time.perf_counter() - t0})
+            self.start_generation(path)
+            self.loop(writer, ledger)
+        finally:
+            writer.close()
+            ledger.close()
+        print_reward_summary(writer.path)
+
+    def start_generation(self, path: str | None) -> None:
+        """Servers start with the initial weights: give them the current version, then (async) let
+        the manager admit rollouts, from the checkpoint's admission state if resuming."""
+        if self.weights is not None and self.version > 0:
+            self.weights.publish(self.version)
+        if self.async_mode:
+            state = ManagerState()
+            if path is not None:
+                state = parse(ManagerState, recover.read_json(os.path.join(path, "manager.json")))
+            self.counters = dict(state.counters)
+            self.call_manager(Restore(state, getattr(self.weights, "path", None)), "restore")
+
+    def loop(self, writer: MetricsWriter, ledger: Ledger) -> None:
+        cfg = self.cfg
+        for step in range(self.step + 1, cfg.trainer.total_steps + 1):
+            t0 = time.perf_counter()
+            metrics: dict = {"step": step}
+            groups = self.source.fetch(metrics)
+            version = self.version
+            self.run_step(step, metrics, writer)
+            ledger.write(step, version, self.ledger_rows(groups, version))
+            self.release(now=step == cfg.trainer.total_steps or self.preempt_requested)
+            if self.weights is not None and self.version != version:
+                t1 = time.perf_counter()
+                reply = self.weights.publish(self.version)
+                metrics["time/weight_update_s"] = time.perf_counter() - t1
+                for k, total in getattr(reply, "counters", {}).items():  # this step's share of the totals
+                    share, self.counters[k] = total - self.counters.get(k, 0), total
+                    if k.startswith("dropped/"):  # a rollout worker's drops: logged as totals
+                        self.drop_totals[k.removeprefix("dropped/")] += share
+                    else:
+                        metrics[k] = share
+            if cfg.eval.freq_steps and (step % cfg.eval.freq_steps == 0 or step == cfg.trainer.total_steps):
+                metrics.update(self.evaluate())
+            self.log_drops(metrics)
+            metrics["version"] = self.version
+            metrics["time/step_s"] = time.perf_counter() - t0
+            writer.write(metrics)
+            self.step = step
+            freq = cfg.trainer.save_freq_steps
+            last = step == cfg.trainer.total_steps
+            if last or (freq and step % freq == 0):
+                self.save(step)
+            rfreq = cfg.trainer.recover_freq_steps
+            if self.preempt_requested or (rfreq and step % rfreq == 0) or (last and self.recover_on()):
+                self.save_recover(step)
+            if self.preempt_requested and not last:
+                raise Preempted(f"preempted after step {step}")
+
+    def evaluate(self) -> dict[str, float]:
+        """eval/* of the policy just published (realcore.trainer.evaluation), by model worker 0."""
+        name = self.names[0]
+        return self.wait({name: self.pool.request(name, Evaluate(self.version))}, "evaluate")[name].metrics
+
+    def shutdown(self) -> None:
+        """Ask every live worker to exit (best effort, bounded), then close sockets. Not after a
+        SIGTERM: the launcher (or task runner) that sent it stops every process itself, and a worker
+        that died (often why the run stops) would hold the master here until the deadline."""
+        if self.terminated:
+            self.pool.close()
+            return
+        try:
+            futs = self.pool.request_many({n: Exit() for n in self.pool.names if n not in self.pool.lost})
+            wait_all(futs, self.cfg.system.shutdown_timeout_s, "exit")
+        except Exception as e:  # workers may already be gone; the launcher kills leftovers
+            log.warning("shutdown: %s", e)
+        self.pool.close()
+
+
+def write_curves(output_dir: str) -> None:
+    """A picture of the finished run (realcore.plot); never worth failing a finished run over.
+    run_worker draws it after shutdown(): the workers end while it draws (~1 s)."""
+    try:
+        from realcore.plot import plot_run
+
+        plot_run(output_dir)
+    except Exception as e:
+        log.warning("curves.png not written: %s: %s", type(e).__name__, e)
+
+
+def print_reward_summary(metrics_path: str) -> None:
+    """Mean reward of the first and last steps of the whole run (across restarts: from the file),
+    and held-out accuracy before training and after the last step (when evaluation is on)."""
+    with open(metrics_path) as f:
+        rows = [json.loads(line) for line in f]
+    rewards = [m["reward/mean"] for m in rows if "reward/mean" in m]
+    if rewards:
+        k = max(1, min(5, len(rewards) // 2))
+        first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+        print(f"reward/mean: first {k} steps {first:.3f}, last {k} steps {last:.3f} ({last - first:+.3f})", flush=True)
+    evals = [m for m in rows if "eval/accuracy" in m]
+    if len(evals) >= 2:
+        a, b = evals[0], evals[-1]
+        print(f"held-out accuracy (greedy, {int(b.get('eval/n_prompts', 0))} prompts): step {a['step']} "
+              f"{a['eval/accuracy']:.3f}, step {b['step']} {b['eval/accuracy']:.3f} "
+              f"({b['eval/accuracy'] - a['eval/accuracy']:+.3f})", flush=True)

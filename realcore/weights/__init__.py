@@ -1,0 +1,1 @@
+"""How new weights leave the trainer for the generation servers: through disk, memory or a collective."""
