@@ -19,6 +19,8 @@ import os
 import signal
 from urllib.parse import urlsplit
 
+import psutil
+
 log = logging.getLogger("realcore.gserver_manager")
 
 
@@ -41,8 +43,6 @@ def take_reason(output_dir: str, name: str) -> str | None:
 
 def server_pid(output_dir: str, name: str, url: str) -> int | None:
     """The pid of process `name` in OUTPUT_DIR/pids.json if it (or a child) listens on `url`'s port; else None."""
-    import psutil
-
     try:
         with open(os.path.join(output_dir, "pids.json")) as f:
             pid = json.load(f).get(name)

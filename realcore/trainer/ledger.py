@@ -12,6 +12,7 @@ import json
 import os
 from dataclasses import dataclass
 
+from realcore.trainer import recover
 from realcore.trainer.recover import truncate_jsonl
 
 
@@ -63,8 +64,6 @@ def audit(output_dir: str, *, batch_size: int, max_head_offpolicyness: int | Non
     the bound; and, from the last recover checkpoint (async), that every rollout the manager
     counted as accepted and the master has not taken yet (trained or dropped as too stale) is
     waiting in a stream."""
-    from realcore.trainer import recover
-
     rows = [json.loads(line) for line in open(os.path.join(output_dir, "ledger.jsonl"))]
     seen: dict[str, int] = {}
     groups: dict[int, set[str]] = {}

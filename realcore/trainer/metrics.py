@@ -11,6 +11,7 @@ import sys
 import time
 
 from realcore.api.config import ExperimentConfig
+from realcore.trainer.recover import truncate_jsonl
 
 log = logging.getLogger("realcore.metrics")
 
@@ -70,6 +71,7 @@ class TensorBoardScalars:
     and later ones written before (by an attempt that failed)."""
 
     def __init__(self, log_dir: str, purge_step: int | None = None):
+        # Here: tensorboard pulls in protobuf (~0.3 s), paid only by the process that writes the scalars.
         from tensorboard.compat.proto.event_pb2 import Event, SessionLog
         from tensorboard.compat.proto.summary_pb2 import Summary
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
@@ -99,8 +101,6 @@ class MetricsWriter:
         later steps (written by the attempt that failed) are dropped, and TensorBoard hides its
         events from those steps (purge_step), so every step appears once. `wandb_init`
         (wandb_init_kwargs) also logs every row to a W&B run."""
-        from realcore.trainer.recover import truncate_jsonl
-
         self.total = total_steps
         self.path = os.path.join(output_dir, "metrics.jsonl")
         # Rows after the checkpoint (all of them from step 0) are the failed attempt's; the launcher
