@@ -51,10 +51,13 @@ class Engine(ABC):
         n_minibatches: int = 1,
         temperature: float = 1.0,
         max_tokens_per_mb: int | None = None,
+        group_sizes: list[int] | None = None,
     ) -> dict[str, float]:
         """One optimizer step per minibatch over `data` (must hold `input_ids`; all keys per-token).
         Losses are token-weighted across micro-batches and data-parallel ranks. Returns averaged
-        stats plus `grad_norm` and `lr`. `max_tokens_per_mb` as in `logprobs`."""
+        stats plus `grad_norm` and `lr`. `max_tokens_per_mb` as in `logprobs`. `group_sizes`
+        (consecutive sequences summing to all of them): a group stays in one micro-batch, for a
+        loss over a whole group (DPO's pairs, GSPO's groups)."""
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], gconfig: Any) -> list[GenerationResult]:
