@@ -16,8 +16,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import sys
+
+from transformers.utils import logging as hf_logging
+
+import realcore.workflows  # noqa: F401  (the built-in workflows register on import)
+from realcore.backends.generation import GenerationEngine
+from realcore.backends.models import check_model_dir, load_model, load_tokenizer, prepare_model
+from realcore.backends.onednn_linear import use_onednn
+from realcore.launch.config_loader import import_user_modules, load_config
+from realcore.workflows.engines import BatchingEngine
+from realcore.workflows.episode import reward_fn, workflow_of
+from realcore.workflows.evaluate import eval_dataset, eval_rows, evaluate
+from realcore.workflows.reward_runner import reward_runner_for
 
 
 def _table(metrics: dict[str, float]) -> str:
@@ -28,21 +41,10 @@ def _table(metrics: dict[str, float]) -> str:
 def load(argv: list[str]):
     """(config, policy with .generate and .tokenizer, workflow episode, rows); ValueError for the
     user's mistakes."""
-    from transformers.utils import logging as hf_logging
-
-    from realcore.api.registry import make_workflow
-    from realcore.backends.generation import GenerationEngine
-    from realcore.backends.models import check_model_dir, load_model, load_tokenizer, prepare_model
-    from realcore.backends.onednn_linear import use_onednn
-    from realcore.launch.config_loader import import_user_modules, load_config
-    from realcore.workflows.evaluate import eval_rows
-
     cfg = load_config(argv)  # ConfigError is a ValueError
     import_user_modules(cfg)
-    import realcore.workflows  # noqa: F401  (the built-in workflows register on import)
-
     try:
-        episode = make_workflow(cfg.rollout.workflow, cfg.rollout.workflow_kwargs)
+        episode, _ = workflow_of(cfg)
     except KeyError as e:
         raise ValueError(f"rollout.workflow: {e.args[0]}") from None
     except TypeError as e:  # workflow_kwargs the workflow does not take
@@ -62,20 +64,11 @@ def load(argv: list[str]):
 
 def run(cfg, policy, episode, rows, runner) -> dict[str, float]:
     """The eval metrics (realcore.workflows.evaluate), plus the reward calls that failed."""
-    from realcore.workflows.reward_runner import RewardCall
-    from realcore.workflows.engines import BatchingEngine
-    from realcore.workflows.evaluate import evaluate
-
     errors = {"reward/errors": 0, "reward/timeouts": 0}
-
-    async def reward_fn(prompt, completion, prompt_ids, completion_ids, row) -> float:
-        outcome = await runner.ascore(RewardCall(prompt, completion, prompt_ids, completion_ids, row))
-        if outcome.error is not None:
-            errors["reward/errors" if outcome.error == "error" else "reward/timeouts"] += 1
-        return outcome.reward
+    score = reward_fn(runner, errors)
 
     def make_engine(gconfig):  # one per pass: the pass's episodes decode together
-        return BatchingEngine(policy, policy.tokenizer, gconfig, reward_fn, version=0)
+        return BatchingEngine(policy, policy.tokenizer, gconfig, score, version=0)
 
     metrics = asyncio.run(evaluate(cfg, episode, make_engine, rows))
     return {**metrics, **{k: float(v) for k, v in errors.items()}}
@@ -84,8 +77,6 @@ def run(cfg, policy, episode, rows, runner) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import logging
-
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(name)s %(levelname)s %(message)s")
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
@@ -94,8 +85,6 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"realcore.eval: {bad[0]}: arguments are key=value config overrides (see docs/evaluation.md)", file=sys.stderr)
         return 2
-    from realcore.workflows.evaluate import eval_dataset
-
     try:
         cfg, policy, episode, rows = load(argv)
         runner = reward_runner_for(cfg)

@@ -31,7 +31,7 @@ class GenerationResult:
 class Engine(ABC):
     """A model role held by one model worker (one data-parallel rank of its mesh)."""
 
-    tokenizer: Any
+    tokenizer: Any  # the model's HF tokenizer (None when the model directory has none)
     version: int = 0  # completed optimizer updates
 
     @abstractmethod
@@ -51,18 +51,36 @@ class Engine(ABC):
         n_minibatches: int = 1,
         temperature: float = 1.0,
         max_tokens_per_mb: int | None = None,
+        group_sizes: list[int] | None = None,
     ) -> dict[str, float]:
         """One optimizer step per minibatch over `data` (must hold `input_ids`; all keys per-token).
         Losses are token-weighted across micro-batches and data-parallel ranks. Returns averaged
-        stats plus `grad_norm` and `lr`. `max_tokens_per_mb` as in `logprobs`."""
+        stats plus `grad_norm` and `lr`. `max_tokens_per_mb` as in `logprobs`. `group_sizes`
+        (consecutive sequences summing to all of them): a group stays in one micro-batch, for a
+        loss over a whole group (DPO's pairs, GSPO's groups)."""
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], gconfig: Any) -> list[GenerationResult]:
         """Sample one continuation per prompt (the caller repeats prompts for groups)."""
 
     @abstractmethod
-    def save_hf(self, path: str) -> None:
-        """Save weights and tokenizer in HF format (safetensors), loadable by transformers as is."""
+    def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The full weights under HF names, what generation servers load (with LoRA: base and
+        adapter merged). A sharded engine (FSDP, Megatron) gathers them: every rank of the role
+        calls it; rank 0 gets the weights, the others None."""
+
+    @abstractmethod
+    def adapter_state(self) -> dict[str, torch.Tensor] | None:
+        """LoRA: the adapter's tensors under PEFT's saved names, what an in-memory weight update
+        pushes (sharded engines: collective, on rank 0, None elsewhere). Only called on a role
+        with `lora`; an engine without LoRA raises NotImplementedError."""
+
+    @abstractmethod
+    def save_hf(self, path: str, *, merged: bool = True) -> None:
+        """Save weights and tokenizer in HF format (safetensors), loadable by transformers as is,
+        atomically; rank 0 writes (sharded engines: every rank calls it). With LoRA the adapter
+        folder, plus `merged/` when `lora.export_merged` and `merged` (False for the folder
+        generation servers load: they take the adapter alone)."""
 
     @abstractmethod
     def save_state(self, path: str) -> None:

@@ -28,11 +28,12 @@ generation servers) and in sync mode (the `generate` MFC), unchanged.
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # imported where a tensor is made (see realcore.api.data)
+if TYPE_CHECKING:  # imported where a tensor is made: the master loads the workflows and starts without torch
     import torch
 
 
@@ -52,6 +53,19 @@ class Completion:
     output_versions: list[int]  # per token: the policy version that sampled it
     finish_reason: str  # "stop" (EOS, a stop token or a stop string) | "length"
     text: str  # output_ids decoded (special tokens skipped)
+
+
+class EpisodeOutcome(enum.Enum):
+    """How one episode ended (realcore.workflows.episode runs it; the rollout worker counts it)."""
+
+    DONE = "done"  # trajectories to train on (or to score, in evaluation)
+    REJECTED = "rejected"  # the workflow returned None: nothing is trained on it
+    FAILED = "failed"  # it raised, outlived its deadline or returned a malformed trajectory
+    STALE = "stale"  # too stale to be trained (realcore.api.versions.doomed): its requests stopped
+
+
+class BadTrajectory(ValueError):
+    """A workflow's return value is not what it declared (check_trajectories)."""
 
 
 class RolloutEngine(ABC):
@@ -103,7 +117,7 @@ class TrajectoryBuilder:
         return len(self.ids)
 
     def to_tensors(self, reward: float, **extra: torch.Tensor) -> dict[str, torch.Tensor]:
-        import torch
+        import torch  # why: the master imports this module and starts without torch
 
         if not self.versions:
             raise ValueError("a trajectory needs at least one generated token")
@@ -120,41 +134,42 @@ class TrajectoryBuilder:
 
 def check_trajectories(result: Any, keys: tuple[str, ...]) -> dict[str, list[torch.Tensor]]:
     """A workflow's return value (one trajectory or a group) -> {key: one tensor per sequence};
-    ValueError naming what is wrong (a missing or undeclared key, a bad shape or length)."""
-    import torch
+    BadTrajectory (a ValueError) naming what is wrong (a missing or undeclared key, a bad shape or
+    length)."""
+    import torch  # why: the master imports this module and starts without torch
 
     group = [result] if isinstance(result, dict) else result
     if not isinstance(group, list) or not group or not all(isinstance(t, dict) for t in group):
-        raise ValueError(f"a workflow returns a dict of tensors, a non-empty list of them, or None; got {type(result).__name__}")
+        raise BadTrajectory(f"a workflow returns a dict of tensors, a non-empty list of them, or None; got {type(result).__name__}")
     out: dict[str, list[torch.Tensor]] = {k: [] for k in keys}
     for i, traj in enumerate(group):
         if set(traj) != set(keys):
             missing, extra = sorted(set(keys) - set(traj)), sorted(set(traj) - set(keys))
-            raise ValueError(f"trajectory {i}: keys differ from the workflow's declaration (missing {missing}, undeclared {extra})")
+            raise BadTrajectory(f"trajectory {i}: keys differ from the workflow's declaration (missing {missing}, undeclared {extra})")
         n = None
         for k in keys:
             t = traj[k]
             if not isinstance(t, torch.Tensor) or t.dim() != 1:
-                raise ValueError(f"trajectory {i}: {k!r} is not a 1-D tensor")
+                raise BadTrajectory(f"trajectory {i}: {k!r} is not a 1-D tensor")
             if k == "input_ids":
                 n = t.numel()
         for k in keys:
             t = traj[k]
             if k in PER_SEQUENCE_KEYS and t.numel() != 1:
-                raise ValueError(f"trajectory {i}: {k!r} has {t.numel()} elements; it is one per sequence")
+                raise BadTrajectory(f"trajectory {i}: {k!r} has {t.numel()} elements; it is one per sequence")
             if k in ("loss_mask", "behav_logprobs") and t.numel() != n:
-                raise ValueError(f"trajectory {i}: {k!r} has {t.numel()} elements for {n} tokens")
+                raise BadTrajectory(f"trajectory {i}: {k!r} has {t.numel()} elements for {n} tokens")
             if k not in TRAJECTORY_KEYS and t.numel() not in (1, n):
-                raise ValueError(f"trajectory {i}: {k!r} has {t.numel()} elements: per token ({n}) or per sequence (1)")
+                raise BadTrajectory(f"trajectory {i}: {k!r} has {t.numel()} elements: per token ({n}) or per sequence (1)")
             out[k].append(t.detach())
         if not bool(traj["loss_mask"].any()):
-            raise ValueError(f"trajectory {i}: loss_mask is all 0 (nothing to train on)")
+            raise BadTrajectory(f"trajectory {i}: loss_mask is all 0 (nothing to train on)")
     return out
 
 
 def workflow_data(sample: dict[str, list[torch.Tensor]]) -> dict[str, Any]:
     """A dataset sample (one sequence per key) -> the `data` a workflow receives."""
-    import torch
+    import torch  # why: the master imports this module and starts without torch
 
     out: dict[str, Any] = {}
     for k, v in sample.items():
@@ -177,8 +192,10 @@ class Env(ABC):
         """Start an episode for this dataset row; returns the first observation (text)."""
 
     @abstractmethod
-    async def step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
-        """The policy's turn (text) -> (observation, reward, done, info)."""
+    async def step(self, action: Completion) -> tuple[str, float, bool, dict[str, Any]]:
+        """The policy's turn, as `agenerate` returned it (`action.text`, `action.output_ids`) ->
+        (observation: text the workflow appends as loss-masked tokens, reward: float, done: bool,
+        info: dict of anything the workflow may want)."""
 
     async def close(self) -> None:
         """Release what the episode holds (processes, files)."""

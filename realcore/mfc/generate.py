@@ -1,7 +1,7 @@
 """`generate`: run the rollout workflow (`rollout.workflow`, realcore.api.workflow) on each prompt of
 the batch, in sync mode: the same workflow the rollout workers run in async mode.
 
-The batch's episodes run concurrently; their generation requests are decoded together by the role's
+The batch's episodes run concurrently (realcore.workflows.episode); their generation requests are decoded together by the role's
 engine (or the generation servers) whenever every episode waits (realcore.workflows.engines). The
 MFC writes the workflow keys it declares as outputs (e.g. input_ids, loss_mask, behav_logprobs,
 rewards). An episode that raises is tried again `rollout.episode_retries` times; a sync batch cannot
@@ -13,9 +13,12 @@ from __future__ import annotations
 import asyncio
 
 from realcore.api.data import SequenceSample
-from realcore.api.registry import make_workflow, register_mfc, workflow_keys
-from realcore.api.workflow import check_trajectories, workflow_data
-from realcore.workflows.reward_runner import RewardCall, RewardRunner, reward_runner_for
+from realcore.api.registry import register_mfc, workflow_keys
+from realcore.api.workflow import BadTrajectory, EpisodeOutcome, workflow_data
+from realcore.workflows import sandbox
+from realcore.workflows.engines import BatchingEngine
+from realcore.workflows.episode import reward_fn, run_episodes, workflow_of
+from realcore.workflows.reward_runner import RewardRunner, reward_runner_for
 
 
 @register_mfc("generate")
@@ -27,64 +30,52 @@ class Generate:
     generates = True  # samples only: runs on generation servers when the experiment has them
 
     def __init__(self, cfg, mfc):
-        import realcore.workflows  # noqa: F401  (the built-in workflows register on import)
-
         self.cfg, self.outputs = cfg, list(mfc.outputs)
-        self.workflow = make_workflow(cfg.rollout.workflow, cfg.rollout.workflow_kwargs)
-        self.keys = workflow_keys(cfg.rollout.workflow)
+        self.workflow, self.keys = workflow_of(cfg)
         self.runner: RewardRunner | None = None  # started on first use
 
     @classmethod
     def check_config(cls, cfg, mfc) -> None:
-        import realcore.workflows  # noqa: F401
-
         keys = workflow_keys(cfg.rollout.workflow)
         extra = [k for k in mfc.outputs if k not in keys]
         if extra:
             raise ValueError(f"outputs {extra} are not produced by workflow {cfg.rollout.workflow!r} (it declares {list(keys)})")
 
     def run(self, model, batch: SequenceSample):
-        from realcore.workflows import sandbox
-
         # Tool calls share the node's bound with the other processes of the run (docs/tools.md).
         with sandbox.node_bound(sandbox.node_slots_folder(self.cfg.output_dir), self.cfg.rollout.max_concurrent_tool_calls):
             return self._run(model, batch)
 
     def _run(self, model, batch: SequenceSample):
-        import torch
-
-        from realcore.workflows.engines import BatchingEngine, run_batched
+        import torch  # why: realcore.mfc registers this MFC in the master, which starts without torch
 
         if self.runner is None:
-            r = self.cfg.reward
             self.runner = reward_runner_for(self.cfg)
         counters = {"reward/errors": 0, "reward/timeouts": 0}
-
-        async def reward_fn(prompt, completion, prompt_ids, completion_ids, row) -> float:
-            outcome = await self.runner.ascore(RewardCall(prompt, completion, prompt_ids, completion_ids, row))
-            if outcome.error is not None:
-                counters["reward/errors" if outcome.error == "error" else "reward/timeouts"] += 1
-            return outcome.reward
-
-        engine = BatchingEngine(model, model.tokenizer, self.cfg.generation, reward_fn, version=getattr(model, "version", 0))
+        engine = BatchingEngine(model, model.tokenizer, self.cfg.generation, reward_fn(self.runner, counters),
+                                version=getattr(model, "version", 0))
         datas = [workflow_data(s) for s in batch.samples]
-        results = asyncio.run(run_batched(engine, [self.workflow(engine, d) for d in datas]))
+        results = asyncio.run(run_episodes(self.workflow, engine, datas, self.keys))
         for attempt in range(self.cfg.rollout.episode_retries):
-            failed = [i for i, r in enumerate(results) if isinstance(r, BaseException)]
+            failed = [i for i, r in enumerate(results) if r.outcome is EpisodeOutcome.FAILED
+                      and not isinstance(r.error, BadTrajectory)]  # a malformed trajectory fails the call at once
             if not failed:
                 break
-            again = asyncio.run(run_batched(engine, [self.workflow(engine, datas[i]) for i in failed]))
+            again = asyncio.run(run_episodes(self.workflow, engine, [datas[i] for i in failed], self.keys))
             for i, r in zip(failed, again):
                 results[i] = r
         groups = []
         for sid, r in zip(batch.ids, results):
-            if isinstance(r, BaseException):
+            if isinstance(r.error, BadTrajectory):
+                raise r.error
+            if r.outcome is EpisodeOutcome.FAILED:
+                e = r.error
                 raise RuntimeError(f"workflow {self.cfg.rollout.workflow!r}: the episode of sample {sid} failed "
-                                   f"{self.cfg.rollout.episode_retries + 1} times: {type(r).__name__}: {r}") from r
-            if r is None:
+                                   f"{self.cfg.rollout.episode_retries + 1} times: {type(e).__name__}: {e}") from e
+            if r.outcome is EpisodeOutcome.REJECTED:
                 raise RuntimeError(f"workflow {self.cfg.rollout.workflow!r} rejected sample {sid} (returned None): "
                                    "a sync batch cannot drop a sample (async mode can)")
-            groups.append(check_trajectories(r, self.keys))
+            groups.append(r.group)
         out = SequenceSample(list(batch.ids), [{k: g[k] for k in self.outputs} for g in groups])
         mask_lens = [int(m.sum()) for g in groups for m in g["loss_mask"]]
         rewards = torch.cat([t for g in groups for t in g["rewards"]])

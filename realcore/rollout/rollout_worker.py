@@ -37,9 +37,11 @@ import zmq.asyncio
 
 from realcore.api.alloc import parse_allocation_mode
 from realcore.api.config import ExperimentConfig
-from realcore.api.registry import lookup, make_workflow, workflow_keys
-from realcore.api.workflow import check_trajectories, workflow_data
-from realcore.workflows.reward_runner import RewardCall, reward_runner_for
+from realcore.api.registry import lookup
+from realcore.api.workflow import EpisodeOutcome, workflow_data
+from realcore.workflows.engines import ServerEngine
+from realcore.workflows.episode import reward_fn, run_episode, workflow_of
+from realcore.workflows.reward_runner import reward_runner_for
 from realcore.transport import drops, keys, wire
 from realcore.transport.name_resolve import make_name_resolver
 from realcore.transport.protocol import (Allocate, AskServerVersion, Finish, Register, RemoteError, Reroute, parse,
@@ -215,8 +217,7 @@ class RolloutWorker:
         )
         self.samples = loaded.samples
         self.order = EpochSampler(len(self.samples), cfg.dataset.seed, index)
-        self.workflow = make_workflow(cfg.rollout.workflow, cfg.rollout.workflow_kwargs)
-        self.keys = workflow_keys(cfg.rollout.workflow)
+        self.workflow, self.keys = workflow_of(cfg)
         sandbox.bound_node_calls(sandbox.node_slots_folder(cfg.output_dir), cfg.rollout.max_concurrent_tool_calls)
         self.rewards = reward_runner_for(cfg)
         resolver = make_name_resolver(cfg.system.name_resolve, secret)
@@ -325,47 +326,39 @@ class RolloutWorker:
 
     async def episode(self, seq: int, server: str, counters: dict[str, int]):
         """The workflow's group for prompt `seq` ({key: one tensor per sequence}), None when the
-        workflow rejected it, or "failed" after `rollout.episode_retries` retries of an episode that
-        raised or returned a bad trajectory. Reward calls that failed or timed out are counted."""
-        from realcore.workflows.engines import ServerEngine
-
+        workflow rejected it, EpisodeOutcome.STALE when it became too stale to be trained, or
+        EpisodeOutcome.FAILED after `rollout.episode_retries` retries of an episode that raised or
+        returned a bad trajectory; with the server it ended on. Reward calls that failed or timed
+        out are counted."""
         data = workflow_data(self.samples[self.order.index(seq)])
         client = RoutedClient(self, seq, server)
-
-        async def reward_fn(prompt, completion, prompt_ids, completion_ids, row) -> float:
-            outcome = await self.rewards.ascore(RewardCall(prompt, completion, prompt_ids, completion_ids, row))
-            if outcome.error is not None:
-                key = "reward/errors" if outcome.error == "error" else "reward/timeouts"
-                counters[key] = counters.get(key, 0) + 1
-            return outcome.reward
-
+        score = reward_fn(self.rewards, counters)
         for attempt in range(self.cfg.rollout.episode_retries + 1):
             client.first_version = None  # a retry generates everything again: its staleness starts anew
-            engine = ServerEngine(client, self.tokenizer, self.cfg.generation, reward_fn, rid=f"r{self.index}-{seq}-{attempt}")
-            try:
-                result = await self.workflow(engine, data)
-                if client.stale:  # a workflow that caught StaleRollout: what it returns is dropped at take
-                    return "stale", client.server
-                return (None if result is None else check_trajectories(result, self.keys)), client.server
-            except Exception as e:  # a user workflow may raise anything: it must not take the worker down
-                if client.stale:
-                    return "stale", client.server
-                log.warning("rollout %d: episode failed (attempt %d of %d): %s: %s", seq, attempt + 1,
-                            self.cfg.rollout.episode_retries + 1, type(e).__name__, e)
-        return "failed", client.server
+            engine = ServerEngine(client, self.tokenizer, self.cfg.generation, score, rid=f"r{self.index}-{seq}-{attempt}")
+            result = await run_episode(self.workflow, engine, data, self.keys)
+            if client.stale:  # a workflow that caught StaleRollout, or raised it: what it returns is dropped at take
+                return EpisodeOutcome.STALE, client.server
+            if result.outcome is not EpisodeOutcome.FAILED:
+                return result.group, client.server  # None: rejected
+            e = result.error
+            log.warning("rollout %d: episode failed (attempt %d of %d): %s: %s", seq, attempt + 1,
+                        self.cfg.rollout.episode_retries + 1, type(e).__name__, e)
+        return EpisodeOutcome.FAILED, client.server
 
     async def rollout(self, push: StreamPusher, seq: int, grant: int, server: str) -> None:
         self.running.add(seq)
         counters: dict[str, int] = {}
         group, server = await self.episode(seq, server, counters)
-        self.failed_in_a_row = self.failed_in_a_row + 1 if group == "failed" else 0
-        self.ever_ok = self.ever_ok or group != "failed"
+        failed = group is EpisodeOutcome.FAILED
+        self.failed_in_a_row = self.failed_in_a_row + 1 if failed else 0
+        self.ever_ok = self.ever_ok or not failed
         if not self.ever_ok and self.failed_in_a_row >= max(8, self.cfg.rollout.max_concurrent_rollouts):
             raise RuntimeError(f"the first {self.failed_in_a_row} episodes of workflow {self.cfg.rollout.workflow!r} all "
                                "failed (see the warnings above): a bug in the workflow, not bad luck; stopping")
-        if group == "failed":
+        if failed:
             accepted, counters["rollout/failed_episodes"] = False, 1
-        elif group == "stale":
+        elif group is EpisodeOutcome.STALE:
             accepted, counters["rollout/stale_cancelled"] = False, 1
         elif group is None:
             accepted, counters["rollout/rejected_episodes"] = False, 1

@@ -13,7 +13,12 @@ import asyncio
 import itertools
 import time
 
-from realcore.api.registry import make_workflow
+from realcore.api.alloc import parse_allocation_mode
+from realcore.backends.clients.registry import client_for
+from realcore.workflows.engines import BatchingEngine, ServerEngine
+from realcore.workflows.episode import reward_fn, workflow_of
+from realcore.workflows.evaluate import eval_rows, evaluate
+from realcore.workflows.reward_runner import reward_runner_for
 
 
 class RoundRobin:
@@ -33,32 +38,19 @@ class Evaluator:
     """Lives in model worker 0; `run(version, generator)` returns the eval/* metrics."""
 
     def __init__(self, cfg, tokenizer):
-        from realcore.workflows.reward_runner import reward_runner_for
-        from realcore.workflows.evaluate import eval_rows
-
         self.cfg, self.tokenizer = cfg, tokenizer
         self.rows = eval_rows(cfg, tokenizer)
-        self.episode = make_workflow(cfg.rollout.workflow, cfg.rollout.workflow_kwargs)
+        self.episode, _ = workflow_of(cfg)
         self.rewards = reward_runner_for(cfg)
-
-    async def _reward(self, prompt, completion, prompt_ids, completion_ids, row) -> float:
-        from realcore.workflows.reward_runner import RewardCall
-
-        return (await self.rewards.ascore(RewardCall(prompt, completion, prompt_ids, completion_ids, row))).reward
+        self._reward = reward_fn(self.rewards)  # failed reward calls score 0, uncounted here
 
     def run(self, version: int, *, model=None, servers: list[str] | None = None) -> dict[str, float]:
         """On `servers` (http addresses) if given, else with `model.generate` (an engine)."""
         return asyncio.run(self._run(version, model, servers))
 
     async def _run(self, version: int, model, servers) -> dict[str, float]:
-        from realcore.workflows.engines import BatchingEngine, ServerEngine
-        from realcore.workflows.evaluate import evaluate
-
         t0 = time.monotonic()
         if servers:
-            from realcore.api.alloc import parse_allocation_mode
-            from realcore.backends.clients.registry import client_for
-
             r, backend = self.cfg.rollout, parse_allocation_mode(self.cfg.allocation_mode).backend
             client = RoundRobin([client_for(backend, s, token=r.server_token, timeout_s=r.request_timeout_s,
                                             lora=self.cfg.actor.lora is not None) for s in servers])

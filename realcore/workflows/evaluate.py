@@ -12,20 +12,20 @@ as a wrong answer (reward 0): a broken workflow must not look like an accurate p
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable
 
 from realcore.api.config import DatasetConfig, ExperimentConfig, GenerationConfig
 from realcore.api.registry import lookup, workflow_keys
-from realcore.api.workflow import RolloutEngine, check_trajectories, workflow_data
+from realcore.api.workflow import EpisodeOutcome, RolloutEngine, workflow_data
+from realcore.backends.models import load_tokenizer
 from realcore.data.datasets import held_out
-from realcore.workflows.engines import BatchingEngine, run_batched
+from realcore.workflows import sandbox
+from realcore.workflows.episode import EpisodeResult, Workflow, run_episodes
 
 log = logging.getLogger("realcore.eval")
 
-Episode = Callable[[RolloutEngine, dict], Awaitable[Any]]
 # Episodes in flight against generation servers at once: enough to fill a server's batch, few
 # enough not to starve the training rollouts that share the servers.
 MAX_CONCURRENT = 32
@@ -48,8 +48,6 @@ def eval_rows(cfg: ExperimentConfig, tokenizer=None) -> list[dict[str, Any]]:
     if dcfg.format != "rl":
         raise ValueError(f"eval.dataset: format={dcfg.format!r}; evaluation needs prompts (format=rl)")
     if tokenizer is None:
-        from realcore.backends.models import load_tokenizer
-
         if cfg.model.path is None:
             raise ValueError("eval: model.path is not resolved (prepare_model first) and no tokenizer was given")
         tokenizer = load_tokenizer(cfg.model.path)
@@ -94,48 +92,21 @@ def eval_gconfigs(cfg: ExperimentConfig) -> tuple[GenerationConfig, GenerationCo
     return greedy, sampled
 
 
-async def _run_pass(episode: Episode, engine: RolloutEngine, rows: list[dict], timeout_s: float) -> list[Any]:
-    """Every row's episode on `engine`, concurrently; an exception in place of an episode that
-    raised or outlived the pass's deadline."""
-    deadline = time.monotonic() + timeout_s
-
-    async def bounded(data):
-        return await asyncio.wait_for(episode(engine, data), max(0.0, deadline - time.monotonic()))
-
-    if isinstance(engine, BatchingEngine):  # all at once, so their requests decode in shared batches
-        return await run_batched(engine, [bounded(d) for d in rows])
-    sem = asyncio.Semaphore(MAX_CONCURRENT)
-
-    async def one(data):
-        async with sem:
-            return await bounded(data)
-
-    return list(await asyncio.gather(*(one(d) for d in rows), return_exceptions=True))
-
-
-def _groups(results: list[Any], keys: tuple[str, ...], name: str) -> tuple[list[dict | None], int]:
+def _groups(results: list[EpisodeResult], name: str) -> tuple[list[dict | None], int]:
     """Episode results -> ({key: one tensor per sequence} or None for a failed episode, failures)."""
     out, failed = [], 0
     for i, r in enumerate(results):
-        why = None
-        if isinstance(r, BaseException):
-            why = "timed out" if isinstance(r, asyncio.TimeoutError) else f"{type(r).__name__}: {r}"
-        elif r is None:
-            why = "rejected (returned None)"
-        else:
-            try:
-                out.append(check_trajectories(r, keys))
-                continue
-            except ValueError as e:
-                why = f"bad trajectory: {e}"
+        if r.outcome is EpisodeOutcome.DONE:
+            out.append(r.group)
+            continue
         failed += 1
         out.append(None)
         if failed <= _LOGGED_FAILURES:
-            log.warning("eval (%s): episode of prompt %d failed: %s", name, i, why)
+            log.warning("eval (%s): episode of prompt %d failed: %s", name, i, r.why())
     return out, failed
 
 
-async def evaluate(cfg: ExperimentConfig, episode: Episode, make_engine: Callable[[GenerationConfig], RolloutEngine],
+async def evaluate(cfg: ExperimentConfig, episode: Workflow, make_engine: Callable[[GenerationConfig], RolloutEngine],
                    rows: list[dict]) -> dict[str, float]:
     """The eval metrics of the policy behind `make_engine(gconfig)` on `rows` (see the module
     docstring). `episode`: the workflow (`make_workflow(cfg.rollout.workflow, ...)`). Each pass must
@@ -143,23 +114,25 @@ async def evaluate(cfg: ExperimentConfig, episode: Episode, make_engine: Callabl
     then are cancelled and counted as failed."""
     if not rows:
         raise ValueError("evaluate: no prompts")
-    from realcore.workflows import sandbox
-
     with sandbox.node_bound(sandbox.node_slots_folder(cfg.output_dir), cfg.rollout.max_concurrent_tool_calls):
         return await _evaluate(cfg, episode, make_engine, rows)
 
 
-async def _evaluate(cfg: ExperimentConfig, episode: Episode, make_engine: Callable[[GenerationConfig], RolloutEngine],
+async def _evaluate(cfg: ExperimentConfig, episode: Workflow, make_engine: Callable[[GenerationConfig], RolloutEngine],
                     rows: list[dict]) -> dict[str, float]:
     t0 = time.monotonic()
     keys = workflow_keys(cfg.rollout.workflow)
     greedy_g, sampled_g = eval_gconfigs(cfg)
     timeout = cfg.system.request_timeout_s
-    greedy, n_failed_greedy = _groups(await _run_pass(episode, make_engine(greedy_g), rows, timeout), keys, "greedy")
+
+    async def run_pass(gconfig: GenerationConfig) -> list[EpisodeResult]:
+        return await run_episodes(episode, make_engine(gconfig), rows, keys, deadline=time.monotonic() + timeout,
+                                  max_concurrent=MAX_CONCURRENT)
+
+    greedy, n_failed_greedy = _groups(await run_pass(greedy_g), "greedy")
     sampled, n_failed_sampled = [], 0
     if cfg.eval.n_samples > 0:  # 0: the greedy pass only
-        sampled, n_failed_sampled = _groups(await _run_pass(episode, make_engine(sampled_g), rows, timeout), keys,
-                                            "sampled")
+        sampled, n_failed_sampled = _groups(await run_pass(sampled_g), "sampled")
 
     def rewards(g: dict | None) -> list[float]:
         return [float(r) for r in g["rewards"]] if g is not None else [0.0]  # a failed episode scores 0

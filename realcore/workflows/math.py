@@ -20,6 +20,7 @@ from typing import Any
 
 from realcore.api.registry import lookup, register_env, register_workflow
 from realcore.api.workflow import Completion, Env, TrajectoryBuilder
+from realcore.workflows.sandbox import run_python
 
 
 def plain_ids(tokenizer, text: str) -> list[int]:
@@ -144,8 +145,6 @@ class PythonToolEnv(Env):
         return ""
 
     async def step(self, action: Completion) -> tuple[str, float, bool, dict[str, Any]]:
-        from realcore.workflows.sandbox import run_python
-
         calls = TOOL_CALL.findall(action.text)
         if calls:
             result = await run_python(calls[-1], **self.limits)

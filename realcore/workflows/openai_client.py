@@ -54,6 +54,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from openai.types import Completion as TextCompletion
+from openai.types.chat import ChatCompletion
 
 from realcore.api.workflow import Completion, RolloutEngine, TrajectoryBuilder
 
@@ -104,8 +106,6 @@ class ChatClient:
                            max_completion_tokens: int | None = None, temperature: float | None = None,
                            stop: str | list[str] | None = None, n: int | None = None, logprobs: bool | None = None,
                            top_p: float | None = None, timeout: float | None = None, **other: Any):
-        from openai.types.chat import ChatCompletion
-
         _check_unsupported("chat.completions.create", other)
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("chat.completions.create: the tokenizer has no chat template (use completions.create)")
@@ -131,8 +131,6 @@ class ChatClient:
                            temperature: float | None = None, stop: str | list[str] | None = None, n: int | None = None,
                            logprobs: int | None = None, top_p: float | None = None, timeout: float | None = None,
                            **other: Any):
-        from openai.types import Completion as TextCompletion
-
         _check_unsupported("completions.create", other)
         if logprobs not in (None, 0):
             raise ValueError(f"completions.create: logprobs={logprobs!r}: only 0 (the sampled tokens' log-probs) "

@@ -422,8 +422,12 @@ class MegatronEngine(Engine):
                          n_stages=self.n_stages, coords=(self.tp_rank, self.pp_rank, self.replica, _ep_rank()),
                          ep=self.dims.ep)
 
-    def save_hf(self, path: str) -> None:
-        """Collective; global rank 0 writes an HF directory atomically (tmp dir + rename)."""
+    def adapter_state(self) -> dict[str, torch.Tensor] | None:
+        raise NotImplementedError("backend=megatron has no LoRA (RoleConfig rejects lora there)")
+
+    def save_hf(self, path: str, *, merged: bool = True) -> None:
+        """Collective; global rank 0 writes an HF directory atomically (tmp dir + rename).
+        `merged` is LoRA's (Engine.save_hf): megatron has none."""
         from safetensors.torch import save_file
 
         state = self.hf_state_dict()
