@@ -1,6 +1,7 @@
 """Where a training batch comes from: the dataset shards on the model workers (sync mode) or the
 rollout workers' trajectory stream (async mode). The master holds one of these; each keeps, and
-saves in a recover checkpoint, what it alone knows.
+saves in a recover checkpoint, what it alone knows: the next sample id it hands out, and (stream)
+the prompts trained so far. A source sees only the ports the master hands it (SourcePorts).
 """
 
 from __future__ import annotations
@@ -8,11 +9,13 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from realcore.api.config import ExperimentConfig
 from realcore.api.registry import dataset_keys, workflow_keys
-from realcore.transport.control import Columns
+from realcore.trainer.buffer import SampleBuffer
 from realcore.transport.protocol import Fetch, Fetched, Resolve
 
 
@@ -20,6 +23,33 @@ def source_keys(cfg: ExperimentConfig) -> tuple[str, ...]:
     """What feeds the graph: the dataset (sync) or the rollout workers' trajectory stream (async:
     the keys the rollout workflow declares)."""
     return workflow_keys(cfg.rollout.workflow) if cfg.mode == "async" else dataset_keys(cfg.dataset)
+
+
+# One Fetch per run of heads (worker indices; `sizes[k]` samples from the k-th), each head dropping
+# its released samples first, waited for: per run, the worker that answered each sample and the
+# joined reply.
+ColumnCalls = Callable[[list[tuple[list[int], list[int], Fetch]], str], list[tuple[list[int], Fetched]]]
+# One Fetch to one worker (by index), its released samples dropped first, waited for: its reply.
+WorkerCall = Callable[[int, Fetch, str], Fetched]
+# A typed request to the gserver manager (surviving its restart): its reply.
+ManagerCalls = Callable[[Any, str], Any]
+
+
+@dataclass(frozen=True)
+class SourcePorts:
+    """What a batch source may do and know, handed in by the master."""
+
+    batch_size: int
+    timeout_s: float  # the stream: how long a batch may take to arrive
+    heads: list[int]  # each data-parallel replica's head (worker index), in replica order
+    groups: list[list[int]]  # replicas (indices into heads) whose requests travel as one (one relay's)
+    buffer: SampleBuffer  # where the fetched samples' owners and sizes go
+    call_columns: ColumnCalls
+    call_worker: WorkerCall
+    clear: Callable[[int, list[int]], None]  # drop samples on a worker now, waited for
+    call_manager: ManagerCalls | None  # None: no manager (sync mode)
+    version: Callable[[], int]  # the trainer's current policy version
+    while_waiting: Callable[[], None]  # between polls of the streams (catching restarted servers up)
 
 
 def _rows(columns: dict[str, list], rows: list[int]) -> dict[str, list]:
@@ -40,16 +70,17 @@ class DatasetSource:
     """Sync mode: `batch_size` prompts split evenly over the dataset shards of the replica heads.
     Each head's data position is its own recover state (saved by the model worker)."""
 
-    def __init__(self, master):
-        self.m = master
+    def __init__(self, ports: SourcePorts):
+        self.ports = ports
+        self.next_id = 0  # the next sample id (saved in the master's part of a recover checkpoint)
 
     def fetch(self, metrics: dict) -> list[Group]:
-        m, n = self.m, self.m.cfg.trainer.batch_size
-        w = len(m.heads)
+        p, n = self.ports, self.ports.batch_size
+        w = len(p.heads)
         counts = [n // w + (1 if d < n % w else 0) for d in range(w)]
-        first = [m.next_id + k for k in itertools.accumulate(counts, initial=0)]  # replica d's first id
+        first = [self.next_id + k for k in itertools.accumulate(counts, initial=0)]  # replica d's first id
         reqs = []
-        for ds in m.groups:  # one Fetch per run of adjacent replicas with samples (their ids follow on)
+        for ds in p.groups:  # one Fetch per run of adjacent replicas with samples (their ids follow on)
             runs: list[list[int]] = []
             for d in ds:
                 if counts[d]:
@@ -58,13 +89,12 @@ class DatasetSource:
                     else:
                         runs.append([d])
             for run in runs:
-                reqs.append(Columns([m.names[m.heads[d]] for d in run], [counts[d] for d in run],
-                                    Fetch(first_id=first[run[0]], n=sum(counts[d] for d in run)),
-                                    [m.to_clear.pop(m.heads[d], []) for d in run]))
-        m.next_id += n
-        got = list(m.wait(m.pool.request_columns(reqs), "dataset fetch").values())
-        m.buffer.add_many([(g.owners(m.index_of), g.reply.ids, g.reply.tokens, g.reply.seqs) for g in got])
-        groups = [Group(sid, uid) for g in got for sid, uid in zip(g.reply.ids, g.reply.uids)]
+                reqs.append(([p.heads[d] for d in run], [counts[d] for d in run],
+                             Fetch(first_id=first[run[0]], n=sum(counts[d] for d in run))))
+        self.next_id += n
+        got = p.call_columns(reqs, "dataset fetch")
+        p.buffer.add_many([(owners, r.ids, r.tokens, r.seqs) for owners, r in got])
+        groups = [Group(sid, uid) for _, r in got for sid, uid in zip(r.ids, r.uids)]
         return groups
 
     def state(self) -> dict:
@@ -133,30 +163,29 @@ class StreamSource:
     that ran again after a failure) is discarded: no prompt is trained twice. The manager hears
     which admissions left the streams (Resolve), so its count of what awaits training stays exact."""
 
-    def __init__(self, master):
-        self.m = master
+    def __init__(self, ports: SourcePorts):
+        self.ports = ports
+        self.next_id = 0  # the next sample id (saved in the master's part of a recover checkpoint)
         self.trained = PromptSet()  # prompt uids trained so far in this run
 
     def fetch(self, metrics: dict) -> list[Group]:
-        m, n = self.m, self.m.cfg.trainer.batch_size
+        p, n = self.ports, self.ports.batch_size
         groups: list[Group] = []
         rewards: list[float] = []
         t0 = time.monotonic()
-        deadline, dropped, duplicates = t0 + m.cfg.system.request_timeout_s, 0, 0
+        deadline, dropped, duplicates = t0 + p.timeout_s, 0, 0
         while len(groups) < n:
-            for i in m.heads:
-                name = m.names[i]
-                msg = m.with_clears({name: Fetch(m.next_id, n - len(groups), m.version)})
-                r: Fetched = m.wait(m.pool.request_many(msg), "stream fetch")[name]
-                m.next_id += len(r.ids)
+            for i in p.heads:
+                r = p.call_worker(i, Fetch(self.next_id, n - len(groups), p.version()), "stream fetch")
+                self.next_id += len(r.ids)
                 if r.ids or r.dropped:
-                    m.call_manager(Resolve(trained=r.grants, dropped=r.dropped), "resolve")
+                    p.call_manager(Resolve(trained=r.grants, dropped=r.dropped), "resolve")
                 dropped += len(r.dropped)
                 fresh = [k for k, uid in enumerate(r.uids) if uid not in self.trained]
                 if len(fresh) < len(r.ids):
                     duplicates += len(r.ids) - len(fresh)
-                    m.clear_on(i, [r.ids[k] for k in range(len(r.ids)) if k not in fresh])
-                m.buffer.add([i] * len(fresh), [r.ids[k] for k in fresh], _rows(r.tokens, fresh), _rows(r.seqs, fresh))
+                    p.clear(i, [r.ids[k] for k in range(len(r.ids)) if k not in fresh])
+                p.buffer.add([i] * len(fresh), [r.ids[k] for k in fresh], _rows(r.tokens, fresh), _rows(r.seqs, fresh))
                 for k in fresh:
                     self.trained.add(r.uids[k])
                     groups.append(Group(r.ids[k], r.uids[k], r.version_start[k], r.version_end[k]))
@@ -165,18 +194,18 @@ class StreamSource:
                     break
             if len(groups) < n:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"stream: {len(groups)} of {n} trajectories within {m.cfg.system.request_timeout_s:g} s; "
+                    raise TimeoutError(f"stream: {len(groups)} of {n} trajectories within {p.timeout_s:g} s; "
                                        "are the rollout workers and servers alive?")
-                m.while_waiting()
+                p.while_waiting()
                 time.sleep(0.05)
         metrics["time/stream_wait_s"] = time.monotonic() - t0
         metrics["staleness/dropped"] = dropped
         metrics["staleness/duplicates"] = duplicates
         metrics["reward/mean"] = sum(rewards) / len(rewards)
         # Staleness of this batch against the policy that trains on it (AReaL's head/tail offpolicyness).
-        starts = [min(g.version_start) for g in groups]
-        metrics["staleness/head"] = m.version - min(starts)
-        metrics["staleness/tail"] = m.version - max(starts)
+        starts, version = [min(g.version_start) for g in groups], p.version()
+        metrics["staleness/head"] = version - min(starts)
+        metrics["staleness/tail"] = version - max(starts)
         interrupted = sum(s != e for g in groups for s, e in zip(g.version_start, g.version_end))
         metrics["staleness/interrupted_frac"] = interrupted / sum(len(g.version_start) for g in groups)
         return groups

@@ -28,7 +28,7 @@ from realcore.api.registry import lookup
 from realcore.dfg.graph import DataFlowGraph, MFCNode, build_graph
 from realcore.transport import drops, keys, wire
 from realcore.trainer import recover
-from realcore.trainer.batch_source import DatasetSource, Group, StreamSource, source_keys
+from realcore.trainer.batch_source import DatasetSource, Group, SourcePorts, StreamSource, source_keys
 from realcore.trainer.buffer import SampleBuffer, split_balanced
 from realcore.transport.columns import merged_stats
 from realcore.transport.control import Columns, Gathered, Reply, WorkerPool, wait_all, when_all_done
@@ -37,7 +37,7 @@ from realcore.trainer.metrics import MetricsWriter, wandb_init_kwargs
 from realcore.transport.name_resolve import make_name_resolver
 from realcore.transport.protocol import (Clear, Configure, Evaluate, Exit, Fetch, ManagerState, RemoteError, Restore, RunMFC, Save,
                                       SaveState, Snapshot, WorkerLost, parse)
-from realcore.weights.sync import make_weight_sync
+from realcore.weights.sync import WeightPorts, make_weight_sync, server_addresses
 
 log = logging.getLogger("realcore.master")
 MANAGER = keys.MANAGER
@@ -156,11 +156,16 @@ class Master:
         self.groups = replica_groups(self.heads, self.names, self.pool.relay_of, self.pool.top_of)
         self.drop_tally = drops.Tally()
         self.drop_totals: collections.Counter[str] = collections.Counter()  # "process/socket/reason" -> drops this attempt
-        self.next_id = 0
         self.version = 0
         self.step = 0
-        self.weights = make_weight_sync(self) if self.alloc.gen is not None else None
-        self.source = StreamSource(self) if self.async_mode else DatasetSource(self)
+        manager, gen = (self.call_manager if self.async_mode else None), self.alloc.gen  # the ports hold these, not the master
+        self.weights = None if gen is None else make_weight_sync(cfg.rollout.weight_update, WeightPorts(
+            call_workers=self.call_all, call_manager=manager, weights_dir=os.path.join(cfg.output_dir, "weights"),
+            server_addresses=lambda kind: server_addresses(cfg, gen.dp, kind)))
+        self.source = (StreamSource if self.async_mode else DatasetSource)(SourcePorts(
+            batch_size=cfg.trainer.batch_size, timeout_s=cfg.system.request_timeout_s, heads=self.heads,
+            groups=self.groups, buffer=self.buffer, call_columns=self.call_columns, call_worker=self.call_worker,
+            clear=self.clear_on, call_manager=manager, version=lambda: self.version, while_waiting=self.while_waiting))
         self.preempt_requested = False
         self.terminated = False  # SIGTERM: whoever sent it stops every process of the run
         self.counters: dict[str, int] = {}  # rollout workers' totals (reward errors, ...) logged so far
@@ -181,6 +186,18 @@ class Master:
             ids = self.to_clear.pop(self.index_of[name], None)
             out[name] = dataclasses.replace(msg, clear=ids) if ids else msg
         return out
+
+    def call_worker(self, index: int, msg: Fetch | RunMFC, what: str):
+        """One request to worker `index`, which drops its released samples first; its reply."""
+        name = self.names[index]
+        return self.wait(self.pool.request_many(self.with_clears({name: msg})), what)[name]
+
+    def call_columns(self, runs: list[tuple[list[int], list[int], Fetch]], what: str) -> list[tuple[list[int], object]]:
+        """Per run of workers (indices; `sizes[k]` samples from the k-th, which drops its released
+        samples first), one request: who answered each sample, and the joined reply."""
+        futs = self.pool.request_columns([Columns([self.names[i] for i in ws], sizes, msg, [self.to_clear.pop(i, []) for i in ws])
+                                          for ws, sizes, msg in runs])
+        return [(g.owners(self.index_of), g.reply) for g in self.wait(futs, what).values()]
 
     def clear_on(self, index: int, ids: list[int]) -> None:
         self.wait({self.names[index]: self.pool.request(self.names[index], Clear(ids))}, "clear")
@@ -224,7 +241,7 @@ class Master:
         status = self.pool.status.get(MANAGER)
         behind = status.info.get("behind", "") if status is not None else ""
         if behind and self.weights is not None:
-            self.weights.catch_up([int(i) for i in str(behind).split(",")])
+            self.weights.catch_up([int(i) for i in str(behind).split(",")], self.version)
 
     # --- the step -----------------------------------------------------------------------------
 
@@ -406,7 +423,7 @@ class Master:
             recover.write_json(os.path.join(tmp, "manager.json"), self.call_manager(Snapshot(), "snapshot"))
         self.call_all(SaveState(tmp), "recover checkpoint")
         recover.write_json(os.path.join(tmp, "master.json"),
-                           recover.MasterState(step, self.version, self.next_id, self.source.state()))
+                           recover.MasterState(step, self.version, self.source.next_id, self.source.state()))
         path = recover.commit(tmp, out, step)
         log.info("recover checkpoint %s (%.1f s)", path, time.perf_counter() - t0)
 
@@ -464,7 +481,7 @@ class Master:
         path = None
         if resumed is not None:
             state, path = resumed
-            self.step, self.version, self.next_id = state.step, state.version, state.next_id
+            self.step, self.version, self.source.next_id = state.step, state.version, state.next_id
             print(f"realcore: resuming from step {self.step} (recover checkpoint {path})", flush=True)
         self.configure(path)
         writer = MetricsWriter(cfg.output_dir, cfg.trainer.total_steps, resume_step=self.step,

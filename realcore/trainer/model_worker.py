@@ -34,6 +34,7 @@ from realcore.trainer import worker_state
 from realcore.data.sampler import EpochSampler
 from realcore.api.versions import drop_bound, update_mode
 from realcore.transport.stream import TrajectoryStream
+from realcore.weights.sync import server_addresses
 
 log = logging.getLogger("realcore.model_worker")
 
@@ -75,6 +76,7 @@ class ModelWorker:
         self.mfcs = {name: lookup("mfc", n.type)(cfg, next(m for m in cfg.mfcs if m.name == name))
                      for name, n in self.dfg.nodes.items()}
         self.dataset: list = []
+        self.sampler: EpochSampler | None = None  # sync mode, replica heads: the shard's position
         self.stream = (TrajectoryStream(host, secret, workflow_keys(cfg.rollout.workflow), name=name, limits=limits)
                        if cfg.mode == "async" and self.head else None)
         self.generator = None  # sync mode with generation servers: where `generate` MFCs sample
@@ -126,7 +128,7 @@ class ModelWorker:
             if i != self.index:
                 self.peers[i] = json.loads(self.resolver.get(keys.model_worker(cfg, i)))["data"]
         if msg.recover_from is not None:
-            worker_state.load(self, msg.recover_from)
+            worker_state.load(self._state_parts(), msg.recover_from)
         self.state = "running"
         return counts
 
@@ -187,7 +189,6 @@ class ModelWorker:
         """eval/* metrics of the current policy (realcore.trainer.evaluation): on the generation
         servers when the run has them, else on this worker's actor engine."""
         from realcore.trainer.evaluation import Evaluator
-        from realcore.weights.sync import server_addresses
 
         if self.evaluator is None:
             self.evaluator = Evaluator(self.cfg, self.no_model.tokenizer)
@@ -257,7 +258,14 @@ class ModelWorker:
                 engine.save_hf(msg.path if role == "actor" else os.path.join(msg.path, role))
 
     def save_state(self, msg: SaveState) -> None:
-        worker_state.save(self, msg.path)
+        worker_state.save(self._state_parts(), msg.path)
+
+    def _state_parts(self) -> worker_state.StateParts:
+        """What this worker's part of a recover checkpoint holds (worker_state.py)."""
+        roles = self.cfg.roles()
+        return worker_state.StateParts(
+            self.index, engines={role: e for role, e in self.engines.items() if roles[role].trainable},
+            collective={role for role, r in roles.items() if r.backend == "megatron"}, sampler=self.sampler, stream=self.stream)
 
     def publish_weights(self, msg: PublishWeights) -> Published | None:
         """Hand the actor's weights to the generation servers: as an HF directory they load
@@ -309,7 +317,7 @@ class ModelWorker:
         if self.index != 0:
             return Published()
         if self.sender is None:
-            from realcore.weights.broadcast import WeightSender
+            from realcore.weights.broadcast import WeightSender  # why: its aiohttp clients only in nccl runs
 
             self.sender = WeightSender(self.cfg, engine=self.alloc.backend, tp=self.alloc.gen.world_size // self.alloc.gen.dp)  # ranks per server
         # In flight (the servers hold their requests, paused): the last bucket ends the stale ones.

@@ -11,6 +11,9 @@ and continued by the manager. Without a manager (sync mode) the servers are idle
 
 None keeps recovery state: after a restart the master publishes the current version again
 before any rollout starts (the servers restarted with the initial weights).
+
+A plan sees only the ports the master hands it (WeightPorts): call every model worker, call the
+gserver manager, look up the servers' addresses; never the master itself.
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from realcore.transport import keys
 from realcore.transport.name_resolve import make_name_resolver
@@ -28,6 +34,24 @@ from realcore.transport.protocol import BroadcastWeights, Pause, PublishWeights,
 
 log = logging.getLogger("realcore.weight_sync")
 RETRY_PUSH_S = 30.0  # a catch-up push the manager still reports as missing after this is sent again
+
+
+# A typed request (transport.protocol) to every model worker of the trainer: their replies, by worker.
+WorkerCalls = Callable[[Any, str], dict[str, Any]]
+# A typed request to the gserver manager (surviving its restart): its reply.
+ManagerCalls = Callable[[Any, str], Any]
+# Every generation server's published `http` or in-memory `weights` address, in server order.
+ServerAddresses = Callable[[str], list[str]]
+
+
+@dataclass(frozen=True)
+class WeightPorts:
+    """What a weight plan may do, handed in by the master."""
+
+    call_workers: WorkerCalls
+    call_manager: ManagerCalls | None  # None: no manager (sync mode): the trainer's rank 0 tells the idle servers
+    server_addresses: ServerAddresses
+    weights_dir: str  # where each version's HF folder goes (disk): output_dir/weights
 
 
 def server_addresses(cfg, n_servers: int, kind: str, *, timeout_s: float | None = None) -> list[str]:
@@ -39,25 +63,24 @@ def server_addresses(cfg, n_servers: int, kind: str, *, timeout_s: float | None 
 
 
 class DiskWeights:
-    def __init__(self, master):
-        self.m = master
+    def __init__(self, ports: WeightPorts):
+        self.ports = ports
         self.path: str | None = None  # the current version's folder (a restarted server loads it)
 
     def publish(self, version: int):
-        m = self.m
-        path = os.path.join(m.cfg.output_dir, "weights", f"v{version}")
+        p = self.ports
+        path = os.path.join(p.weights_dir, f"v{version}")
         reply = None
-        if m.async_mode:
-            m.call_all(PublishWeights(version, path=path), "publish weights")
-            reply = m.call_manager(UpdateWeights(version, path=path), "update weights")
+        if p.call_manager is not None:
+            p.call_workers(PublishWeights(version, path=path), "publish weights")
+            reply = p.call_manager(UpdateWeights(version, path=path), "update weights")
         else:  # no manager: the trainer's rank 0 tells the idle servers
-            http = server_addresses(m.cfg, m.alloc.gen.dp, "http")
-            m.call_all(PublishWeights(version, path=path, http=http), "publish weights")
+            p.call_workers(PublishWeights(version, path=path, http=p.server_addresses("http")), "publish weights")
         self.path = path
-        shutil.rmtree(os.path.join(m.cfg.output_dir, "weights", f"v{version - 2}"), ignore_errors=True)
+        shutil.rmtree(os.path.join(p.weights_dir, f"v{version - 2}"), ignore_errors=True)
         return reply
 
-    def catch_up(self, servers: list[int]) -> None:
+    def catch_up(self, servers: list[int], version: int) -> None:
         """Nothing to do: the manager loads `path` into a restarted server itself."""
 
 
@@ -66,40 +89,40 @@ class MemoryWeights:
     # A built-in server ends its requests as a push lands (abort_all_requests): no pause before it.
     PAUSE_FIRST = False
 
-    def __init__(self, master):
-        self.m = master
+    def __init__(self, ports: WeightPorts):
+        self.ports = ports
         self.pushed: dict[str, tuple[int, float]] = {}  # server -> (version, when) of the last catch-up push
 
     def message(self, version: int, servers: list[str]):
         return PublishWeights(version, servers=servers)
 
     def push(self, version: int, servers: list[str]) -> None:
-        replies = self.m.call_all(self.message(version, servers), "push weights")
+        replies = self.ports.call_workers(self.message(version, servers), "push weights")
         failed = {a for r in replies.values() for a in r.failed}
         if failed:  # servers that died: each is caught up after its restart (manager: "behind")
             log.warning("weights v%d did not reach %s", version, ", ".join(sorted(failed)))
 
     def publish(self, version: int):
-        m = self.m
-        servers = server_addresses(m.cfg, m.alloc.gen.dp, self.ADDRESS)
-        if not m.async_mode:
+        p = self.ports
+        servers = p.server_addresses(self.ADDRESS)
+        if p.call_manager is None:
             self.push(version, servers)
             return None
         if self.PAUSE_FIRST:
-            m.call_manager(Pause(), "pause")
+            p.call_manager(Pause(), "pause")
         self.push(version, servers)
-        return m.call_manager(UpdateWeights(version), "update weights")
+        return p.call_manager(UpdateWeights(version), "update weights")
 
-    def catch_up(self, servers: list[int]) -> None:
-        """Push the current weights to servers that restarted (only the trainer holds them); once
-        per server and version, again only if the manager still lists it after a while."""
-        m, now = self.m, time.monotonic()
-        addresses = server_addresses(m.cfg, m.alloc.gen.dp, self.ADDRESS)
+    def catch_up(self, servers: list[int], version: int) -> None:
+        """Push the current weights (`version`) to servers that restarted (only the trainer holds
+        them); once per server and version, again only if the manager still lists it after a while."""
+        now = time.monotonic()
+        addresses = self.ports.server_addresses(self.ADDRESS)
         todo = [a for a in (addresses[i] for i in servers)
-                if self.pushed.get(a, (-1, 0.0))[0] != m.version or now - self.pushed[a][1] > RETRY_PUSH_S]
+                if self.pushed.get(a, (-1, 0.0))[0] != version or now - self.pushed[a][1] > RETRY_PUSH_S]
         if todo:
-            self.push(m.version, todo)
-            self.pushed.update({a: (m.version, now) for a in todo})
+            self.push(version, todo)
+            self.pushed.update({a: (version, now) for a in todo})
 
 
 class CollectiveWeights(MemoryWeights):
@@ -114,6 +137,6 @@ class CollectiveWeights(MemoryWeights):
         return BroadcastWeights(version, servers)
 
 
-def make_weight_sync(master):
-    kind = master.cfg.rollout.weight_update
-    return {"memory": MemoryWeights, "nccl": CollectiveWeights}.get(kind, DiskWeights)(master)
+def make_weight_sync(weight_update: str, ports: WeightPorts):
+    """The plan for rollout.weight_update (`weight_update`): disk, memory or nccl."""
+    return {"memory": MemoryWeights, "nccl": CollectiveWeights}.get(weight_update, DiskWeights)(ports)
