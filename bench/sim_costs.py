@@ -256,13 +256,13 @@ def _sim_train_engine(base):
 
 def install() -> None:
     """Replace the two engine classes in this process (what bench/sim_plugin.py does on import)."""
-    from realcore.backends.genserver import server as gen_server
+    from realcore.backends.genserver import engine_loop
     from realcore.backends import generation, torch_engine
 
     if getattr(torch_engine.TorchEngine, "is_sim", False):
         return
     generation.GenerationEngine = SimGenerationEngine
-    gen_server.GenerationEngine = SimGenerationEngine
+    engine_loop.GenerationEngine = SimGenerationEngine
     torch_engine.TorchEngine = _sim_train_engine(torch_engine.TorchEngine)
     torch_engine.TorchEngine.is_sim = True
 

@@ -4,7 +4,7 @@ protocol on CPU), and the interrupt-to-resume time of each.
 
     python bench/weight_update.py [--model tiny|smollm2-135m] [--servers N] [--repeats R] [--quick]
 
-Built-in servers (`realcore.backends.genserver.server`, one thread each) serve the model; this process is
+Built-in servers (`realcore.backends.genserver`, one thread each) serve the model; this process is
 the trainer (its fp32 state dict, as the torch engine holds it). Per method:
 - "update s": the trainer's whole update of idle servers. disk: write the HF safetensors, then the
   servers load them; memory: push to every server's update socket; broadcast: the bucketed
@@ -61,7 +61,7 @@ TIMEOUT_S = 600.0
 LOAD_REQUESTS = 4  # generating on each server while it is interrupted
 SERVER = """
 import json, os, sys
-from realcore.backends.genserver.server import run_server
+from realcore.backends.genserver.http import run_server
 run_server(sys.argv[1], seed=0, max_batch_size=8, token=sys.argv[2], secret=bytes.fromhex(os.environ["SECRET_HEX"]),
            on_ready=lambda a: print(json.dumps(a), flush=True))
 """

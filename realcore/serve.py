@@ -45,6 +45,8 @@ import logging
 import os
 import sys
 
+import yaml
+
 log = logging.getLogger("realcore.serve")
 
 API_KEY_ENV = "REALCORE_API_KEY"
@@ -99,8 +101,6 @@ def config_argv(path: str) -> list[str]:
     """SGLang's --config file as command-line arguments: `key: value` -> `--key value` (a true
     boolean -> `--key`, a false one -> nothing, a list -> `--key v1 v2`, a mapping -> JSON);
     underscores in keys are read as dashes."""
-    import yaml
-
     try:
         with open(path) as f:
             data = yaml.safe_load(f)
@@ -143,7 +143,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"--tp-size {args.tp_size} --dp-size {args.dp_size}: the built-in engine serves one model copy "
                 "in one process (both must be 1; start one server per replica)")
     if args.device == "cuda":
-        from realcore.backends.device import process_device
+        from realcore.backends.device import process_device  # why: torch, only for --device cuda
 
         try:
             process_device("cuda")
@@ -162,9 +162,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def lora_serving(args: argparse.Namespace):
-    """SGLang's LoRA flags -> gen_server.LoraServing, or None when LoRA is off (as SGLang,
+    """SGLang's LoRA flags -> weight_intake.LoraServing, or None when LoRA is off (as SGLang,
     --lora-paths turns it on)."""
-    from realcore.backends.genserver.server import LoraServing
+    from realcore.backends.genserver.weight_intake import LoraServing  # why: torch, only once the flags are good
 
     if not (args.enable_lora or args.lora_paths):
         return None
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s realcore.serve %(levelname)s %(message)s")
-    from realcore.backends.genserver.server import is_loopback, run_server
+    from realcore.backends.genserver.http import is_loopback, run_server  # why: torch, only once the flags are good
 
     for name in IGNORED:
         if getattr(args, name.replace("-", "_")) not in (None, False):

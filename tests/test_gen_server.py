@@ -21,7 +21,7 @@ import torch
 
 from realcore.api.config import GenerationConfig, ModelConfig
 from realcore.backends.clients.sglang_api import GenClient, generate_resumable, push_weights
-from realcore.backends.genserver.server import run_server
+from realcore.backends.genserver.http import run_server
 from realcore.backends.generation import GenerationEngine, read_hf_weights
 from realcore.backends.models import load_model, load_tokenizer, prepare_model
 
@@ -34,7 +34,7 @@ PROMPT = [5, 17, 42, 9, 100]
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 SERVER = """
 import json, os, sys
-from realcore.backends.genserver.server import run_server
+from realcore.backends.genserver.http import run_server
 run_server(sys.argv[1], seed=3, max_batch_size=8, token=sys.argv[2], secret=bytes.fromhex(os.environ["SECRET_HEX"]),
            max_body_bytes=int(sys.argv[3]), on_ready=lambda a: print(json.dumps(a), flush=True), device="cpu")
 """
@@ -780,7 +780,8 @@ def test_engine_thread_fails_only_the_request_that_raises(models):
     import concurrent.futures
     import threading
 
-    from realcore.backends.genserver.server import EngineLoop, RequestFailed, _Generate, _Weights
+    from realcore.backends.genserver.commands import RequestFailed, _Generate, _Weights
+    from realcore.backends.genserver.engine_loop import EngineLoop
 
     core = EngineLoop(load_model(models["A"]), load_tokenizer(models["A"]), seed=0)
     thread = threading.Thread(target=core.run, daemon=True)

@@ -195,7 +195,7 @@ def test_serve_device_cuda_without_a_gpu_is_one_line(tmp_path):
 def test_run_server_cuda_without_a_gpu_raises_one_line(monkeypatch):
     """The process sees no GPU (on a GPU machine: torch told so, the way CUDA_VISIBLE_DEVICES=""
     would at start-up)."""
-    from realcore.backends.genserver.server import run_server
+    from realcore.backends.genserver.http import run_server
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
@@ -205,7 +205,7 @@ def test_run_server_cuda_without_a_gpu_raises_one_line(monkeypatch):
 
 
 def test_nccl_receives_on_the_models_device_and_gloo_on_the_cpu():
-    from realcore.backends.genserver.server import receive_device
+    from realcore.backends.genserver.weight_intake import receive_device
 
     gpu = torch.device("cuda", 0)  # a name only: no CUDA tensor is made
     assert receive_device("nccl", gpu) == gpu

@@ -280,7 +280,7 @@ def test_bf16_is_refused_where_the_cpu_lacks_it(model_tok, monkeypatch):
 
 @pytest.mark.skipif(NO_BF16 is not None, reason=f"no bf16 on this CPU: {NO_BF16}")
 def test_the_generation_server_runs_its_engine_in_the_dtype_it_is_given(model_tok):
-    from realcore.backends.genserver.server import EngineLoop
+    from realcore.backends.genserver.engine_loop import EngineLoop
 
     model, tok = model_tok
     loop = EngineLoop(copy.deepcopy(model), tok, seed=0, dtype="bfloat16")

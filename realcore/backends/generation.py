@@ -7,7 +7,7 @@ for every running request, then lets waiting requests join (their prefill yields
 token). Finished rows leave the batch at once, so a long-tail request does not pay for finished
 ones. `generate()` adds all prompts and steps until everything is done.
 
-Interruption (for the HTTP server, realcore.backends.genserver.server): `abort()` ends requests now
+Interruption (for the HTTP server, realcore.backends.genserver): `abort()` ends requests now
 with their partial output (finish_reason "abort"); `retract()` drops the running batch's KV cache
 and puts its requests back in the queue: when they are admitted again, their prefill covers
 prompt + output so far with whatever weights the model holds then, and decoding continues.
@@ -34,7 +34,7 @@ the whole model in bf16: on SmolLM2-135M that doubles the log-prob error against
 recomputation (median 1.4e-2 vs 6e-3 per sampled token) at about the same speed, since the matmuls
 are the time.
 
-On a GPU (realcore.backends.genserver.server loads the model there), "bfloat16" is the whole model in
+On a GPU (realcore.backends.genserver.http.run_server loads the model there), "bfloat16" is the whole model in
 bf16 (the CPU's mixed mode above is a CPU speed path: oneDNN packing, a float32 residual stream)
 and "float32" the model in float32; the KV cache takes the model's dtype, decode attention's
 scores and softmax stay float32 (realcore.backends.kv_cache) and log-probs are computed in float32

@@ -1,4 +1,4 @@
-"""The request bodies of the built-in generation server (realcore.backends.genserver.server): one pydantic
+"""The request bodies of the built-in generation server (realcore.backends.genserver.http): one pydantic
 model per endpoint, in SGLang 0.5's names, validated before anything reaches the engine thread.
 
 The same rules hold for every endpoint:

@@ -17,6 +17,7 @@ passes (HF uses a 4D mask as given).
 from __future__ import annotations
 
 import torch
+from transformers import AttentionInterface
 
 _ROUND = 64  # capacity grows in multiples of this many positions
 
@@ -118,6 +119,4 @@ def slot_decode_attention(module, query, key, value, attention_mask, dropout: fl
 
 
 def register_attention() -> None:
-    from transformers import AttentionInterface
-
     AttentionInterface.register(ATTENTION, slot_decode_attention)

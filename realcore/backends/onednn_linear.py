@@ -35,8 +35,8 @@ PRIMITIVE_CACHE_CAPACITY = 128
 for _var in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
     os.environ.setdefault(_var, str(PRIMITIVE_CACHE_CAPACITY))
 
-import torch  # noqa: E402
-import torch.nn.functional as F
+import torch  # noqa: E402  (after the environment above)
+import torch.nn.functional as F  # noqa: E402
 
 _OP = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
 _PACK = getattr(getattr(torch.ops, "mkldnn", None), "_reorder_linear_weight", None)

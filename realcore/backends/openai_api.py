@@ -1,7 +1,7 @@
 """OpenAI's chat and completions API over the built-in engine (docs/openai.md): the pure parts.
 
 Requests become token ids here (the chat template, or the text's tokens), and the engine's replies
-(SGLang-shaped, from realcore.backends.genserver.server's /generate path) become OpenAI's JSON, cut at
+(SGLang-shaped, from realcore.backends.genserver.http's /generate path) become OpenAI's JSON, cut at
 the first stop string. The handlers that run the choices live in gen_server, so that a choice is
 one /generate request: pause, abort and weight updates treat both APIs alike.
 
@@ -68,7 +68,7 @@ class Choice:
 
 
 def choice(tokenizer, reply: dict, stops: list[str]) -> Choice:
-    """A /generate reply (realcore.backends.genserver.server.generate_reply, with log-probs) as a Choice."""
+    """A /generate reply (realcore.backends.genserver.engine_loop.generate_reply, with log-probs) as a Choice."""
     meta, ids = reply["meta_info"], reply["output_ids"]
     logprobs = [lp for lp, _, _ in meta["output_token_logprobs"]]
     cut = cut_at_stop(tokenizer, ids, stops)

@@ -96,7 +96,7 @@ def run(args, cfg: ExperimentConfig, secret: bytes) -> int:
     elif args.type == "gen_server":
         import json
 
-        from realcore.backends.genserver.server import run_server
+        from realcore.backends.genserver.http import run_server
         from realcore.transport import keys, wire
         from realcore.transport.name_resolve import make_name_resolver
 
