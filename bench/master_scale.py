@@ -100,7 +100,7 @@ def _serve(assign: list, secret: bytes, root: str, spec: dict, out_q) -> None:
     import zmq
 
     from realcore.transport import wire
-    from realcore.transport.control import NodeRelay
+    from realcore.transport.node_relay import NodeRelay
     from realcore.transport.name_resolve import FileNameResolver
     from realcore.transport.protocol import (BadBody, Clear, Configure, Configured, Exit, Fetch, Fetched, MFCDone, Ping,
                                           Relay, RunMFC, Split, Status, parse_request, reply)
@@ -176,7 +176,7 @@ def _serve(assign: list, secret: bytes, root: str, spec: dict, out_q) -> None:
                 continue
             last_msg = now
             for s, _ in events:
-                if s in relays:  # the real relay of realcore.transport.control, as a model worker runs it
+                if s in relays:  # the real relay of realcore.transport.node_relay, as a model worker runs it
                     relays[s].on_readable()
                     continue
                 w = workers[s]

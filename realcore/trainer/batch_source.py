@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from realcore.api.config import ExperimentConfig
 from realcore.api.registry import dataset_keys, workflow_keys
-from realcore.transport.control import Columns
+from realcore.transport.pool import Columns
 from realcore.transport.protocol import Fetch, Fetched, Resolve
 
 
