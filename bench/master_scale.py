@@ -36,7 +36,6 @@ wall-clock time includes their share, the CPU column is the master's own.
 import argparse
 import contextlib
 import io
-import json
 import os
 import queue
 import shutil
@@ -99,7 +98,7 @@ def _serve(assign: list, secret: bytes, root: str, spec: dict, out_q) -> None:
     """Host the workers in `assign` [(index, name-resolve key)] on one thread; report when done."""
     import zmq
 
-    from realcore.transport import wire
+    from realcore.transport import addresses, wire
     from realcore.transport.node_relay import NodeRelay
     from realcore.transport.name_resolve import FileNameResolver
     from realcore.transport.protocol import (BadBody, Clear, Configure, Configured, Exit, Fetch, Fetched, MFCDone, Ping,
@@ -123,7 +122,7 @@ def _serve(assign: list, secret: bytes, root: str, spec: dict, out_q) -> None:
             workers[s] = _SimWorker(index)
             endpoints[s] = wire.Endpoint(secret, f"model_worker/{index}", socket="control", address=addr)
             poller.register(s, zmq.POLLIN)
-            resolver.put(key, json.dumps({"control": addr, "data": addr, "pid": pid}), replace=True)
+            resolver.put(key, addresses.to_json(addresses.ModelWorkerAddress(addr, addr, pid)), replace=True)
         out_q.put(("ready", pid, len(assign)))
 
         keys, group, mfcs = sorted(spec["dataset_keys"]), spec["group"], spec["mfcs"]

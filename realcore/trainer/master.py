@@ -26,7 +26,7 @@ from realcore.api.alloc import parse_allocation_mode
 from realcore.api.config import ExperimentConfig
 from realcore.api.registry import lookup
 from realcore.dfg.graph import DataFlowGraph, MFCNode, build_graph
-from realcore.transport import drops, keys, wire
+from realcore.transport import addresses, drops, keys, wire
 from realcore.trainer import recover
 from realcore.trainer.batch_source import DatasetSource, Group, StreamSource, source_keys
 from realcore.trainer.buffer import SampleBuffer, split_balanced
@@ -106,10 +106,10 @@ class Master:
         self.head_set = set(self.heads)
         self.resolver = make_name_resolver(cfg.system.name_resolve, secret)
         timeout = cfg.system.startup_timeout_s
-        addrs = {n: json.loads(self.resolver.wait(keys.model_worker(cfg, i), timeout_s=timeout))["control"]
+        addrs = {n: addresses.read_model_worker(self.resolver, cfg, i, timeout_s=timeout).control
                  for i, n in enumerate(self.names)}
         if self.async_mode:
-            addrs[MANAGER] = json.loads(self.resolver.wait(keys.manager(cfg), timeout_s=timeout))["control"]
+            addrs[MANAGER] = addresses.read_manager(self.resolver, cfg, timeout_s=timeout).control
         drops.set_log_interval(cfg.system.drop_log_interval_s)
         self.pool = WorkerPool(
             addrs, secret,
@@ -174,11 +174,8 @@ class Master:
             log.warning("the gserver manager restarted; sending %s again", what)
 
     def _manager_moved(self) -> bool:
-        try:
-            address = json.loads(self.resolver.get(keys.manager(self.cfg)))["control"]
-        except KeyError:
-            return False
-        if address == self.pool.addresses[MANAGER]:
+        address = addresses.manager_moved(self.resolver, self.cfg, self.pool.addresses[MANAGER])
+        if address is None:
             return False
         self.pool.reconnect(MANAGER, address)
         return True
