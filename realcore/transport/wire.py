@@ -136,7 +136,7 @@ def mac(frames, secret: bytes) -> bytes:
 
 def _tensor_buffer(t: torch.Tensor) -> memoryview:
     """A flat byte view of a CPU tensor's memory (copies only if it is non-contiguous)."""
-    import torch
+    import torch  # why: control-only processes start without torch (_DTYPES)
 
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"wire: tensors must be torch.Tensor, got {type(t).__name__}")
@@ -211,7 +211,7 @@ def _parse_meta(meta, n_frames: int | None) -> list[tuple[torch.dtype, list[int]
             raise BadMessage("malformed", f"tensor {i}: bad metadata {m!r}")
         out.append((m[0], m[1]))
     if out:
-        import torch
+        import torch  # why: control-only processes start without torch (_DTYPES)
 
         out = [(getattr(torch, name), shape) for name, shape in out]  # names from _DTYPES only
     return out
@@ -242,7 +242,7 @@ def decode(frames, secret: bytes) -> tuple[dict, list[torch.Tensor]]:
     specs = _parse_meta(header.pop(_META_KEY, None), len(frames) - 2)
     if not specs:
         return header, []
-    import torch
+    import torch  # why: control-only processes start without torch (_DTYPES)
 
     tensors = []
     for i, ((dtype, shape), f) in enumerate(zip(specs, frames[1:-1])):
@@ -282,7 +282,7 @@ def _decode_one(f, secret: bytes) -> tuple[dict, list[torch.Tensor]]:
     specs = _parse_meta(header.pop(_META_KEY, None), None)
     tensors = []
     if specs:
-        import torch
+        import torch  # why: control-only processes start without torch (_DTYPES)
 
         for i, (dtype, shape) in enumerate(specs):
             pos += -pos % _ALIGN
