@@ -36,7 +36,6 @@ wall-clock time includes their share, the CPU column is the master's own.
 import argparse
 import contextlib
 import io
-import json
 import os
 import queue
 import shutil
@@ -99,8 +98,8 @@ def _serve(assign: list, secret: bytes, root: str, spec: dict, out_q) -> None:
     """Host the workers in `assign` [(index, name-resolve key)] on one thread; report when done."""
     import zmq
 
-    from realcore.transport import wire
-    from realcore.transport.control import NodeRelay
+    from realcore.transport import addresses, wire
+    from realcore.transport.node_relay import NodeRelay
     from realcore.transport.name_resolve import FileNameResolver
     from realcore.transport.protocol import (BadBody, Clear, Configure, Configured, Exit, Fetch, Fetched, MFCDone, Ping,
                                           Relay, RunMFC, Split, Status, parse_request, reply)
@@ -123,7 +122,7 @@ def _serve(assign: list, secret: bytes, root: str, spec: dict, out_q) -> None:
             workers[s] = _SimWorker(index)
             endpoints[s] = wire.Endpoint(secret, f"model_worker/{index}", socket="control", address=addr)
             poller.register(s, zmq.POLLIN)
-            resolver.put(key, json.dumps({"control": addr, "data": addr, "pid": pid}), replace=True)
+            resolver.put(key, addresses.to_json(addresses.ModelWorkerAddress(addr, addr, pid)), replace=True)
         out_q.put(("ready", pid, len(assign)))
 
         keys, group, mfcs = sorted(spec["dataset_keys"]), spec["group"], spec["mfcs"]
@@ -176,7 +175,7 @@ def _serve(assign: list, secret: bytes, root: str, spec: dict, out_q) -> None:
                 continue
             last_msg = now
             for s, _ in events:
-                if s in relays:  # the real relay of realcore.transport.control, as a model worker runs it
+                if s in relays:  # the real relay of realcore.transport.node_relay, as a model worker runs it
                     relays[s].on_readable()
                     continue
                 w = workers[s]

@@ -12,7 +12,9 @@ import zmq
 from realcore.launch.config_loader import import_user_modules, load_config
 from realcore.transport import drops, wire
 from realcore.trainer.buffer import SampleBuffer, split_balanced
-from realcore.transport.control import ControlServer, WorkerPool, wait_all
+from realcore.transport.control import ControlServer
+from realcore.transport.pool import WorkerPool
+from realcore.transport.reply import wait_all
 from realcore.transport.protocol import (Clear, Exit, Fetch, Fetched, Pause, RemoteError, Start,
                                       Status, WorkerLost, request)
 from test_buffer import sizes
@@ -356,7 +358,7 @@ def test_buffer_readiness_and_balanced_split():
 def test_one_message_to_several_workers_is_serialized_once(monkeypatch):
     """A fan-out of one message object (every rank of a replica gets the same RunMFC) builds its
     body once; each worker still gets it under its own request id."""
-    import realcore.transport.control as control
+    import realcore.transport.pool as control
     from realcore.transport import protocol
 
     servers = [ControlServer("127.0.0.1", SECRET, status=lambda: Status("running", 1), name=f"w{i}") for i in range(3)]

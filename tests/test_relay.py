@@ -6,8 +6,10 @@ import time
 
 import pytest
 
-from realcore.transport.control import Columns, ControlServer, WorkerPool, wait_all
-from realcore.trainer.master import relay_groups, relay_tops
+from realcore.transport.control import ControlServer
+from realcore.transport.pool import Columns, WorkerPool
+from realcore.transport.reply import wait_all
+from realcore.transport.relay_tree import relay_groups, relay_tops
 from realcore.transport.protocol import Clear, Fetch, Fetched, MFCDone, RemoteError, RunMFC, Status, WorkerLost
 
 SECRET = b"r" * 32

@@ -8,7 +8,9 @@ import pytest
 import zmq
 
 from realcore.transport import columns
-from realcore.transport.control import Columns, Gathered, NodeRelay, wait_all
+from realcore.transport.node_relay import NodeRelay
+from realcore.transport.pool import Columns, Gathered
+from realcore.transport.reply import wait_all
 from realcore.transport.protocol import (Cmd, Fetch, Fetched, MFCDone, RemoteError, RunMFC, Split, WorkerLost, parse,
                                       to_body)
 from tests.test_relay import Node

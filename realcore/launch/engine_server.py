@@ -23,7 +23,6 @@ Health is watched by the gserver manager (its /health probes), as for every serv
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import signal
@@ -36,7 +35,7 @@ from realcore.api.alloc import parse_allocation_mode
 from realcore.api.config import ExperimentConfig
 from realcore.backends.server_launch import (SERVER_MEM_FRACTION, copy_redacted, engine_available, server_command,
                                              wait_http_ready, wait_own_listener)
-from realcore.transport import keys
+from realcore.transport import addresses
 from realcore.transport.name_resolve import make_name_resolver
 from realcore.launch.process import die_with_parent
 
@@ -106,8 +105,7 @@ def serve_engine(cfg: ExperimentConfig, index: int) -> int:
             log.error("%s server %d did not start: %s", engine, index, e)
             return 1
         log.info("%s server %d ready at %s after %.1f s", engine, index, url, time.monotonic() - started)
-        make_name_resolver(cfg.system.name_resolve).put(
-            keys.gen_server(cfg, index), json.dumps({"http": url, "weights": None}), replace=True)
+        addresses.publish_gen_server(make_name_resolver(cfg.system.name_resolve), cfg, index, addresses.GenServerAddress(url))
         while (rc := proc.poll()) is None:
             time.sleep(_POLL_S)
         log.error("%s server %d exited on its own (exit code %d)", engine, index, rc)

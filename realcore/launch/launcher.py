@@ -14,7 +14,6 @@ interrupted.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 import threading
@@ -31,7 +30,7 @@ from realcore.launch.run_lock import claim_output, hold_run
 from realcore.launch.supervise import Supervisor, begin_attempt, record, write_pids
 from realcore.launch.validate import (check_inputs, check_model_layout, check_placement, check_ray, check_slurm,
                                       validate)
-from realcore.transport import keys
+from realcore.transport import addresses, keys
 from realcore.launch.engine_server import free_port
 from realcore.transport.name_resolve import make_name_resolver
 from realcore.launch.process import PREEMPTED_EXIT
@@ -253,7 +252,7 @@ def publish_when_ready(cfg: ExperimentConfig, resolver, i: int, proc: Proc, port
             if popen.poll() is None:
                 popen.kill()
             return
-        resolver.put(keys.gen_server(cfg, i), json.dumps({"http": url, "weights": None}), replace=True)
+        addresses.publish_gen_server(resolver, cfg, i, addresses.GenServerAddress(url))
 
     t = threading.Thread(target=run, name=f"publish gen_server/{i}", daemon=True)
     t.start()

@@ -94,10 +94,8 @@ def run(args, cfg: ExperimentConfig, secret: bytes) -> int:
 
         return serve_engine(cfg, args.index)
     elif args.type == "gen_server":
-        import json
-
         from realcore.backends.genserver.http import run_server
-        from realcore.transport import keys, wire
+        from realcore.transport import addresses, wire
         from realcore.transport.name_resolve import make_name_resolver
 
         resolver = make_name_resolver(cfg.system.name_resolve)
@@ -106,7 +104,7 @@ def run(args, cfg: ExperimentConfig, secret: bytes) -> int:
                    max_body_bytes=cfg.system.max_http_body_bytes, limits=wire.Limits.of(cfg.system), stop_on_sigterm=not args.ignore_sigterm,
                    header_timeout_s=cfg.system.http_header_timeout_s, body_timeout_s=cfg.system.http_body_timeout_s,
                    connect_timeout_s=cfg.system.weight_group_connect_timeout_s,
-                   on_ready=lambda addrs: resolver.put(keys.gen_server(cfg, args.index), json.dumps(addrs), replace=True))
+                   on_ready=lambda addrs: addresses.publish_gen_server(resolver, cfg, args.index, addresses.GenServerAddress(**addrs)))
     elif args.type == "gserver_manager":
         from realcore.rollout.gserver_manager import GServerManager
 

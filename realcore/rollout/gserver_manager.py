@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import logging
 import os
 import threading
@@ -39,7 +38,7 @@ from dataclasses import dataclass
 
 from realcore.api.alloc import parse_allocation_mode
 from realcore.api.config import ExperimentConfig
-from realcore.transport import drops, keys, wire
+from realcore.transport import addresses, drops, wire
 from realcore.transport.control import ControlServer
 from realcore.transport.name_resolve import make_name_resolver
 from realcore.transport.protocol import (Allocate, AskServerVersion, Exit, Finish, Grant, Pause, Register, Registered,
@@ -98,7 +97,7 @@ class GServerManager:
         drops.set_log_interval(cfg.system.drop_log_interval_s)
         self.control = ControlServer(cfg.system.host, secret, self._status, name="gserver_manager",
                                      limits=wire.Limits.of(cfg.system))
-        self.resolver.put(keys.manager(cfg), json.dumps({"control": self.control.address, "pid": os.getpid()}), replace=True)
+        addresses.publish_manager(self.resolver, cfg, addresses.ManagerAddress(self.control.address, os.getpid()))
         self.monitor = threading.Thread(target=self._monitor, name="server-monitor", daemon=True)
         self.monitor.start()
         log.info("manager for %d servers at %s%s", n_servers, self.control.address,
@@ -292,10 +291,10 @@ class GServerManager:
             await asyncio.sleep(sys_cfg.heartbeat_interval_s)
 
     async def _check_servers(self, *, resume_all: bool) -> None:
-        found = self.resolver.find(keys.gen_servers(self.cfg))
+        found = addresses.read_gen_servers(self.resolver, self.cfg)
         with self.lock:
-            for key, value in found.items():
-                index, url = int(key.rsplit("/", 1)[1]), json.loads(value)["http"]
+            for index, published in found.items():
+                url = published.http
                 if index not in self.servers or self.servers[index].url != url:
                     if index in self.servers:
                         log.warning("server %d restarted at %s", index, url)

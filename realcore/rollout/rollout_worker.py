@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
-import json
 import logging
 import time
 
@@ -42,7 +41,7 @@ from realcore.api.workflow import EpisodeOutcome, workflow_data
 from realcore.workflows.engines import ServerEngine
 from realcore.workflows.episode import reward_fn, run_episode, workflow_of
 from realcore.workflows.reward_runner import reward_runner_for
-from realcore.transport import drops, keys, wire
+from realcore.transport import addresses, drops, wire
 from realcore.transport.name_resolve import make_name_resolver
 from realcore.transport.protocol import (Allocate, AskServerVersion, Finish, Register, RemoteError, Reroute, parse,
                                       request)
@@ -73,12 +72,6 @@ class ManagerClient:
         self._rids = itertools.count(1)
         self._lock = asyncio.Lock()
 
-    def _published(self) -> str | None:
-        try:
-            return json.loads(self.resolver.get(keys.manager(self.cfg)))["control"]
-        except KeyError:
-            return None
-
     def connect(self, address: str) -> None:
         if self.sock is not None:
             self.sock.close(0)
@@ -105,8 +98,8 @@ class ManagerClient:
 
     def follow(self) -> bool:
         """Connect to the manager's published address if it moved (a restarted manager)."""
-        published = self._published()
-        if published is None or published == self.address:
+        published = addresses.manager_moved(self.resolver, self.cfg, self.address)
+        if published is None:
             return False
         log.warning("the gserver manager moved to %s; reconnecting", published)
         self.connect(published)
@@ -126,7 +119,7 @@ class ManagerClient:
                 except asyncio.TimeoutError:
                     if time.monotonic() >= end:
                         raise TimeoutError from None
-                    if self._published() not in (None, self.address):
+                    if addresses.manager_moved(self.resolver, self.cfg, self.address) is not None:
                         raise ManagerMoved from None
                     continue
                 try:
@@ -222,11 +215,11 @@ class RolloutWorker:
         self.rewards = reward_runner_for(cfg)
         resolver = make_name_resolver(cfg.system.name_resolve, secret)
         timeout = cfg.system.startup_timeout_s
-        self.manager_address = json.loads(resolver.wait(keys.manager(cfg), timeout_s=timeout))["control"]
+        self.manager_address = addresses.read_manager(resolver, cfg, timeout_s=timeout).control
         # Trajectories go to the head of each data-parallel replica of the training mesh.
         alloc = parse_allocation_mode(cfg.allocation_mode)
         mesh = alloc.train
-        self.streams = [json.loads(resolver.wait(keys.model_worker(cfg, mesh.dp_head(d)), timeout_s=timeout))["stream"]
+        self.streams = [addresses.read_model_worker(resolver, cfg, mesh.dp_head(d), timeout_s=timeout).stream
                         for d in range(mesh.dp)]
         self.engine = alloc.backend
         self.clients: dict = {}

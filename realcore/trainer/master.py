@@ -26,12 +26,14 @@ from realcore.api.alloc import parse_allocation_mode
 from realcore.api.config import ExperimentConfig
 from realcore.api.registry import lookup
 from realcore.dfg.graph import DataFlowGraph, MFCNode, build_graph
-from realcore.transport import drops, keys, wire
+from realcore.transport import addresses, drops, keys, wire
 from realcore.trainer import recover
 from realcore.trainer.batch_source import DatasetSource, Group, SourcePorts, StreamSource, source_keys
 from realcore.trainer.buffer import SampleBuffer, split_balanced
 from realcore.transport.columns import merged_stats
-from realcore.transport.control import Columns, Gathered, Reply, WorkerPool, wait_all, when_all_done
+from realcore.transport.pool import Columns, Gathered, WorkerPool
+from realcore.transport.relay_tree import relay_groups, relay_tops, replica_groups
+from realcore.transport.reply import Reply, wait_all, when_all_done
 from realcore.trainer.ledger import Ledger
 from realcore.trainer.metrics import MetricsWriter, wandb_init_kwargs
 from realcore.transport.name_resolve import make_name_resolver
@@ -59,43 +61,6 @@ def merge_stats(replies: list, into: dict) -> None:
     """Counts (int stats) are summed over workers; means are averaged, weighted by how many
     sequences each worker processed (columns.merged_stats; a relay's reply is merged already)."""
     into.update(merged_stats([(r.stats, r.n) for r in replies]))
-
-
-def relay_groups(addresses: dict[str, str], size: int) -> dict[str, list[str]]:
-    """Model workers whose requests go through one relay (control.NodeRelay): those of one host
-    (their control address's), in order, up to `size` a group; the first of each relays for it.
-    A worker alone in its group is sent to directly."""
-    by_host: dict[str, list[str]] = {}
-    for name, address in addresses.items():
-        by_host.setdefault(address.rsplit(":", 1)[0], []).append(name)
-    groups = [names[i:i + size] for names in by_host.values() for i in range(0, len(names), size)]
-    return {g[0]: g for g in groups if len(g) > 1}
-
-
-def relay_tops(leaders: list[str], fanout: int) -> dict[str, str]:
-    """leader -> the first leader of its run of `fanout` leaders (in order), whose relay passes on
-    every message to it (WorkerPool's tops); a leader alone in its run is sent to directly."""
-    runs = [leaders[i:i + fanout] for i in range(0, len(leaders), fanout)]
-    return {leader: run[0] for run in runs if len(run) > 1 for leader in run}
-
-
-def replica_groups(heads: list[int], names: list[str], relay_of: dict[str, str], top_of: dict[str, str]) -> list[list[int]]:
-    """The data-parallel replicas (indices) whose heads one relay serves (or the relays under one
-    top), each group in replica order, groups in the order of their first replica; a head sent to
-    directly is a group alone. A step's requests to a group travel as one (WorkerPool.request_columns)."""
-    out: list[list[int]] = []
-    by_leader: dict[str, list[int]] = {}
-    for d, head in enumerate(heads):
-        leader = relay_of.get(names[head])
-        leader = top_of.get(leader, leader)
-        if leader is None:
-            out.append([d])
-        elif leader in by_leader:
-            by_leader[leader].append(d)
-        else:
-            by_leader[leader] = [d]
-            out.append(by_leader[leader])
-    return out
 
 
 def take(col: list, spans: list[tuple[int, int]]) -> list:
@@ -141,10 +106,10 @@ class Master:
         self.head_set = set(self.heads)
         self.resolver = make_name_resolver(cfg.system.name_resolve, secret)
         timeout = cfg.system.startup_timeout_s
-        addrs = {n: json.loads(self.resolver.wait(keys.model_worker(cfg, i), timeout_s=timeout))["control"]
+        addrs = {n: addresses.read_model_worker(self.resolver, cfg, i, timeout_s=timeout).control
                  for i, n in enumerate(self.names)}
         if self.async_mode:
-            addrs[MANAGER] = json.loads(self.resolver.wait(keys.manager(cfg), timeout_s=timeout))["control"]
+            addrs[MANAGER] = addresses.read_manager(self.resolver, cfg, timeout_s=timeout).control
         drops.set_log_interval(cfg.system.drop_log_interval_s)
         self.pool = WorkerPool(
             addrs, secret,
@@ -226,11 +191,8 @@ class Master:
             log.warning("the gserver manager restarted; sending %s again", what)
 
     def _manager_moved(self) -> bool:
-        try:
-            address = json.loads(self.resolver.get(keys.manager(self.cfg)))["control"]
-        except KeyError:
-            return False
-        if address == self.pool.addresses[MANAGER]:
+        address = addresses.manager_moved(self.resolver, self.cfg, self.pool.addresses[MANAGER])
+        if address is None:
             return False
         self.pool.reconnect(MANAGER, address)
         return True

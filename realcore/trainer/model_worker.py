@@ -8,7 +8,6 @@ threads; the master's silence for longer than the heartbeat deadline ends the wo
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import time
@@ -22,7 +21,7 @@ from realcore.api.config import ExperimentConfig
 from realcore.api.data import SequenceSample
 from realcore.api.registry import dataset_keys, lookup, workflow_keys
 from realcore.dfg.graph import build_graph
-from realcore.transport import drops, keys, wire
+from realcore.transport import addresses, drops, wire
 from realcore.trainer.batch_source import source_keys
 from realcore.transport.control import ControlServer
 from realcore.transport.data_plane import DataClient, DataServer, Storage
@@ -82,10 +81,8 @@ class ModelWorker:
         self.generator = None  # sync mode with generation servers: where `generate` MFCs sample
         self.evaluator = None  # worker 0, when eval.freq_steps is set: made at the first EVALUATE
         self.sender = None  # worker 0, weight_update=nccl: its weight-update group with the servers
-        info = {"control": self.control.address, "data": self.data.address, "pid": os.getpid()}
-        if self.stream is not None:
-            info["stream"] = self.stream.address
-        self.resolver.put(keys.model_worker(cfg, index), json.dumps(info), replace=True)
+        addresses.publish_model_worker(self.resolver, cfg, index, addresses.ModelWorkerAddress(
+            self.control.address, self.data.address, os.getpid(), self.stream.address if self.stream is not None else None))
         self.state = "ready"
 
     def _status(self) -> Status:
@@ -126,7 +123,7 @@ class ModelWorker:
             self.generator = self._server_generation(tokenizer)
         for i in range(self.world):
             if i != self.index:
-                self.peers[i] = json.loads(self.resolver.get(keys.model_worker(cfg, i)))["data"]
+                self.peers[i] = addresses.read_model_worker(self.resolver, cfg, i).data
         if msg.recover_from is not None:
             worker_state.load(self._state_parts(), msg.recover_from)
         self.state = "running"
@@ -135,9 +132,9 @@ class ModelWorker:
     def _server_generation(self, tokenizer):
         from realcore.backends.clients.server_generation import ServerGeneration
         timeout = self.cfg.system.startup_timeout_s
-        addrs = json.loads(self.resolver.wait(keys.gen_server(self.cfg, self.dp_rank % self.alloc.gen.dp), timeout_s=timeout))
+        server = addresses.read_gen_server(self.resolver, self.cfg, self.dp_rank % self.alloc.gen.dp, timeout_s=timeout)
         r = self.cfg.rollout
-        return ServerGeneration(self.alloc.backend, addrs["http"], tokenizer, token=r.server_token,
+        return ServerGeneration(self.alloc.backend, server.http, tokenizer, token=r.server_token,
                                 timeout_s=r.request_timeout_s, ready_timeout_s=timeout)
 
     def _init_process_group(self) -> None:

@@ -3,9 +3,9 @@ replies joined into one.
 
 The master's requests in a step differ per worker only in which samples they name. It sends a
 node's workers one request over all their samples (every per-sample list of theirs concatenated,
-in order, with how many samples each worker gets: Master.dispatch builds it so, control.Columns)
+in order, with how many samples each worker gets: Master.dispatch builds it so, pool.Columns)
 and gets one reply back (their replies concatenated the same way, their stats merged): it builds,
-signs and parses one message per node instead of one per worker. The relay (control.NodeRelay)
+signs and parses one message per node instead of one per worker. The relay (node_relay.NodeRelay)
 cuts the request into each worker's own (`cut`) and joins their replies (`join`); the workers see
 the requests they always did. Plain dicts at the relay: it never parses what it passes on; each
 worker validates its request and the master the joined reply.

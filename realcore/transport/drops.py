@@ -27,6 +27,16 @@ _interval_s = 60.0
 _last_summary = time.monotonic()
 
 
+
+class BadMessage(ValueError):
+    """A message the receiver drops (and counts): `reason` is one word (mac, malformed,
+    misaddressed, replay, stale), `detail` says what exactly."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason, self.detail = reason, detail
+
+
 def set_log_interval(seconds: float) -> None:
     """system.drop_log_interval_s, set once by each process's main object."""
     global _interval_s

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+import psutil
+
 
 def bind_nccl_to(host: str) -> None:
     """NCCL's bootstrap (and socket transport) on the interface that holds `host`, exactly that one
@@ -26,8 +28,6 @@ def bind_gloo_to(host: str) -> None:
 
 def gloo_ifname(host: str) -> str | None:
     """The network interface that holds address `host`, if any."""
-    import psutil
-
     for name, addrs in psutil.net_if_addrs().items():
         if any(a.address.split("%")[0] == host for a in addrs):
             return name

@@ -33,17 +33,17 @@ def scope(cfg: ExperimentConfig) -> str:
 
 
 def model_worker(cfg: ExperimentConfig, index: int) -> str:
-    """JSON {control, data, pid[, stream]} of model worker `index`."""
+    """Model worker `index`'s address (addresses.ModelWorkerAddress)."""
     return _key(cfg, "model_worker", str(index))
 
 
 def manager(cfg: ExperimentConfig) -> str:
-    """JSON {control, pid} of the generation-server manager."""
+    """The generation-server manager's address (addresses.ManagerAddress)."""
     return _key(cfg, MANAGER)
 
 
 def gen_server(cfg: ExperimentConfig, index: int) -> str:
-    """JSON {http, weights} of generation server `index` (weights: its in-memory update socket or null)."""
+    """Generation server `index`'s address (addresses.GenServerAddress)."""
     return _key(cfg, "gen_server", str(index))
 
 

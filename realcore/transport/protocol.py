@@ -401,7 +401,7 @@ class Relayed:
 
 @message(Cmd.RELAY, Relayed)
 class Relay:
-    """Requests for several workers of one node in one message (control.NodeRelay forwards them, each
+    """Requests for several workers of one node in one message (node_relay.NodeRelay forwards them, each
     to its worker in the order given, and answers once all replied): the master's messages per step
     grow with nodes, not workers. `requests`: [worker's control address, request header]."""
 
@@ -426,7 +426,7 @@ class Joined:
 
 @message(Cmd.SPLIT, Joined)
 class Split:
-    """One FETCH or RUN_MFC (`cmd`) for several workers of a node (control.NodeRelay cuts it into
+    """One FETCH or RUN_MFC (`cmd`) for several workers of a node (node_relay.NodeRelay cuts it into
     each worker's request, columns.cut, and answers once all replied): `body` is that command's
     body with every per-sample list of the workers' requests concatenated, `sizes[k]` samples of
     them for `workers[k]` (a control address), `clears[k]` its released samples to drop first. A

@@ -13,7 +13,9 @@ a wire.Endpoint: a trajectory replayed to a stream is dropped (counted), never t
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import itertools
 import threading
 from dataclasses import dataclass
 
@@ -132,9 +134,6 @@ class StreamPusher:
 
     def __init__(self, ctx, addresses: list[str], secret: bytes, timeout_s: float, *, name: str = "rollout_worker",
                  limits: wire.Limits | None = None):
-        import asyncio
-        import itertools
-
         self.secret, self.timeout_s = secret, timeout_s
         self.endpoint = wire.Endpoint(secret, name, socket=self.SOCKET, limits=limits)
         self.socks = []
@@ -148,8 +147,6 @@ class StreamPusher:
         self._next = itertools.cycle(range(len(self.socks)))
 
     async def push(self, group: Group) -> None:
-        import asyncio
-
         sock, address, lock = self.socks[next(self._next)]
         header, tensors = encode_group(group)
         async with lock:  # sealed under the lock: each head gets this sender's seqs in order

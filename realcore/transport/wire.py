@@ -53,14 +53,12 @@ cluster.md saw messages lost when a sender exited right after a burst).
 
 from __future__ import annotations
 
-import collections
 import functools
 import hmac
 import itertools
 import math
 import os
 import secrets
-import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
@@ -73,7 +71,9 @@ from zmq.backend import Socket as _RawSocket
 from zmq.backend import zmq_poll
 
 from realcore.api.config import SystemConfig
-from realcore.transport import drops
+from realcore.transport import drops, handshakes
+from realcore.transport.drops import BadMessage
+from realcore.transport.replay import ReplayGuard
 
 if TYPE_CHECKING:
     import torch
@@ -100,15 +100,6 @@ _CURVE_CLIENT_CONTEXT = "realcore 2026-11 wire CURVE client key"
 # before it looks it up in torch. torch itself is imported on the first tensor: the processes that
 # only pass control messages (launcher, master, manager) start ~2 s of CPU sooner without it.
 _DTYPES = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64")
-
-
-class BadMessage(ValueError):
-    """A message the receiver drops (and counts): `reason` is one word (mac, malformed,
-    misaddressed, replay, stale), `detail` says what exactly."""
-
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason, self.detail = reason, detail
 
 
 def _buffer(frame) -> memoryview:
@@ -145,7 +136,7 @@ def mac(frames, secret: bytes) -> bytes:
 
 def _tensor_buffer(t: torch.Tensor) -> memoryview:
     """A flat byte view of a CPU tensor's memory (copies only if it is non-contiguous)."""
-    import torch
+    import torch  # why: control-only processes start without torch (_DTYPES)
 
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"wire: tensors must be torch.Tensor, got {type(t).__name__}")
@@ -220,7 +211,7 @@ def _parse_meta(meta, n_frames: int | None) -> list[tuple[torch.dtype, list[int]
             raise BadMessage("malformed", f"tensor {i}: bad metadata {m!r}")
         out.append((m[0], m[1]))
     if out:
-        import torch
+        import torch  # why: control-only processes start without torch (_DTYPES)
 
         out = [(getattr(torch, name), shape) for name, shape in out]  # names from _DTYPES only
     return out
@@ -251,7 +242,7 @@ def decode(frames, secret: bytes) -> tuple[dict, list[torch.Tensor]]:
     specs = _parse_meta(header.pop(_META_KEY, None), len(frames) - 2)
     if not specs:
         return header, []
-    import torch
+    import torch  # why: control-only processes start without torch (_DTYPES)
 
     tensors = []
     for i, ((dtype, shape), f) in enumerate(zip(specs, frames[1:-1])):
@@ -291,7 +282,7 @@ def _decode_one(f, secret: bytes) -> tuple[dict, list[torch.Tensor]]:
     specs = _parse_meta(header.pop(_META_KEY, None), None)
     tensors = []
     if specs:
-        import torch
+        import torch  # why: control-only processes start without torch (_DTYPES)
 
         for i, (dtype, shape) in enumerate(specs):
             pos += -pos % _ALIGN
@@ -307,7 +298,7 @@ def _decode_one(f, secret: bytes) -> tuple[dict, list[torch.Tensor]]:
     return header, tensors
 
 
-# --- replay protection ----------------------------------------------------------------------------
+# --- sockets: size limits, CURVE, endpoints (replay protection: replay.py) --------------------------
 
 
 @dataclass(frozen=True)
@@ -354,7 +345,7 @@ def secure(sock: zmq.Socket, secret: bytes, *, server: bool, limits: Limits, soc
         sock.setsockopt(zmq.CURVE_SERVER, 1)
         sock.setsockopt(zmq.CURVE_SECRETKEY, server_secret)
         if socket is not None:
-            _handshakes.watch(sock, socket)
+            handshakes.watch(sock, socket)
     else:
         public, key = curve_keys(secret, "client")
         sock.setsockopt(zmq.CURVE_SERVERKEY, server_public)
@@ -362,65 +353,6 @@ def secure(sock: zmq.Socket, secret: bytes, *, server: bool, limits: Limits, soc
         sock.setsockopt(zmq.CURVE_SECRETKEY, key)
 
 
-_HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-
-
-class _HandshakeWatch:
-    """One thread per process reading the monitor sockets of its CURVE servers: each failed
-    handshake (a peer without the keys) is counted in realcore.transport.drops. A monitor ends (and
-    its PAIR is closed here) when its socket closes, or when the context terminates."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._new: list[tuple[zmq.Socket, str]] = []
-        self._thread: threading.Thread | None = None
-        self._ids = itertools.count()
-
-    def watch(self, sock: zmq.Socket, socket: str) -> None:
-        # A unique address: pyzmq's get_monitor_socket names it after the socket's fd, which a new
-        # socket reuses while the closed one's monitor may still hold that name ("Address in use").
-        address = f"inproc://realcore-handshakes-{next(self._ids)}"
-        sock.monitor(address, _HANDSHAKE_FAILED | zmq.EVENT_MONITOR_STOPPED)
-        monitor = sock.context.socket(zmq.PAIR)
-        monitor.setsockopt(zmq.LINGER, 0)
-        monitor.connect(address)
-        with self._lock:
-            self._new.append((monitor, socket))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="wire-handshakes", daemon=True)
-                self._thread.start()
-
-    def _run(self) -> None:
-        from zmq.utils.monitor import parse_monitor_message
-
-        watched: dict[zmq.Socket, str] = {}
-        while True:
-            with self._lock:
-                watched.update(self._new)
-                self._new.clear()
-            if not watched:
-                time.sleep(0.2)
-                continue
-            try:
-                for monitor, _ in zmq_poll([(m, _POLLIN) for m in watched], 200):
-                    event = parse_monitor_message(monitor.recv_multipart())
-                    if event["event"] == zmq.EVENT_MONITOR_STOPPED:
-                        del watched[monitor]
-                        monitor.close(0)
-                        continue
-                    drops.count(watched[monitor], "handshake",
-                                f"a peer failed the CURVE handshake ({event['endpoint'].decode(errors='replace')}, "
-                                f"event {event['event']}, value {event['value']})")
-            except zmq.ZMQError:  # the context is terminating: let the monitors go
-                for monitor in watched:
-                    monitor.close(0)
-                watched.clear()
-                with self._lock:
-                    self._thread = None
-                return
-
-
-_handshakes = _HandshakeWatch()
 
 
 class Peer(NamedTuple):
@@ -429,48 +361,6 @@ class Peer(NamedTuple):
 
     sender: str  # the sender's endpoint id (authenticated)
     routing_id: bytes | None = None  # its ROUTER routing identity; None on a DEALER
-
-
-class ReplayGuard:
-    """Which (sender, seq) a receiver has accepted: per sender the highest seq and a bitmask of
-    the REPLAY_WINDOW below it, least recently heard senders forgotten past MAX_SENDERS."""
-
-    def __init__(self, not_before: float, window: int = REPLAY_WINDOW, max_senders: int = MAX_SENDERS):
-        self.not_before = not_before  # reject anything stamped earlier (this receiver's start - skew)
-        self.window, self.max_senders = window, max_senders
-        self._window_mask = (1 << window) - 1
-        self.forgotten_until = float("-inf")  # the last stamp of the senders forgotten so far
-        self._senders: collections.OrderedDict[str, list] = collections.OrderedDict()  # id -> [highest, mask, last ts]
-        self._lock = threading.Lock()
-
-    def accept(self, sender: str, seq: int, ts: float) -> None:
-        """Record (sender, seq) as received, or raise BadMessage (replay or stale)."""
-        if ts < self.not_before:
-            raise BadMessage("stale", f"{sender} #{seq} was sent {self.not_before - ts:.1f} s before this receiver's "
-                             "start minus system.clock_skew_s")
-        with self._lock:
-            state = self._senders.get(sender)
-            if state is None:
-                if ts <= self.forgotten_until:
-                    raise BadMessage("stale", f"{sender} #{seq}: an unknown sender's message older than the senders "
-                                     "this receiver forgot")
-                self._senders[sender] = [seq, 1, ts]
-                if len(self._senders) > self.max_senders:
-                    _, (_, _, last_ts) = self._senders.popitem(last=False)
-                    self.forgotten_until = max(self.forgotten_until, last_ts)
-                return
-            highest, mask, _ = state
-            if seq > highest:
-                state[0], state[1] = seq, ((mask << (seq - highest)) | 1) & self._window_mask
-            else:
-                back = highest - seq
-                if back >= self.window:
-                    raise BadMessage("replay", f"{sender} #{seq} is {back} behind its latest, outside the replay window")
-                if mask >> back & 1:
-                    raise BadMessage("replay", f"{sender} #{seq} was received already")
-                state[1] = mask | (1 << back)
-            state[2] = max(state[2], ts)
-            self._senders.move_to_end(sender)
 
 
 class Endpoint:
@@ -487,7 +377,7 @@ class Endpoint:
         self.limits = limits or Limits.of()
         self.id = f"{name}#{secrets.token_hex(8)}"
         self._seq = itertools.count(1)  # next() is atomic under the GIL
-        self.guard = ReplayGuard(time.time() - self.limits.clock_skew_s)
+        self.guard = ReplayGuard(time.time() - self.limits.clock_skew_s, REPLAY_WINDOW, MAX_SENDERS)
 
     def seal(self, header: dict, tensors=(), *, to: str | Peer, zero_copy: bool = False) -> list:
         """Frames for `header` + `tensors` to `to` (a bound address, or the Peer a reply answers;

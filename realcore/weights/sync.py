@@ -18,8 +18,6 @@ gserver manager, look up the servers' addresses; never the master itself.
 
 from __future__ import annotations
 
-import functools
-import json
 import logging
 import os
 import shutil
@@ -28,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from realcore.transport import keys
+from realcore.transport import addresses
 from realcore.transport.name_resolve import make_name_resolver
 from realcore.transport.protocol import BroadcastWeights, Pause, PublishWeights, UpdateWeights
 
@@ -58,8 +56,7 @@ def server_addresses(cfg, n_servers: int, kind: str, *, timeout_s: float | None 
     """Every generation server's `http` or in-memory `weights` address, as it published them;
     with `timeout_s`, waiting up to that long for servers that are still starting."""
     resolver = make_name_resolver(cfg.system.name_resolve)
-    get = resolver.get if timeout_s is None else functools.partial(resolver.wait, timeout_s=timeout_s)
-    return [json.loads(get(keys.gen_server(cfg, i)))[kind] for i in range(n_servers)]
+    return [getattr(addresses.read_gen_server(resolver, cfg, i, timeout_s=timeout_s), kind) for i in range(n_servers)]
 
 
 class DiskWeights:
