@@ -9,6 +9,7 @@ from collections import Counter
 from realcore.api.alloc import AllocationMode, parse_allocation_mode
 from realcore.api.config import ExperimentConfig
 from realcore.api.registry import lookup, make_workflow
+from realcore.backends.clients import registry as clients
 from realcore.data.datasets import SKIP_TOO_LONG, LoadedDataset, describe_skips
 from realcore.dfg.graph import DataFlowGraph, build_graph
 from realcore.launch.config_loader import ConfigError, import_user_modules
@@ -82,7 +83,7 @@ def check_placement(cfg: ExperimentConfig, alloc: AllocationMode) -> Plan:
     """scheduler=local: the plan of this node's GPUs (placement.py), and what it rules out."""
     plan = plan_local(cfg, alloc)
     servers = [f"gen_server/{i}" for i in range(alloc.gen.dp)] if alloc.gen is not None else []
-    if servers and alloc.backend == "local" and cfg.generation.device == "cuda" and not plan.gpus:
+    if servers and clients.capabilities(alloc.backend).own_worker and cfg.generation.device == "cuda" and not plan.gpus:
         raise ConfigError(f"generation.device=cuda: this node has no GPU for the built-in servers ({plan.source}); "
                           "use generation.device=auto or cpu")
     shared = None
@@ -220,35 +221,45 @@ def _mfc_class(type_name: str):
 
 
 def check_generation_servers(cfg: ExperimentConfig, alloc: AllocationMode) -> None:
-    """Generation servers of `local.*|sglang.*|vllm.*` allocation modes (sync or async)."""
-    if alloc.backend not in ("local", "sglang", "vllm"):
-        raise ConfigError(f"allocation_mode: unknown generation engine {alloc.backend!r} (local, sglang, vllm)")
-    if alloc.backend == "local" and alloc.gen.world_size != alloc.gen.dp:
-        raise ConfigError(f"allocation_mode: built-in servers are data parallel only (local.dN), got {cfg.allocation_mode!r}")
-    if alloc.backend != "local" and (alloc.gen.cp, alloc.gen.ep) != (1, 1):
+    """Generation servers of `ENGINE.*` allocation modes (sync or async): what the engine's
+    capabilities allow (realcore.api.generation; `local`, `sglang`, `vllm` and engines registered
+    from `imports:`)."""
+    try:
+        caps = clients.capabilities(alloc.backend)
+    except ValueError as e:
+        raise ConfigError(f"allocation_mode: {e}") from None
+    if caps.own_worker and alloc.gen.world_size != alloc.gen.dp:
+        raise ConfigError(f"allocation_mode: built-in servers are data parallel only ({alloc.backend}.dN), got "
+                          f"{cfg.allocation_mode!r}")
+    if not caps.own_worker and (alloc.gen.cp, alloc.gen.ep) != (1, 1):
         raise ConfigError(f"allocation_mode: {alloc.backend} servers take dN, pN and tN only (got {cfg.allocation_mode!r})")
-    from realcore.backends.server_launch import engine_available
-
     # On a cluster the server starts on its node, which checks its own interpreter (engine_server.py).
-    missing = engine_available(alloc.backend, cfg.rollout.server_python) if cfg.scheduler == "local" else None
+    missing = clients.engine_available(alloc.backend, cfg.rollout.server_python) if cfg.scheduler == "local" else None
     if missing:
         raise ConfigError(f"allocation_mode: {missing}")
-    if alloc.backend != "local" and cfg.rollout.weight_update == "memory":
-        raise ConfigError("rollout.weight_update: memory works with built-in servers only (allocation_mode local.*)")
-    if cfg.rollout.inflight_weight_update and alloc.backend != "local":
-        raise ConfigError("rollout.inflight_weight_update: needs built-in servers (local.*)")
-    if alloc.backend == "vllm" and cfg.actor.lora is not None:
-        raise ConfigError("actor.lora: LoRA runs serve the adapter on built-in or SGLang servers (vLLM's adapter "
-                          "loading is not wired); use local.* or sglang.*")
-    if alloc.backend == "vllm" and cfg.rollout.weight_update == "nccl":
-        raise ConfigError("rollout.weight_update: nccl works with built-in and SGLang servers (vLLM's weight transfer "
-                          "engine has its own rendezvous, docs/weight-update.md); use disk with vllm.*")
+
+    def those(has) -> str:  # the engines that can, for the message
+        return ", ".join(f"{n}.*" for n in clients.engines_with(has))
+
+    update = cfg.rollout.weight_update
+    if update == "memory" and update not in caps.weight_updates:
+        raise ConfigError(f"rollout.weight_update: memory works with built-in servers only (allocation_mode "
+                          f"{those(lambda c: 'memory' in c.weight_updates)})")
+    if cfg.rollout.inflight_weight_update and not caps.inflight_weight_update:
+        raise ConfigError(f"rollout.inflight_weight_update: needs built-in servers ({those(lambda c: c.inflight_weight_update)})")
+    if cfg.actor.lora is not None and not caps.lora:
+        raise ConfigError(f"actor.lora: LoRA runs serve the adapter on servers that load one ({alloc.backend}'s adapter "
+                          f"loading is not wired); use {' or '.join(clients.engines_with(lambda c: c.lora))}")
+    if update == "nccl" and update not in caps.weight_updates:
+        raise ConfigError(f"rollout.weight_update: nccl works with {those(lambda c: 'nccl' in c.weight_updates)} "
+                          f"servers ({alloc.backend}'s weight transfer has its own rendezvous, docs/weight-update.md); "
+                          f"use disk with {alloc.backend}.*")
 
 
 def check_model_layout(cfg: ExperimentConfig, alloc: AllocationMode) -> None:
     """Checks that need the model's config: the servers' TP, Megatron's parallel layout and its known pitfalls."""
     roles = {role: r for role, r in cfg.roles().items() if r.backend == "megatron"}
-    servers_split = alloc.gen is not None and alloc.backend != "local" and alloc.gen.tp > 1
+    servers_split = alloc.gen is not None and not clients.capabilities(alloc.backend).own_worker and alloc.gen.tp > 1
     if not roles and not servers_split:
         return
     from transformers import AutoConfig

@@ -39,6 +39,7 @@ from realcore.api.alloc import parse_allocation_mode
 from realcore.api.config import ExperimentConfig
 from realcore.api.registry import lookup, make_workflow, workflow_keys
 from realcore.api.workflow import check_trajectories, workflow_data
+from realcore.backends.clients.registry import capabilities, client_for
 from realcore.workflows.reward_runner import RewardCall, reward_runner_for
 from realcore.transport import drops, keys, wire
 from realcore.transport.name_resolve import make_name_resolver
@@ -174,7 +175,7 @@ class RoutedClient:
                     raise
                 log.warning("rollout %d: %s (%s); asking for another server", self.seq, self.server, e)
                 self.server = await w.reroute(self.seq, self.server, error=" ".join(str(e).split())[:500])
-        if reply.finish_reason == "abort" and w.engine == "vllm":
+        if reply.finish_reason == "abort" and not w.caps.reports_versions:
             await w.ask_version(self.server)  # a weight update interrupted it: learn the new version before it resumes
         from realcore.backends.clients.sglang_api import version_number
 
@@ -228,6 +229,7 @@ class RolloutWorker:
         self.streams = [json.loads(resolver.wait(keys.model_worker(cfg, mesh.dp_head(d)), timeout_s=timeout))["stream"]
                         for d in range(mesh.dp)]
         self.engine = alloc.backend
+        self.caps = capabilities(self.engine)
         self.clients: dict = {}
         # vLLM: one AskServerVersion at a time per server, and when the last answered one was sent.
         self.asking: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
@@ -242,8 +244,6 @@ class RolloutWorker:
         log.info("rollout worker %d: %d prompts (skipped %s)", index, len(self.samples), loaded.skipped or "none")
 
     def client(self, server: str):
-        from realcore.backends.clients.registry import client_for
-
         if server not in self.clients:
             r = self.cfg.rollout
             self.clients[server] = client_for(self.engine, server, token=r.server_token, timeout_s=r.request_timeout_s,
@@ -253,7 +253,7 @@ class RolloutWorker:
     def learn_version(self, server: str, version: int) -> None:
         """The manager says `server` holds `version`: a vLLM client stamps the replies to requests
         sent from now with it (vLLM reports no version; SGLang and the built-in server do)."""
-        if self.engine == "vllm":
+        if not self.caps.reports_versions:
             self.client(server).assume_version(version)
 
     async def ask_version(self, server: str) -> None:
