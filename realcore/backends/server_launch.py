@@ -40,6 +40,9 @@ import sys
 import tempfile
 import time
 
+import aiohttp
+import psutil
+
 from realcore.api.generation import ServerSpec
 from realcore.backends import lora as lora_fns
 from realcore.transport.interfaces import gloo_ifname
@@ -321,8 +324,6 @@ def listener_pids(port: int, pid: int) -> tuple[bool, bool]:
     """(whether process `pid` or one of its descendants listens on TCP `port`, whether any other
     process visible to us does). psutil reads /proc/net/tcp*, which names a socket's inode, and a
     process's fds (ours only) map inodes to processes."""
-    import psutil
-
     try:
         root = psutil.Process(pid)
         ours = {root.pid, *(c.pid for c in root.children(recursive=True))}
@@ -366,8 +367,6 @@ async def wait_http_ready(
     TimeoutError after `timeout_s`. Connection errors and non-200 answers mean "not yet" (a 401,
     a missing or wrong `token`, is named in the TimeoutError).
     """
-    import aiohttp  # here: every realcore process imports this module (server_token), few need aiohttp
-
     probe = url.rstrip("/") + "/v1/models"
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     deadline = time.monotonic() + timeout_s

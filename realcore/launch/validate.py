@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import shutil
 from collections import Counter
+
+import realcore.workflows  # noqa: F401  (the built-in workflows register on import)
 
 from realcore.api.alloc import AllocationMode, parse_allocation_mode
 from realcore.api.config import ExperimentConfig
@@ -14,6 +17,8 @@ from realcore.data.datasets import SKIP_TOO_LONG, LoadedDataset, describe_skips
 from realcore.dfg.graph import DataFlowGraph, build_graph
 from realcore.launch.config_loader import ConfigError, import_user_modules
 from realcore.launch.placement import Plan, check_nccl, node_gpus, plan_local
+from realcore.launch.ray_scheduler import check_ray_gpus, worker_specs
+from realcore.launch.slurm import resolve_gpus_per_node, steps
 from realcore.trainer.batch_source import source_keys
 
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,127}")
@@ -72,7 +77,7 @@ def check_dtype(cfg: ExperimentConfig, role: str, backend: str, dtype: str) -> N
     if dtype != "bfloat16":
         return
     if cfg.scheduler == "local" and not node_gpus(cfg)[0]:
-        from realcore.backends.precision import bf16_unsupported
+        from realcore.backends.precision import bf16_unsupported  # torch: only a bfloat16 run on the CPU asks
 
         why = bf16_unsupported("cpu")
         if why is not None:
@@ -109,8 +114,6 @@ def check_names(cfg: ExperimentConfig) -> None:
 
 def check_registered(cfg: ExperimentConfig) -> None:
     """Names the workers look up in the registries (MFC types: build_graph, with the node's name)."""
-    import realcore.workflows  # noqa: F401  (the built-in workflows register on import)
-
     named = [("reward.type", "reward", cfg.reward.type), ("dataset.type", "dataset", cfg.dataset.type),
              ("rollout.workflow", "workflow", cfg.rollout.workflow)]
     if cfg.eval.dataset is not None:
@@ -130,7 +133,7 @@ def check_inputs(cfg: ExperimentConfig, alloc: AllocationMode) -> LoadedDataset:
     """What the model directory and the dataset tell, read here before any worker starts: the model's
     files are whole, every dataset shard has a usable row, prompts plus max_new_tokens fit the
     model's context. Returns the dataset as one shard (rows, usable, skip counts)."""
-    from realcore.backends.models import check_model_dir, context_length, load_tokenizer
+    from realcore.backends.models import check_model_dir, context_length, load_tokenizer  # torch and transformers
 
     try:
         hf_config = check_model_dir(cfg.model.path)
@@ -151,7 +154,7 @@ def quietly(fn, *args):
     """`fn(*args)` with transformers' warnings off: tokenizing a row longer than the model's context
     warns "Token indices sequence length is longer than ..." before realcore's own one line (the
     row is skipped, or the run refused, with a message naming dataset.max_prompt_len)."""
-    from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as hf_logging  # heavy: only the launcher's input checks load it
 
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
@@ -262,7 +265,7 @@ def check_model_layout(cfg: ExperimentConfig, alloc: AllocationMode) -> None:
     servers_split = alloc.gen is not None and not clients.capabilities(alloc.backend).own_worker and alloc.gen.tp > 1
     if not roles and not servers_split:
         return
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # heavy, and megatron optional: only runs that split a model load them
 
     from realcore.backends.megatron.parallel import check_megatron_config
 
@@ -280,10 +283,6 @@ def check_model_layout(cfg: ExperimentConfig, alloc: AllocationMode) -> None:
 
 def check_slurm(cfg: ExperimentConfig, alloc: AllocationMode, dry_run: bool) -> None:
     """The job's steps can be built; slurm.gpus_per_node=None becomes what sinfo says."""
-    import shutil
-
-    from realcore.launch.slurm import resolve_gpus_per_node, steps
-
     resolve_gpus_per_node(cfg)
     try:
         gpus = {st.kind: st.gpus_per_task for st in steps(cfg, alloc)}
@@ -298,8 +297,6 @@ def check_slurm(cfg: ExperimentConfig, alloc: AllocationMode, dry_run: bool) -> 
 
 def check_ray(cfg: ExperimentConfig, alloc: AllocationMode) -> None:
     """ray.gpus_per_worker=None is decided at ray.init (the cluster's GPUs): run_ray checks nccl then."""
-    from realcore.launch.ray_scheduler import check_ray_gpus, worker_specs
-
     if importlib.util.find_spec("ray") is None:
         raise ConfigError("scheduler=ray needs Ray: pip install -e '.[ray]'")
     try:

@@ -29,7 +29,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from realcore.api.generation import Capabilities
 from realcore.api.registry import register_engine
-from realcore.backends.lora import LORA_NAME
+from realcore.backends.lora import LORA_NAME, is_adapter_dir
 from realcore.backends.server_launch import sglang_available, sglang_command, wait_http_ready
 from realcore.transport import wire
 
@@ -149,8 +149,6 @@ class GenClient:
         weights change, without a pause (the built-in server reads the files while it decodes).
         `abort_started_before` (the built-in server's): only those whose first token came from a
         version below it end."""
-        from realcore.backends.lora import LORA_NAME, is_adapter_dir
-
         if is_adapter_dir(path):
             if abort_all_requests:
                 raise ValueError(f"update_weights_from_disk({path!r}): abort_all_requests with a LoRA adapter; "
