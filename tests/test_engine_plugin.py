@@ -66,6 +66,21 @@ def user_file(tmp_path, monkeypatch) -> str:
     return "imports=[fourth_engine]"
 
 
+def test_every_registered_client_speaks_the_contract():
+    from realcore.api.generation import Capabilities, GenerationClient
+    from realcore.api.registry import lookup, registered
+    from realcore.backends.clients import registry
+
+    calls = [m for m in vars(GenerationClient) if not m.startswith("_") and callable(getattr(GenerationClient, m))]
+    assert {"generate", "pause", "update_weights_from_disk", "assume_version"} <= set(calls)
+    assert {"local", "sglang", "vllm"} <= set(registered("engine"))
+    for name in registered("engine"):
+        client = lookup("engine", name).client
+        assert isinstance(client.capabilities, Capabilities), name
+        assert [m for m in calls if not callable(getattr(client, m, None))] == [], name
+    assert registry.capabilities("vllm").reports_versions is False and registry.capabilities("local").own_worker
+
+
 def test_validation_reads_the_fourth_engines_capabilities(tmp_path, monkeypatch):
     from realcore.launch.config_loader import ConfigError, load_config
     from realcore.launch.validate import validate

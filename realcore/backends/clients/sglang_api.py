@@ -241,6 +241,9 @@ class GenClient:
     async def server_info(self) -> dict:
         return await self._request("GET", "/get_server_info", None, CONTROL_TIMEOUT_S)
 
+    def assume_version(self, version: int) -> None:
+        """Nothing to assume: every reply says its version (capabilities.reports_versions)."""
+
     async def weight_version(self):
         """The version the server holds, as it reports it: SGLang 0.5.2x in /model_info (its
         /get_server_info no longer has it)."""
