@@ -17,7 +17,7 @@ import pytest
 from realcore.api.alloc import parse_allocation_mode
 from realcore.api.config import ExperimentConfig
 from realcore.backends.models import prepare_model
-from realcore.backends.server_launch import engine_available, server_command
+from realcore.backends.clients.registry import engine_available, server_command
 from realcore.launch.config_loader import load_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

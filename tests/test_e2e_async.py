@@ -150,7 +150,7 @@ def test_in_flight_weight_updates(tmp_path, update):
 
 
 def test_in_flight_weight_update_needs_built_in_servers(tmp_path, monkeypatch):
-    from realcore.backends import server_launch
+    from realcore.backends.clients import registry as server_launch
     from realcore.launch.config_loader import ConfigError, load_config
     from realcore.launch.validate import validate
 

@@ -24,11 +24,10 @@ import pytest
 from aiohttp import web
 
 from realcore.backends.clients.sglang_api import generate_resumable
+from realcore.backends.clients.registry import engine_available, server_command
 from realcore.backends.server_launch import (
     SGLANG_KEY_FILE,
-    engine_available,
     module_available,
-    server_command,
     server_token,
     sglang_cpu_stub_dir,
     wait_http_ready,

@@ -243,8 +243,7 @@ def test_sglang_command_serves_the_adapter_from_the_start(model_dir, tmp_path, m
     (the test switch REALCORE_TEST_ENGINE_BUILTIN=1): requests name the adapter from version 0 on,
     and the base model's tokens are unchanged by the zero adapter; an adapter above the rank bound
     is refused, an updated adapter is loaded under the same name."""
-    from realcore.backends.clients.registry import client_for
-    from realcore.backends.server_launch import server_command
+    from realcore.backends.clients.registry import client_for, server_command
 
     cfg = LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"])
     argv, env = server_command("sglang", model_path=model_dir, host="127.0.0.1", port=1, tp=1, seed=3,

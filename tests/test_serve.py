@@ -22,7 +22,8 @@ import torch
 from realcore.api.config import ModelConfig
 from realcore.backends.clients.sglang_api import GenClient
 from realcore.backends.models import prepare_model
-from realcore.backends.server_launch import server_command, wait_http_ready
+from realcore.backends.clients.registry import server_command
+from realcore.backends.server_launch import wait_http_ready
 from realcore.serve import API_KEY_ENV, api_key, config_argv, parse_args
 
 pytestmark = pytest.mark.timeout(120)

@@ -567,8 +567,8 @@ class ExperimentConfig(_Strict):
     scheduler: Literal["local", "slurm", "ray"] = Field(
         "local", description="local: processes on this machine; slurm: one sbatch job (slurm:); ray: Ray tasks (ray:)")
     allocation_mode: str = Field(
-        "d2p1t1", description="AReaL form: the training mesh (d2p1t1 = DP 2 x PP 1 x TP 1; cN, eN optional), generation "
-        "colocated; or ENGINE.MESH+MESH (local, sglang or vllm): generation servers, then the training mesh")
+        "d2p1t1", description="AReaL form: the training mesh (d2p1t1 = DP 2 x PP 1 x TP 1; cN, eN optional), generation colocated; "
+        "or ENGINE.MESH+MESH (local, sglang, vllm, or one registered in `imports`): generation servers, then the training mesh")
     imports: list[str] = Field(
         default_factory=list, description="user modules imported by the launcher and every worker before the graph is "
         "built (they register MFCs, workflows, rewards, datasets)")

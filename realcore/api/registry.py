@@ -1,4 +1,5 @@
-"""Registries at the user extension points: MFCs, rewards, datasets, rollout workflows, environments.
+"""Registries at the user extension points: MFCs, rewards, datasets, rollout workflows, environments,
+generation engines.
 
 A user module listed in the experiment's `imports:` registers its own entries with these decorators;
 the graph is built after those imports, so YAML can name them.
@@ -8,7 +9,10 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-_REGISTRIES: dict[str, dict[str, Any]] = {"mfc": {}, "reward": {}, "dataset": {}, "workflow": {}, "env": {}}
+from realcore.api.generation import Availability, Capabilities, EngineEntry, ServerCommand
+
+_REGISTRIES: dict[str, dict[str, Any]] = {"mfc": {}, "reward": {}, "dataset": {}, "workflow": {}, "env": {},
+                                          "engine": {}}
 
 
 def _register(kind: str, name: str, obj: Any) -> Any:
@@ -112,3 +116,29 @@ def register_env(name: str) -> Callable:
     `async step(action) -> (observation, reward, done, info)`), made by workflows with
     `lookup("env", name)(**kwargs)`."""
     return lambda cls: _register("env", name, cls)
+
+
+def register_engine(name: str, *, command: ServerCommand | None = None,
+                    available: Availability | None = None) -> Callable:
+    """Class decorator of a generation engine's client (realcore.api.generation.GenerationClient,
+    with a `capabilities` class attribute), named by `allocation_mode=NAME.dN...+...`.
+    `command(spec: ServerSpec) -> (argv, env)` starts one of its servers; None only for an engine
+    realcore's own gen_server worker serves (`capabilities.own_worker`). `available(python) -> str |
+    None`: why interpreter `python` cannot start it (None: it can). `lookup("engine", name)` gives
+    the EngineEntry."""
+
+    def deco(cls: type) -> type:
+        caps = getattr(cls, "capabilities", None)
+        if not isinstance(caps, Capabilities):
+            raise TypeError(f"engine {name!r}: {cls.__name__}.capabilities must be a Capabilities, got {caps!r}")
+        if (command is None) != caps.own_worker:
+            raise ValueError(f"engine {name!r}: give a server command unless capabilities.own_worker "
+                             "(the built-in server's worker serves it)")
+        reg = _REGISTRIES["engine"]
+        entry = EngineEntry(name, cls, command, available)
+        if name in reg and reg[name] != entry:
+            raise ValueError(f"engine {name!r} is registered twice ({reg[name].client!r} and {cls!r})")
+        reg[name] = entry
+        return cls
+
+    return deco

@@ -1,7 +1,9 @@
 """How an external generation server (SGLang or vLLM) is started, and how we wait for it.
 
 `allocation_mode=sglang.d2p1t1+...` starts two SGLang servers of TP 1; `vllm.` the same with vLLM.
-The built-in engine (`local.`) is started by realcore's own worker, not here.
+The built-in engine (`local.`) is started by realcore's own worker, not here. SGLang's and vLLM's
+commands (`sglang_command`, `vllm_command`) are registered with their clients
+(realcore.backends.clients); `clients.registry.server_command` picks the run's engine's.
 
 The CPU routes follow what was measured on these engines (docs/engines.md):
 - SGLang has no CPU build of its kernels on PyPI. It serves on CPU with the torch-native attention
@@ -38,8 +40,13 @@ import sys
 import tempfile
 import time
 
+import aiohttp
+import psutil
 
-ENGINES = ("sglang", "vllm")
+from realcore.api.generation import ServerSpec
+from realcore.backends import lora as lora_fns
+from realcore.transport.interfaces import gloo_ifname
+
 PIP_HINTS = {
     "sglang": "pip install sglang  (~11 GB with its CUDA torch; or in its own venv, named by rollout.server_python: "
               "see docs/engines.md)",
@@ -96,111 +103,73 @@ def write_private(path: str, text: str) -> None:
         raise
 
 
-def server_command(
-    engine: str,
-    *,
-    model_path: str,
-    host: str,
-    port: int,
-    tp: int,
-    seed: int,
-    max_batch_size: int,
-    extra_args: list[str] | tuple[str, ...] = (),
-    cuda: bool | None = None,
-    api_key: str | None = None,
-    private_dir: str | None = None,
-    python: str | None = None,
-    pp: int = 1,
-    lora=None,
-    mem_fraction: float | None = None,
-    dtype: str = "auto",
-    write_files: bool = True,
-) -> tuple[list[str], dict[str, str]]:
-    """Return `(argv, env)` that start one `engine` server; `env` holds only the variables to set
-    on top of the caller's environment (PYTHONPATH, if set, already includes the caller's).
-
-    `cuda=None` asks torch whether CUDA is available; the CPU flags are added when it is not.
-    `extra_args` are appended last, so they may override (both engines' parsers keep the last
-    value), e.g. `["--dtype", "float32"]`.
-
-    `api_key`: the bearer token the server will require, kept off the command line (module
-    docstring): vLLM gets it in `env`; for SGLang it is written to `private_dir`/SGLANG_KEY_FILE
-    (mode 0600) and `--config` names that file (so `extra_args` must not hold another --config).
-
-    `python`: the interpreter that runs the server (rollout.server_python; None: sys.executable).
-    Another interpreter's bin directory goes first on PATH, as if its environment were activated
-    (the engines start helper tools by name).
-
-    `lora` (actor.lora, a LoraConfig): SGLang serves LoRA adapter "actor" (realcore.backends.lora),
-    starting from an all-zero adapter written to `private_dir`/lora-init; vLLM is refused.
-
-    On GPUs (`cuda`): `mem_fraction` (None: the engine's default) is the share of each GPU the
-    server takes (SGLang --mem-fraction-static, vLLM --gpu-memory-utilization); `dtype`
-    (generation.dtype; auto: bfloat16) its weights' --dtype, so a float32 checkpoint is not served
-    in the engine's own pick (float16). The CPU routes keep their own flags.
-
-    `write_files=False` (a dry run): the key file, LoRA's initial adapter and the CPU stub are
-    named on the command line but not written.
-    """
-    if engine == "local":
-        raise ValueError("local servers are started by realcore's own worker")
-    if engine not in ENGINES:
-        raise ValueError(f"allocation_mode: unknown generation engine {engine!r}; expected one of local, sglang, vllm")
-    for name, value in (("tp", tp), ("pp", pp), ("max_batch_size", max_batch_size), ("port", port)):
-        if value < 1:
-            raise ValueError(f"server_command: {name} must be >= 1, got {value}")
-    if cuda is None:
-        import torch
-
-        cuda = torch.cuda.is_available()
-    if engine == "sglang":
-        argv, env = _sglang(python, model_path, host, port, tp, seed, max_batch_size, cuda, write_files)
-        if pp > 1:
-            argv += ["--pp-size", str(pp)]
-    else:
-        argv, env = _vllm(python, model_path, host, port, tp, seed, max_batch_size, cuda)
-        if pp > 1:
-            argv += ["--pipeline-parallel-size", str(pp)]
-    if cuda:
-        from realcore.backends.precision import resolve_dtype_name
-
-        if mem_fraction is not None:
-            argv += ["--mem-fraction-static" if engine == "sglang" else "--gpu-memory-utilization", f"{mem_fraction:g}"]
-        argv += ["--dtype", resolve_dtype_name(dtype, "cuda")]
-    if lora is not None:
-        if engine != "sglang":
-            raise ValueError("actor.lora: LoRA servers are the built-in server and SGLang (vLLM's adapters are not wired)")
-        if private_dir is None:
+def sglang_command(spec: ServerSpec) -> tuple[list[str], dict[str, str]]:
+    """SGLang's server (`python -m sglang.launch_server`; the built-in server's `python -m
+    realcore.serve` under REALCORE_TEST_ENGINE_BUILTIN=1). On the CPU route the stub's folder goes
+    on PYTHONPATH; the bearer token goes to `private_dir`/SGLANG_KEY_FILE (mode 0600), named by
+    `--config`; LoRA serves adapter "actor" from an all-zero adapter written to `private_dir`/lora-init."""
+    argv, env = _sglang(spec.python, spec.model_path, spec.host, spec.port, spec.tp, spec.seed, spec.max_batch_size,
+                        spec.cuda, spec.write_files)
+    if spec.pp > 1:
+        argv += ["--pp-size", str(spec.pp)]
+    argv += _gpu_flags(spec, "--mem-fraction-static")
+    if spec.lora is not None:
+        if spec.private_dir is None:
             raise ValueError("server_command: an SGLang LoRA server starts from an adapter file; pass private_dir")
-        from realcore.backends import lora as lora_fns
-
-        initial = os.path.join(private_dir, "lora-init")
-        if write_files:
-            lora_fns.write_zero_adapter(model_path, lora, initial)
-        argv += lora_fns.sglang_flags(lora, initial, lora_fns.LORA_NAME)
-        if not cuda:  # SGLang's default LoRA kernels are Triton (GPU)
+        initial = os.path.join(spec.private_dir, "lora-init")
+        if spec.write_files:
+            lora_fns.write_zero_adapter(spec.model_path, spec.lora, initial)
+        argv += lora_fns.sglang_flags(spec.lora, initial, lora_fns.LORA_NAME)
+        if not spec.cuda:  # SGLang's default LoRA kernels are Triton (GPU)
             argv += ["--lora-backend", "torch_native"]
-    from realcore.transport.interfaces import gloo_ifname
+    if spec.api_key:
+        if spec.private_dir is None:
+            raise ValueError("server_command: SGLang reads its API key from a file; pass private_dir")
+        key_file = os.path.join(spec.private_dir, SGLANG_KEY_FILE)
+        if spec.write_files:
+            write_private(key_file, f"api-key: {json.dumps(spec.api_key)}\n")  # a JSON string is a YAML string
+        argv += ["--config", key_file]
+    return argv, env
 
-    ifname = gloo_ifname(host)
-    # The engine's gloo groups (its CPU groups, a gloo weight-update group) on `host`; on GPUs also
-    # NCCL's bootstrap of the weight-update group (exactly that interface: "=name"), as the trainer's.
+
+def vllm_command(spec: ServerSpec) -> tuple[list[str], dict[str, str]]:
+    """vLLM's OpenAI server with its RL endpoints (VLLM_SERVER_DEV_MODE=1); the bearer token in
+    VLLM_API_KEY (read when --api-key is not given)."""
+    argv, env = _vllm(spec.python, spec.model_path, spec.host, spec.port, spec.tp, spec.seed, spec.max_batch_size,
+                      spec.cuda)
+    if spec.pp > 1:
+        argv += ["--pipeline-parallel-size", str(spec.pp)]
+    argv += _gpu_flags(spec, "--gpu-memory-utilization")
+    if spec.api_key:
+        env["VLLM_API_KEY"] = spec.api_key
+    return argv, env
+
+
+def _gpu_flags(spec: ServerSpec, mem_flag: str) -> list[str]:
+    """On GPUs: the engine's share of each GPU (`mem_flag`) and its weights' --dtype."""
+    if not spec.cuda:
+        return []
+    from realcore.backends.precision import resolve_dtype_name  # torch, on the launcher's side only
+
+    flags = [mem_flag, f"{spec.mem_fraction:g}"] if spec.mem_fraction is not None else []
+    return flags + ["--dtype", resolve_dtype_name(spec.dtype, "cuda")]
+
+
+def server_env(spec: ServerSpec) -> dict[str, str]:
+    """What every engine's server gets on top of its own variables: the interface of its gloo
+    groups (on GPUs also NCCL's bootstrap, exactly that interface: "=name", as the trainer's), and
+    another interpreter's bin directory first on PATH (as if its environment were activated: the
+    engines start helper tools by name)."""
+    env = {}
+    ifname = gloo_ifname(spec.host)
     if ifname is not None and "GLOO_SOCKET_IFNAME" not in os.environ:
         env["GLOO_SOCKET_IFNAME"] = ifname
-    if ifname is not None and cuda and "NCCL_SOCKET_IFNAME" not in os.environ:
+    if ifname is not None and spec.cuda and "NCCL_SOCKET_IFNAME" not in os.environ:
         env["NCCL_SOCKET_IFNAME"] = f"={ifname}"
-    if not _is_own(python):
-        env["PATH"] = os.pathsep.join(p for p in (os.path.dirname(python), os.environ.get("PATH", "")) if p)
-    if api_key and engine == "vllm":
-        env["VLLM_API_KEY"] = api_key  # read when --api-key is not given
-    elif api_key:
-        if private_dir is None:
-            raise ValueError("server_command: SGLang reads its API key from a file; pass private_dir")
-        key_file = os.path.join(private_dir, SGLANG_KEY_FILE)
-        if write_files:
-            write_private(key_file, f"api-key: {json.dumps(api_key)}\n")  # a JSON string is a YAML string
-        argv += ["--config", key_file]
-    return argv + [str(a) for a in extra_args], env
+    if not _is_own(spec.python):
+        env["PATH"] = os.pathsep.join(p for p in (os.path.dirname(spec.python), os.environ.get("PATH", "")) if p)
+    return env
+
 
 
 def builtin_stands_in() -> bool:
@@ -330,30 +299,31 @@ def module_available(name: str, python: str | None = None) -> bool:
     return out.returncode == 0
 
 
-def engine_available(engine: str, python: str | None = None) -> str | None:
-    """None if `engine`'s server can be started by interpreter `python` (rollout.server_python;
-    None: this one), else a one-line reason."""
-    if engine == "local":
-        return None
-    if engine not in ENGINES:
-        return f"unknown generation engine {engine!r}; expected one of local, sglang, vllm"
-    if engine == "sglang" and builtin_stands_in():
-        return None
+def package_available(package: str, python: str | None = None) -> str | None:
+    """None if interpreter `python` (rollout.server_python; None: this one) finds `package` (an
+    engine's, one of PIP_HINTS), else a one-line reason with how to install it."""
     try:
-        found = module_available(engine, python)
+        found = module_available(package, python)
     except RuntimeError as e:
         return str(e)
     if not found:
-        return f"{engine} is not installed in {python or sys.executable}: {PIP_HINTS[engine]}"
+        return f"{package} is not installed in {python or sys.executable}: {PIP_HINTS[package]}"
     return None
+
+
+def sglang_available(python: str | None = None) -> str | None:
+    return None if builtin_stands_in() else package_available("sglang", python)
+
+
+def vllm_available(python: str | None = None) -> str | None:
+    return package_available("vllm", python)
+
 
 
 def listener_pids(port: int, pid: int) -> tuple[bool, bool]:
     """(whether process `pid` or one of its descendants listens on TCP `port`, whether any other
     process visible to us does). psutil reads /proc/net/tcp*, which names a socket's inode, and a
     process's fds (ours only) map inodes to processes."""
-    import psutil
-
     try:
         root = psutil.Process(pid)
         ours = {root.pid, *(c.pid for c in root.children(recursive=True))}
@@ -397,8 +367,6 @@ async def wait_http_ready(
     TimeoutError after `timeout_s`. Connection errors and non-200 answers mean "not yet" (a 401,
     a missing or wrong `token`, is named in the TimeoutError).
     """
-    import aiohttp  # here: every realcore process imports this module (server_token), few need aiohttp
-
     probe = url.rstrip("/") + "/v1/models"
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     deadline = time.monotonic() + timeout_s

@@ -33,8 +33,8 @@ import time
 
 from realcore.api.alloc import parse_allocation_mode
 from realcore.api.config import ExperimentConfig
-from realcore.backends.server_launch import (SERVER_MEM_FRACTION, copy_redacted, engine_available, server_command,
-                                             wait_http_ready, wait_own_listener)
+from realcore.backends.clients.registry import engine_available, server_command
+from realcore.backends.server_launch import SERVER_MEM_FRACTION, copy_redacted, wait_http_ready, wait_own_listener
 from realcore.transport import addresses
 from realcore.transport.name_resolve import make_name_resolver
 from realcore.launch.process import die_with_parent

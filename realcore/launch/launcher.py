@@ -21,6 +21,7 @@ import time
 
 from realcore.api.alloc import AllocationMode
 from realcore.api.config import ExperimentConfig
+from realcore.backends.clients.registry import capabilities, server_command
 from realcore.data.datasets import describe_skips
 from realcore.dfg.graph import DataFlowGraph, GraphError
 from realcore.launch.config_loader import ConfigError, load_config
@@ -183,8 +184,6 @@ def engine_server_command(cfg: ExperimentConfig, alloc: AllocationMode, plan: Pl
                           write_files: bool = True) -> tuple[list[str], dict[str, str]]:
     """(argv, env on top of the launcher's) of SGLang/vLLM server `i` on the GPUs the plan gives it
     (the GPU flags when it has some: the plan decides, not the launcher's own torch)."""
-    from realcore.backends.server_launch import server_command
-
     name = f"gen_server/{i}"
     argv, env = server_command(alloc.backend, model_path=cfg.model.path, host=cfg.system.host, port=port,
                                tp=alloc.gen.tp, pp=alloc.gen.pp, seed=cfg.seed + 1000 * i,
@@ -274,7 +273,7 @@ def start_processes(cfg: ExperimentConfig, alloc: AllocationMode, config_path: s
     kinds = [("model_worker", alloc.train.world_size)]
     procs = []
     if alloc.gen is not None:
-        if alloc.backend == "local":
+        if capabilities(alloc.backend).own_worker:
             kinds.append(("gen_server", n_servers))
         else:
             procs += start_engine_servers(cfg, alloc, env, logs, plan)
@@ -339,7 +338,7 @@ def print_plan(cfg: ExperimentConfig, alloc: AllocationMode, plan: Plan | None) 
         print(describe_bundles(cfg, alloc))
     else:
         commands = {}
-        if alloc.gen is not None and alloc.backend != "local":
+        if alloc.gen is not None and not capabilities(alloc.backend).own_worker:
             for i in range(alloc.gen.dp):  # the token stays off the command line: a stand-in will do
                 argv, _ = engine_server_command(cfg, alloc, plan, i, free_port(cfg.system.host), token="dry-run",
                                                 write_files=False)
@@ -417,7 +416,8 @@ def run_local(cfg: ExperimentConfig, dfg: DataFlowGraph, alloc: AllocationMode, 
                   f"output in {cfg.output_dir}", flush=True)
             print(dfg.describe(), flush=True)
         write_pids(cfg.output_dir, procs)
-        realcore_procs = {p.name for p in procs if p.name.split("/")[0] != "gen_server" or alloc.backend == "local"}
+        own = alloc.gen is not None and capabilities(alloc.backend).own_worker
+        realcore_procs = {p.name for p in procs if p.name.split("/")[0] != "gen_server" or own}
         outcome = Supervisor(cfg, procs, attempt, watch_heartbeats=realcore_procs).run()
         if outcome.rc != 1:
             break

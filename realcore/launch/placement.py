@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from realcore.api.alloc import AllocationMode
 from realcore.api.config import ExperimentConfig
+from realcore.backends.clients.registry import capabilities
 from realcore.backends.server_launch import SERVER_MEM_FRACTION
 from realcore.launch.config_loader import ConfigError
 
@@ -87,7 +88,7 @@ def gpus_per_server(cfg: ExperimentConfig, alloc: AllocationMode) -> int:
     built-in server, 0 for a built-in server told to run on the CPU."""
     if alloc.gen is None:
         return 0
-    if alloc.backend != "local":
+    if not capabilities(alloc.backend).own_worker:
         return alloc.gen.tp * alloc.gen.pp
     return 0 if cfg.generation.device == "cpu" else 1
 
@@ -171,13 +172,14 @@ def check_nccl(cfg: ExperimentConfig, alloc: AllocationMode, *, trainer_on_gpu: 
     group on one GPU (`shared`: the server placed with rank 0) and cannot reach a rank on the CPU."""
     if alloc.gen is None or cfg.rollout.weight_update != "nccl":
         return
-    instead = "rollout.weight_update=memory or disk" if alloc.backend == "local" else "rollout.weight_update=disk"
+    own_worker = capabilities(alloc.backend).own_worker
+    instead = "rollout.weight_update=memory or disk" if own_worker else "rollout.weight_update=disk"
     if shared is not None:
         raise ConfigError(f"rollout.weight_update=nccl: trainer rank 0 and {shared} share a GPU (system.gpus), and "
                           f"NCCL refuses two ranks of one group on one GPU; use {instead}, or GPUs of their own")
     if trainer_on_gpu != servers_on_gpu:
         where = {True: "on a GPU", False: "on the CPU"}
-        why = " (generation.device=cpu)" if alloc.backend == "local" and cfg.generation.device == "cpu" else ""
+        why = " (generation.device=cpu)" if own_worker and cfg.generation.device == "cpu" else ""
         raise ConfigError(f"rollout.weight_update=nccl: NCCL needs both on GPUs, and the trainer is "
                           f"{where[trainer_on_gpu]} while the generation servers are {where[servers_on_gpu]}{why}; "
                           f"use {instead}")

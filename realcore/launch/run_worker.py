@@ -12,6 +12,7 @@ import sys
 
 from realcore.api.alloc import parse_allocation_mode
 from realcore.api.config import ExperimentConfig
+from realcore.backends.clients.registry import capabilities
 from realcore.launch.process import PREEMPTED_EXIT, run_and_exit, setup_worker_process, start_heartbeat
 
 
@@ -89,7 +90,7 @@ def run(args, cfg: ExperimentConfig, secret: bytes) -> int:
             worker.run()
         finally:
             worker.close()
-    elif args.type == "gen_server" and parse_allocation_mode(cfg.allocation_mode).backend != "local":
+    elif args.type == "gen_server" and not capabilities(parse_allocation_mode(cfg.allocation_mode).backend).own_worker:
         from realcore.launch.engine_server import serve_engine  # SGLang/vLLM under Slurm or Ray
 
         return serve_engine(cfg, args.index)

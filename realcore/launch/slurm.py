@@ -50,6 +50,7 @@ from dataclasses import dataclass
 
 from realcore.api.alloc import AllocationMode
 from realcore.api.config import ExperimentConfig
+from realcore.backends.clients.registry import capabilities
 from realcore.launch.cluster import Follow
 from realcore.launch.config_loader import ConfigError
 from realcore.launch.placement import gpus_per_server
@@ -108,7 +109,7 @@ def steps(cfg: ExperimentConfig, alloc: AllocationMode) -> list[Step]:
     check_config(cfg)
     gpus = cfg.slurm.gpus_per_node
     if gpus is None:
-        use_gpus = alloc.gen is not None and alloc.backend != "local"
+        use_gpus = alloc.gen is not None and not capabilities(alloc.backend).own_worker
     else:
         use_gpus = gpus > 0
     out = [Step("model_worker", alloc.train.world_size, 1 if use_gpus else 0)]  # one rank per GPU
@@ -232,7 +233,7 @@ def _describe(cfg: ExperimentConfig, alloc: AllocationMode, st: Step) -> str:
     gpus = f", {st.gpus_per_task} GPU(s) each" if st.gpus_per_task else ""
     if st.kind == "model_worker":
         return f"{st.ntasks} model worker(s): the training mesh {cfg.allocation_mode.split('+')[-1]}{gpus}"
-    if st.kind == "gen_server" and alloc.backend != "local":
+    if st.kind == "gen_server" and not capabilities(alloc.backend).own_worker:
         g = alloc.gen
         return f"{st.ntasks} {alloc.backend} server(s) (tp {g.tp}, pp {g.pp}){gpus}, each started by its task"
     if st.kind == "gen_server":

@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import shutil
 from collections import Counter
+
+import realcore.workflows  # noqa: F401  (the built-in workflows register on import)
 
 from realcore.api.alloc import AllocationMode, parse_allocation_mode
 from realcore.api.config import ExperimentConfig
 from realcore.api.registry import lookup, make_workflow
+from realcore.backends.clients import registry as clients
 from realcore.data.datasets import SKIP_TOO_LONG, LoadedDataset, describe_skips
 from realcore.dfg.graph import DataFlowGraph, build_graph
 from realcore.launch.config_loader import ConfigError, import_user_modules
 from realcore.launch.placement import Plan, check_nccl, node_gpus, plan_local
+from realcore.launch.ray_scheduler import check_ray_gpus, worker_specs
+from realcore.launch.slurm import resolve_gpus_per_node, steps
 from realcore.trainer.batch_source import source_keys
 
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,127}")
@@ -71,7 +77,7 @@ def check_dtype(cfg: ExperimentConfig, role: str, backend: str, dtype: str) -> N
     if dtype != "bfloat16":
         return
     if cfg.scheduler == "local" and not node_gpus(cfg)[0]:
-        from realcore.backends.precision import bf16_unsupported
+        from realcore.backends.precision import bf16_unsupported  # torch: only a bfloat16 run on the CPU asks
 
         why = bf16_unsupported("cpu")
         if why is not None:
@@ -82,7 +88,7 @@ def check_placement(cfg: ExperimentConfig, alloc: AllocationMode) -> Plan:
     """scheduler=local: the plan of this node's GPUs (placement.py), and what it rules out."""
     plan = plan_local(cfg, alloc)
     servers = [f"gen_server/{i}" for i in range(alloc.gen.dp)] if alloc.gen is not None else []
-    if servers and alloc.backend == "local" and cfg.generation.device == "cuda" and not plan.gpus:
+    if servers and clients.capabilities(alloc.backend).own_worker and cfg.generation.device == "cuda" and not plan.gpus:
         raise ConfigError(f"generation.device=cuda: this node has no GPU for the built-in servers ({plan.source}); "
                           "use generation.device=auto or cpu")
     shared = None
@@ -108,8 +114,6 @@ def check_names(cfg: ExperimentConfig) -> None:
 
 def check_registered(cfg: ExperimentConfig) -> None:
     """Names the workers look up in the registries (MFC types: build_graph, with the node's name)."""
-    import realcore.workflows  # noqa: F401  (the built-in workflows register on import)
-
     named = [("reward.type", "reward", cfg.reward.type), ("dataset.type", "dataset", cfg.dataset.type),
              ("rollout.workflow", "workflow", cfg.rollout.workflow)]
     if cfg.eval.dataset is not None:
@@ -129,7 +133,7 @@ def check_inputs(cfg: ExperimentConfig, alloc: AllocationMode) -> LoadedDataset:
     """What the model directory and the dataset tell, read here before any worker starts: the model's
     files are whole, every dataset shard has a usable row, prompts plus max_new_tokens fit the
     model's context. Returns the dataset as one shard (rows, usable, skip counts)."""
-    from realcore.backends.models import check_model_dir, context_length, load_tokenizer
+    from realcore.backends.models import check_model_dir, context_length, load_tokenizer  # torch and transformers
 
     try:
         hf_config = check_model_dir(cfg.model.path)
@@ -150,7 +154,7 @@ def quietly(fn, *args):
     """`fn(*args)` with transformers' warnings off: tokenizing a row longer than the model's context
     warns "Token indices sequence length is longer than ..." before realcore's own one line (the
     row is skipped, or the run refused, with a message naming dataset.max_prompt_len)."""
-    from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as hf_logging  # heavy: only the launcher's input checks load it
 
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
@@ -220,38 +224,48 @@ def _mfc_class(type_name: str):
 
 
 def check_generation_servers(cfg: ExperimentConfig, alloc: AllocationMode) -> None:
-    """Generation servers of `local.*|sglang.*|vllm.*` allocation modes (sync or async)."""
-    if alloc.backend not in ("local", "sglang", "vllm"):
-        raise ConfigError(f"allocation_mode: unknown generation engine {alloc.backend!r} (local, sglang, vllm)")
-    if alloc.backend == "local" and alloc.gen.world_size != alloc.gen.dp:
-        raise ConfigError(f"allocation_mode: built-in servers are data parallel only (local.dN), got {cfg.allocation_mode!r}")
-    if alloc.backend != "local" and (alloc.gen.cp, alloc.gen.ep) != (1, 1):
+    """Generation servers of `ENGINE.*` allocation modes (sync or async): what the engine's
+    capabilities allow (realcore.api.generation; `local`, `sglang`, `vllm` and engines registered
+    from `imports:`)."""
+    try:
+        caps = clients.capabilities(alloc.backend)
+    except ValueError as e:
+        raise ConfigError(f"allocation_mode: {e}") from None
+    if caps.own_worker and alloc.gen.world_size != alloc.gen.dp:
+        raise ConfigError(f"allocation_mode: built-in servers are data parallel only ({alloc.backend}.dN), got "
+                          f"{cfg.allocation_mode!r}")
+    if not caps.own_worker and (alloc.gen.cp, alloc.gen.ep) != (1, 1):
         raise ConfigError(f"allocation_mode: {alloc.backend} servers take dN, pN and tN only (got {cfg.allocation_mode!r})")
-    from realcore.backends.server_launch import engine_available
-
     # On a cluster the server starts on its node, which checks its own interpreter (engine_server.py).
-    missing = engine_available(alloc.backend, cfg.rollout.server_python) if cfg.scheduler == "local" else None
+    missing = clients.engine_available(alloc.backend, cfg.rollout.server_python) if cfg.scheduler == "local" else None
     if missing:
         raise ConfigError(f"allocation_mode: {missing}")
-    if alloc.backend != "local" and cfg.rollout.weight_update == "memory":
-        raise ConfigError("rollout.weight_update: memory works with built-in servers only (allocation_mode local.*)")
-    if cfg.rollout.inflight_weight_update and alloc.backend != "local":
-        raise ConfigError("rollout.inflight_weight_update: needs built-in servers (local.*)")
-    if alloc.backend == "vllm" and cfg.actor.lora is not None:
-        raise ConfigError("actor.lora: LoRA runs serve the adapter on built-in or SGLang servers (vLLM's adapter "
-                          "loading is not wired); use local.* or sglang.*")
-    if alloc.backend == "vllm" and cfg.rollout.weight_update == "nccl":
-        raise ConfigError("rollout.weight_update: nccl works with built-in and SGLang servers (vLLM's weight transfer "
-                          "engine has its own rendezvous, docs/weight-update.md); use disk with vllm.*")
+
+    def those(has) -> str:  # the engines that can, for the message
+        return ", ".join(f"{n}.*" for n in clients.engines_with(has))
+
+    update = cfg.rollout.weight_update
+    if update == "memory" and update not in caps.weight_updates:
+        raise ConfigError(f"rollout.weight_update: memory works with built-in servers only (allocation_mode "
+                          f"{those(lambda c: 'memory' in c.weight_updates)})")
+    if cfg.rollout.inflight_weight_update and not caps.inflight_weight_update:
+        raise ConfigError(f"rollout.inflight_weight_update: needs built-in servers ({those(lambda c: c.inflight_weight_update)})")
+    if cfg.actor.lora is not None and not caps.lora:
+        raise ConfigError(f"actor.lora: LoRA runs serve the adapter on servers that load one ({alloc.backend}'s adapter "
+                          f"loading is not wired); use {' or '.join(clients.engines_with(lambda c: c.lora))}")
+    if update == "nccl" and update not in caps.weight_updates:
+        raise ConfigError(f"rollout.weight_update: nccl works with {those(lambda c: 'nccl' in c.weight_updates)} "
+                          f"servers ({alloc.backend}'s weight transfer has its own rendezvous, docs/weight-update.md); "
+                          f"use disk with {alloc.backend}.*")
 
 
 def check_model_layout(cfg: ExperimentConfig, alloc: AllocationMode) -> None:
     """Checks that need the model's config: the servers' TP, Megatron's parallel layout and its known pitfalls."""
     roles = {role: r for role, r in cfg.roles().items() if r.backend == "megatron"}
-    servers_split = alloc.gen is not None and alloc.backend != "local" and alloc.gen.tp > 1
+    servers_split = alloc.gen is not None and not clients.capabilities(alloc.backend).own_worker and alloc.gen.tp > 1
     if not roles and not servers_split:
         return
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # heavy, and megatron optional: only runs that split a model load them
 
     from realcore.backends.megatron.parallel import check_megatron_config
 
@@ -269,10 +283,6 @@ def check_model_layout(cfg: ExperimentConfig, alloc: AllocationMode) -> None:
 
 def check_slurm(cfg: ExperimentConfig, alloc: AllocationMode, dry_run: bool) -> None:
     """The job's steps can be built; slurm.gpus_per_node=None becomes what sinfo says."""
-    import shutil
-
-    from realcore.launch.slurm import resolve_gpus_per_node, steps
-
     resolve_gpus_per_node(cfg)
     try:
         gpus = {st.kind: st.gpus_per_task for st in steps(cfg, alloc)}
@@ -287,8 +297,6 @@ def check_slurm(cfg: ExperimentConfig, alloc: AllocationMode, dry_run: bool) -> 
 
 def check_ray(cfg: ExperimentConfig, alloc: AllocationMode) -> None:
     """ray.gpus_per_worker=None is decided at ray.init (the cluster's GPUs): run_ray checks nccl then."""
-    from realcore.launch.ray_scheduler import check_ray_gpus, worker_specs
-
     if importlib.util.find_spec("ray") is None:
         raise ConfigError("scheduler=ray needs Ray: pip install -e '.[ray]'")
     try:

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 from realcore.api.alloc import parse_allocation_mode
 from realcore.api.config import ExperimentConfig
+from realcore.backends.clients.registry import capabilities, client_for
 from realcore.transport import addresses, drops, wire
 from realcore.transport.control import ControlServer
 from realcore.transport.name_resolve import make_name_resolver
@@ -83,6 +84,7 @@ class GServerManager:
         self.cfg = cfg
         self.n_servers = n_servers
         self.engine = parse_allocation_mode(cfg.allocation_mode).backend
+        self.caps = capabilities(self.engine)
         self.resolver = make_name_resolver(cfg.system.name_resolve, secret)
         r = cfg.rollout
         self.admission = Admission(cfg.trainer.batch_size, r.max_head_offpolicyness, r.max_concurrent_rollouts,
@@ -218,7 +220,7 @@ class GServerManager:
         # Each server goes through its steps back to back, on its own: its batch is empty only for
         # its own pause + load + continue, not until the slowest server has loaded.
         async def from_disk(c):
-            if self.engine == "local" and self.cfg.actor.lora is None:  # the built-in server: no idle load
+            if self.caps.inflight_weight_update and self.cfg.actor.lora is None:  # loads while it decodes: no idle load
                 await c.update_weights_from_disk(msg.path, msg.version, **update_mode(self.cfg, msg.version))
                 return msg.version
             held = self.cfg.rollout.inflight_weight_update  # a LoRA adapter: unload + load + version, held
@@ -269,8 +271,6 @@ class GServerManager:
         return ok
 
     def _client(self, url: str):
-        from realcore.backends.clients.registry import client_for
-
         r = self.cfg.rollout
         return client_for(self.engine, url, token=r.server_token, timeout_s=r.request_timeout_s)
 
@@ -312,7 +312,7 @@ class GServerManager:
             version = self.admission.state.version
             for s in [s for s in servers if s.healthy and s.holds != version]:
                 await self._catch_up(s, clients[s.index])
-            if self.engine == "local" and now - self._drops_read >= DROPS_READ_S:
+            if self.caps.reports_drops and now - self._drops_read >= DROPS_READ_S:
                 self._drops_read = now
                 healthy = [s for s in servers if s.healthy]
                 infos = await asyncio.gather(*(clients[s.index].server_info() for s in healthy), return_exceptions=True)

@@ -40,6 +40,7 @@ from realcore.api.registry import lookup
 from realcore.api.workflow import EpisodeOutcome, workflow_data
 from realcore.workflows.engines import ServerEngine
 from realcore.workflows.episode import reward_fn, run_episode, workflow_of
+from realcore.backends.clients.registry import capabilities, client_for
 from realcore.workflows.reward_runner import reward_runner_for
 from realcore.transport import addresses, drops, wire
 from realcore.transport.name_resolve import make_name_resolver
@@ -169,7 +170,7 @@ class RoutedClient:
                     raise
                 log.warning("rollout %d: %s (%s); asking for another server", self.seq, self.server, e)
                 self.server = await w.reroute(self.seq, self.server, error=" ".join(str(e).split())[:500])
-        if reply.finish_reason == "abort" and w.engine == "vllm":
+        if reply.finish_reason == "abort" and not w.caps.reports_versions:
             await w.ask_version(self.server)  # a weight update interrupted it: learn the new version before it resumes
         from realcore.backends.clients.sglang_api import version_number
 
@@ -222,6 +223,7 @@ class RolloutWorker:
         self.streams = [addresses.read_model_worker(resolver, cfg, mesh.dp_head(d), timeout_s=timeout).stream
                         for d in range(mesh.dp)]
         self.engine = alloc.backend
+        self.caps = capabilities(self.engine)
         self.clients: dict = {}
         # vLLM: one AskServerVersion at a time per server, and when the last answered one was sent.
         self.asking: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
@@ -236,8 +238,6 @@ class RolloutWorker:
         log.info("rollout worker %d: %d prompts (skipped %s)", index, len(self.samples), loaded.skipped or "none")
 
     def client(self, server: str):
-        from realcore.backends.clients.registry import client_for
-
         if server not in self.clients:
             r = self.cfg.rollout
             self.clients[server] = client_for(self.engine, server, token=r.server_token, timeout_s=r.request_timeout_s,
@@ -247,7 +247,7 @@ class RolloutWorker:
     def learn_version(self, server: str, version: int) -> None:
         """The manager says `server` holds `version`: a vLLM client stamps the replies to requests
         sent from now with it (vLLM reports no version; SGLang and the built-in server do)."""
-        if self.engine == "vllm":
+        if not self.caps.reports_versions:
             self.client(server).assume_version(version)
 
     async def ask_version(self, server: str) -> None:

