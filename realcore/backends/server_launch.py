@@ -40,7 +40,6 @@ import sys
 import tempfile
 import time
 
-import aiohttp
 import psutil
 
 from realcore.api.generation import ServerSpec
@@ -367,6 +366,8 @@ async def wait_http_ready(
     TimeoutError after `timeout_s`. Connection errors and non-200 answers mean "not yet" (a 401,
     a missing or wrong `token`, is named in the TimeoutError).
     """
+    import aiohttp  # why: here: every realcore process imports this module (server_token), few need aiohttp
+
     probe = url.rstrip("/") + "/v1/models"
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     deadline = time.monotonic() + timeout_s

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from realcore.api.alloc import parse_allocation_mode
 from realcore.api.config import ExperimentConfig
 from realcore.backends.clients.registry import capabilities, client_for
+from realcore.backends.clients.sglang_api import version_number
 from realcore.transport import addresses, drops, wire
 from realcore.transport.control import ControlServer
 from realcore.transport.name_resolve import make_name_resolver
@@ -211,8 +212,6 @@ class GServerManager:
         """Disk: pause, load `path`, continue. In memory (`path` None): the trainer has pushed the
         tensors to the paused servers already; continue. A server that fails leaves the routing
         (the monitor catches it up later); the update goes on for the others."""
-        from realcore.backends.clients.sglang_api import version_number
-
         t0 = time.perf_counter()
         with self.lock:
             targets = [s for s in self.servers.values() if s.healthy]
@@ -370,8 +369,6 @@ class GServerManager:
         """Bring a healthy server that does not hold the current version onto it (see the module
         docstring). The trainer may publish again while it loads: then it loads again, so that a
         server that came back during an update does not stay a version behind."""
-        from realcore.backends.clients.sglang_api import version_number
-
         holds = None
         try:
             holds = version_number(await client.weight_version())

@@ -41,6 +41,8 @@ from realcore.api.workflow import EpisodeOutcome, workflow_data
 from realcore.workflows.engines import ServerEngine
 from realcore.workflows.episode import reward_fn, run_episode, workflow_of
 from realcore.backends.clients.registry import capabilities, client_for
+from realcore.backends.clients.sglang_api import version_number
+from realcore.backends.models import load_tokenizer
 from realcore.workflows.reward_runner import reward_runner_for
 from realcore.transport import addresses, drops, wire
 from realcore.transport.name_resolve import make_name_resolver
@@ -172,8 +174,6 @@ class RoutedClient:
                 self.server = await w.reroute(self.seq, self.server, error=" ".join(str(e).split())[:500])
         if reply.finish_reason == "abort" and not w.caps.reports_versions:
             await w.ask_version(self.server)  # a weight update interrupted it: learn the new version before it resumes
-        from realcore.backends.clients.sglang_api import version_number
-
         version = version_number(reply.weight_version)
         # A reply without tokens (a request still queued when an update aborted everything)
         # generated nothing with its version: the rollout's staleness starts at its first token,
@@ -202,8 +202,6 @@ def keep_group(rewards: list[float], filter_equal_rewards: bool) -> bool:
 
 class RolloutWorker:
     def __init__(self, cfg: ExperimentConfig, index: int, secret: bytes):
-        from realcore.backends.models import load_tokenizer
-
         self.cfg, self.index, self.secret = cfg, index, secret
         self.tokenizer = load_tokenizer(cfg.model.path)
         loaded = lookup("dataset", cfg.dataset.type)(

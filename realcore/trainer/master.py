@@ -26,6 +26,7 @@ from realcore.api.alloc import parse_allocation_mode
 from realcore.api.config import ExperimentConfig
 from realcore.api.registry import lookup
 from realcore.dfg.graph import DataFlowGraph, MFCNode, build_graph
+from realcore.plot import plot_run
 from realcore.transport import addresses, drops, keys, wire
 from realcore.trainer import recover
 from realcore.trainer.batch_source import DatasetSource, Group, SourcePorts, StreamSource, source_keys
@@ -536,8 +537,6 @@ def write_curves(output_dir: str) -> None:
     """A picture of the finished run (realcore.plot); never worth failing a finished run over.
     run_worker draws it after shutdown(): the workers end while it draws (~1 s)."""
     try:
-        from realcore.plot import plot_run
-
         plot_run(output_dir)
     except Exception as e:
         log.warning("curves.png not written: %s: %s", type(e).__name__, e)

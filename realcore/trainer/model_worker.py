@@ -20,6 +20,16 @@ from realcore.api.alloc import parse_allocation_mode
 from realcore.api.config import ExperimentConfig
 from realcore.api.data import SequenceSample
 from realcore.api.registry import dataset_keys, lookup, workflow_keys
+from realcore.backends.fsdp_engine import FSDPEngine
+from realcore.backends.torch_engine import TorchEngine
+from realcore.backends.clients.server_generation import ServerGeneration
+from realcore.backends.device import select_device
+from realcore.transport.rendezvous import init_mesh
+from realcore.trainer.evaluation import Evaluator
+from realcore.backends.clients.sglang_api import push_weights
+from realcore.backends import lora
+from realcore.backends.clients.registry import client_for
+from realcore.backends.models import load_tokenizer
 from realcore.dfg.graph import build_graph
 from realcore.transport import addresses, drops, wire
 from realcore.trainer.batch_source import source_keys
@@ -93,21 +103,15 @@ class ModelWorker:
     def configure(self, msg: Configure) -> Configured:
         cfg = self.cfg
         self._init_process_group()
-        from realcore.backends.models import load_tokenizer
-
         for role, rcfg in cfg.roles().items():
             if rcfg.backend == "megatron":
-                from realcore.backends.megatron.engine import MegatronEngine
+                from realcore.backends.megatron.engine import MegatronEngine  # why: megatron-core (optional, slow to import) only for its roles
 
                 self.engines[role] = MegatronEngine(cfg.model.path, rcfg, self.mesh, total_steps=optimizer_steps(cfg, role),
                                                     seed=cfg.seed, role_name=role)
             elif rcfg.backend == "fsdp":
-                from realcore.backends.fsdp_engine import FSDPEngine
-
                 self.engines[role] = FSDPEngine(cfg.model.path, rcfg, total_steps=optimizer_steps(cfg, role), seed=cfg.seed)
             else:
-                from realcore.backends.torch_engine import TorchEngine
-
                 self.engines[role] = TorchEngine(cfg.model.path, rcfg, total_steps=optimizer_steps(cfg, role), seed=cfg.seed)
         tokenizer = self.engines["actor"].tokenizer or load_tokenizer(cfg.model.path)
         self.no_model = SimpleNamespace(tokenizer=tokenizer)
@@ -130,7 +134,6 @@ class ModelWorker:
         return counts
 
     def _server_generation(self, tokenizer):
-        from realcore.backends.clients.server_generation import ServerGeneration
         timeout = self.cfg.system.startup_timeout_s
         server = addresses.read_gen_server(self.resolver, self.cfg, self.dp_rank % self.alloc.gen.dp, timeout_s=timeout)
         r = self.cfg.rollout
@@ -139,9 +142,6 @@ class ModelWorker:
 
     def _init_process_group(self) -> None:
         """This rank's device first (its GPU becomes the current one), then the mesh's group on it."""
-        from realcore.backends.device import select_device
-        from realcore.transport.rendezvous import init_mesh
-
         self.device = select_device()
         log.info("model worker %d computes on %s", self.index, self.device)
         init_mesh(self.cfg, self.resolver, self.index, self.world, self.device)
@@ -185,8 +185,6 @@ class ModelWorker:
     def evaluate(self, msg: Evaluate) -> Evaluated:
         """eval/* metrics of the current policy (realcore.trainer.evaluation): on the generation
         servers when the run has them, else on this worker's actor engine."""
-        from realcore.trainer.evaluation import Evaluator
-
         if self.evaluator is None:
             self.evaluator = Evaluator(self.cfg, self.no_model.tokenizer)
         if self.alloc.gen is not None:
@@ -270,13 +268,9 @@ class ModelWorker:
         authenticated wire to their update sockets (`servers`)."""
         engine, sharded = self.engines["actor"], self._sharded("actor")
         if msg.servers:
-            from realcore.backends.clients.sglang_api import push_weights
-
             # Megatron, FSDP: every rank joins the gather. Torch: rank 0's. With LoRA the adapter alone.
             lora_cfg, adapter = self.cfg.actor.lora, None
             if lora_cfg is not None:
-                from realcore.backends import lora
-
                 state = engine.adapter_state() if sharded or self.index == 0 else None
                 adapter = {"name": lora.LORA_NAME, "config": lora.adapter_config(lora_cfg)}
             else:
@@ -325,8 +319,6 @@ class ModelWorker:
         return Published(failed)
 
     async def _servers_load(self, urls: list[str], path: str, version: int) -> None:
-        from realcore.backends.clients.registry import client_for
-
         r = self.cfg.rollout
         clients = [client_for(self.alloc.backend, u, token=r.server_token, timeout_s=r.request_timeout_s) for u in urls]
         try:

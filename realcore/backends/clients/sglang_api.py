@@ -23,7 +23,6 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -34,6 +33,7 @@ from realcore.backends.server_launch import sglang_available, sglang_command, wa
 from realcore.transport import wire
 
 if TYPE_CHECKING:  # the manager uses this module and never makes a tensor
+    import aiohttp
     import torch
 
 CONTROL_TIMEOUT_S = 30.0
@@ -250,6 +250,8 @@ class GenClient:
         return (await self._request("GET", "/model_info", None, CONTROL_TIMEOUT_S)).get("weight_version")
 
     async def health(self, timeout_s: float = CONTROL_TIMEOUT_S) -> bool:
+        import aiohttp  # why: here, not at the top: the manager registers engines at start and needs no HTTP until it talks to a server
+
         try:
             async with (await self._sess()).get(
                 self.base_url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)
@@ -268,6 +270,7 @@ class GenClient:
             self._session = None
 
     async def _sess(self) -> aiohttp.ClientSession:
+        import aiohttp  # why: here, not at the top: the manager registers engines at start and needs no HTTP until it talks to a server
         # Lazily: a session belongs to the loop it is made in. No connection limit, so control
         # calls (pause, abort) never queue behind long generations.
         if self._session is None:
@@ -276,6 +279,7 @@ class GenClient:
         return self._session
 
     async def _request(self, method: str, path: str, body: dict | None, timeout_s: float) -> Any:
+        import aiohttp  # why: here, not at the top: the manager registers engines at start and needs no HTTP until it talks to a server
         url = self.base_url + path
         try:
             session = await self._sess()

@@ -50,8 +50,6 @@ import asyncio
 import json
 from typing import Any
 
-import aiohttp
-
 from realcore.api.generation import Capabilities
 from realcore.api.registry import register_engine
 from realcore.backends.clients.sglang_api import CONTROL_TIMEOUT_S, FINISH_REASONS, GenClient, GenReply, version_number
@@ -265,6 +263,8 @@ class VLLMClient(GenClient):
     # --- HTTP ---------------------------------------------------------------------------------
 
     async def _post(self, path: str, body: dict | None, timeout_s: float) -> dict:
+        import aiohttp  # why: as in sglang_api (the manager starts without aiohttp)
+
         url = self.base_url + path
         try:
             async with (await self._sess()).post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
