@@ -355,7 +355,7 @@ def check_all(argv: list[str], dry_run: bool, held: contextlib.ExitStack,
         held.enter_context(hold_run(cfg))
     if not dry_run:  # under the run's lock (the default root is in output_dir); a dry run creates no folder
         check_name_store(cfg)
-    # torch and transformers: not for --help, --dry-run or a config error
+    # torch and transformers: not for --help or a config error
     from transformers.utils import logging as hf_logging
 
     from realcore.backends.models import prepare_model
