@@ -39,9 +39,9 @@ def read_metrics(path: str) -> list[dict]:
 
 def plot_run(output_dir: str) -> str:
     """Write OUTPUT_DIR/curves.png; returns its path. ValueError when there is nothing to plot."""
-    import matplotlib
+    import matplotlib  # heavy: only when curves are drawn (the master, once, at the end)
 
-    matplotlib.use("Agg")
+    matplotlib.use("Agg")  # before pyplot is imported: no display on a cluster node
     import matplotlib.pyplot as plt
 
     path = os.path.join(output_dir, "metrics.jsonl")

@@ -62,13 +62,13 @@ class SequenceSample:
 
 
 def text_to_tensor(text: str) -> torch.Tensor:
-    import torch
+    import torch  # a process that only routes samples starts without it (see above)
 
     return torch.tensor(list(text.encode("utf-8")), dtype=torch.uint8)
 
 
 def tensor_to_text(t: torch.Tensor) -> str:
-    import torch
+    import torch  # as above
 
     return bytes(t.to(torch.uint8).tolist()).decode("utf-8", errors="replace")
 

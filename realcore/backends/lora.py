@@ -18,7 +18,9 @@ from typing import TYPE_CHECKING, Callable
 from realcore.api.config import LoraConfig
 from realcore.backends import safetensors_header
 
-if TYPE_CHECKING:  # imported on use: the manager reads adapter folders' names only
+# torch, peft, safetensors and transformers are imported on use: the manager and the clients import
+# this module for adapter folders' names only.
+if TYPE_CHECKING:
     import torch
 
 LORA_NAME = "actor"  # the adapter's name on the generation servers of a LoRA run
@@ -32,7 +34,7 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, *, seed: int) -> torch.n
     """`model` wrapped by PEFT with one LoRA adapter; every base weight frozen (requires_grad False).
     PEFT draws A at random: from `seed`, so that every data-parallel rank (and a run started again)
     starts from the same adapter; the caller's random state is left as it was."""
-    import torch
+    import torch  # on use: see TYPE_CHECKING above
 
     from peft import LoraConfig as PeftLoraConfig, get_peft_model
 
@@ -47,14 +49,14 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, *, seed: int) -> torch.n
 
 
 def is_lora(model: torch.nn.Module) -> bool:
-    from peft import PeftModel
+    from peft import PeftModel  # on use: see TYPE_CHECKING above
 
     return isinstance(model, PeftModel)
 
 
 def adapter_state(model) -> dict[str, torch.Tensor]:
     """The adapter's tensors under PEFT's saved names (what adapter_model.safetensors holds)."""
-    from peft import get_peft_model_state_dict
+    from peft import get_peft_model_state_dict  # on use: see TYPE_CHECKING above
 
     return get_peft_model_state_dict(model)
 
@@ -70,7 +72,7 @@ def merged_state(model) -> dict[str, torch.Tensor]:
     """The base model's state dict (HF names, tied weights under both names, like
     `model.state_dict()` of the unwrapped model) with each adapted weight replaced by W + delta.
     The live model is not changed (merging in place and back would not restore W bit for bit)."""
-    import torch
+    import torch  # on use: see TYPE_CHECKING above
 
     from peft.tuners.lora import LoraLayer
 
@@ -116,7 +118,7 @@ def save_adapter(model, path: str, tensors: dict[str, torch.Tensor] | None = Non
         model.save_pretrained(path)
         return
     model.save_pretrained(path, state_dict={})  # the config and model card, as PEFT writes them
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # on use: see TYPE_CHECKING above
 
     save_file({n: t.contiguous() for n, t in tensors.items()}, os.path.join(path, ADAPTER_WEIGHTS), metadata={"format": "pt"})
 
@@ -124,7 +126,7 @@ def save_adapter(model, path: str, tensors: dict[str, torch.Tensor] | None = Non
 def save_merged(model, path: str, state: dict[str, torch.Tensor] | None = None) -> None:
     """A plain HF checkpoint of base + adapter in `path`, loadable by transformers without PEFT;
     `state`: the merged weights when the caller has them (FSDP gathers them), else merged_state."""
-    import torch
+    import torch  # on use: see TYPE_CHECKING above
 
     from transformers import AutoModelForCausalLM
 
@@ -187,7 +189,7 @@ def read_adapter(path: str, shapes: dict[str, tuple[int, ...]] | None = None,
         check(cfg)
     if shapes is not None:
         check_header(weights, cfg, shapes)
-    from safetensors import SafetensorError
+    from safetensors import SafetensorError  # on use: see TYPE_CHECKING above
     from safetensors.torch import load_file
 
     try:
@@ -222,7 +224,7 @@ def merge_adapter(base: dict[str, torch.Tensor], cfg: dict, tensors: dict[str, t
     """{HF weight name: base + scale * B @ A} for every module the adapter changes (PEFT's
     get_delta_weight: scale = alpha / r, or alpha / sqrt(r) with rsLoRA; transposed when
     fan_in_fan_out). `base` holds at least those weights, under HF names."""
-    import torch
+    import torch  # on use: see TYPE_CHECKING above
 
     r = int(cfg["r"])
     scale = cfg["lora_alpha"] / (math.sqrt(r) if cfg.get("use_rslora") else r)
@@ -252,7 +254,7 @@ def write_zero_adapter(model_path: str, cfg: LoraConfig, path: str) -> str:
     the trainer's initial adapter (PEFT starts B at zero). SGLang servers start with it loaded
     (--lora-paths), so requests can name the adapter before the first update. Shapes come from the
     model's config alone (a meta-device model), so no weights are read. Returns `path`."""
-    import torch
+    import torch  # on use: see TYPE_CHECKING above
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -269,7 +271,7 @@ def write_zero_adapter(model_path: str, cfg: LoraConfig, path: str) -> str:
     # Each file by rename: servers started one after another may read it while the next writes it.
     os.makedirs(path, exist_ok=True)
     tmp = f".tmp-{os.getpid()}"
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # on use: see TYPE_CHECKING above
 
     save_file(tensors, os.path.join(path, ADAPTER_WEIGHTS + tmp))
     with open(os.path.join(path, ADAPTER_CONFIG + tmp), "w") as f:

@@ -21,6 +21,11 @@ import tempfile
 from typing import Callable, Iterator
 
 import torch
+from safetensors import SafetensorError, safe_open
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast,
+                          Qwen2Config)
+from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
 from realcore.api.config import ModelConfig, TinyModelConfig
 
@@ -67,9 +72,6 @@ def check_model_dir(path: str):
     only inside the workers, after the whole run started. A safetensors file is checked by its
     header (`safe_open` maps the file and checks the header covers it exactly), not by loading it.
     """
-    from safetensors import SafetensorError, safe_open
-    from transformers import AutoConfig
-
     config_path = os.path.join(path, "config.json")
     try:
         with open(config_path, encoding="utf-8") as f:
@@ -115,15 +117,11 @@ def context_length(config) -> int | None:
 
 def load_model(path: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
     """Load a causal LM from an HF directory (SDPA attention, eval mode)."""
-    from transformers import AutoModelForCausalLM
-
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
     return model.to(device).eval()
 
 
 def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
     return AutoTokenizer.from_pretrained(path)
 
 
@@ -194,10 +192,6 @@ def build_tiny_tokenizer(vocab_size: int):
     qwen2-type directory as `Qwen2Tokenizer`, which rebuilds exactly this pipeline around the saved
     vocab/merges; training with anything else would make the loaded tokenizer differ from the trained one.
     """
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
-
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -224,8 +218,6 @@ def build_tiny_tokenizer(vocab_size: int):
 
 def build_tiny(tiny: TinyModelConfig, seed: int, out_dir: str) -> None:
     """Write a random tiny Qwen2/Llama + its tokenizer to `out_dir` (byte-deterministic in (tiny, seed))."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
-
     tokenizer = build_tiny_tokenizer(tiny.vocab_size)
     eos_id = tokenizer.convert_tokens_to_ids(EOS)
     config_cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[tiny.family]
@@ -264,8 +256,6 @@ def _smollm2_folder() -> str:
 
 def convert_smollm2(gguf_dir: str, out_dir: str) -> None:
     """Dequantise the GGUF to fp32 and save it as a plain HF directory (~70 s)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF)
     # A GGUF-loaded model refuses save_pretrained: copy its weights into a fresh model of the same config.

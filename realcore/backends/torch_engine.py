@@ -30,6 +30,7 @@ import shutil
 
 import torch
 import torch.distributed as dist
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from realcore.api.config import RoleConfig
 from realcore.api.engine import Engine, GenerationResult, LossFn, LossWeightFn
@@ -37,6 +38,7 @@ from realcore.backends import lora, onednn_linear
 from realcore.backends.batching import (cu_seqlens, lr_factor, reduce_weighted, split_by_budget, stat_on,
                                         token_logprobs, train_batch)
 from realcore.backends.device import compute_device, group_device, to_device
+from realcore.backends.generation import GenerationEngine
 from realcore.backends.precision import compute_dtype
 from realcore.backends.varlen_attention import packed_kwargs, standard_attention, use_packed_attention
 from realcore.transport.durable import replace_dir
@@ -60,8 +62,6 @@ class TorchEngine(Engine):
     """One data-parallel rank of a model role, backed by a HF `AutoModelForCausalLM`."""
 
     def __init__(self, model_path: str, role: RoleConfig, *, total_steps: int, seed: int = 0, group=None):
-        from transformers import AutoModelForCausalLM
-
         self.role, self.seed, self.version = role, seed, 0
         self.device = compute_device()
         self.distributed = dist.is_available() and dist.is_initialized()
@@ -231,9 +231,6 @@ class TorchEngine(Engine):
     # ---- generation and checkpoints ----
 
     def generate(self, prompts: list[list[int]], gconfig) -> list[GenerationResult]:
-        # Lazy import: the generation engine is only needed by roles that sample.
-        from realcore.backends.generation import GenerationEngine
-
         if self._gen_engine is None:
             self._gen_engine = GenerationEngine(self.model, self.tokenizer, seed=self.seed)
         with torch.no_grad(), self._eval_mode(), standard_attention(self.model):
@@ -309,8 +306,6 @@ class TorchEngine(Engine):
         self.version = state["version"]
         set_rng_state(state, self.device)
         if state["gen_next_rid"]:
-            from realcore.backends.generation import GenerationEngine
-
             self._gen_engine = GenerationEngine(self.model, self.tokenizer, seed=self.seed)
             self._gen_engine.next_rid = state["gen_next_rid"]
 
@@ -335,6 +330,4 @@ def _load_tokenizer(model_path: str):
     """The directory's tokenizer, or None when it has no tokenizer files (e.g. a tiny test model)."""
     if os.path.isdir(model_path) and not any(os.path.exists(os.path.join(model_path, f)) for f in _TOKENIZER_FILES):
         return None
-    from transformers import AutoTokenizer
-
     return AutoTokenizer.from_pretrained(model_path)

@@ -32,6 +32,7 @@ import logging
 
 import torch
 import torch.nn.functional as F
+from transformers import AttentionInterface
 
 NAME = "realcore_varlen"
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
@@ -44,7 +45,7 @@ def _flash_attn():
     """flash-attn's varlen kernel, or None where flash-attn is not installed."""
     if importlib.util.find_spec("flash_attn") is None:
         return None
-    from flash_attn import flash_attn_varlen_func
+    from flash_attn import flash_attn_varlen_func  # optional: not installed on CPU machines
 
     return flash_attn_varlen_func
 
@@ -53,7 +54,7 @@ def _flash_attn():
 def _torch_varlen():
     """torch's fused varlen kernel (torch >= 2.10), or None."""
     try:
-        from torch.nn.attention.varlen import varlen_attn
+        from torch.nn.attention.varlen import varlen_attn  # only in torch >= 2.10
     except ImportError:
         return None
     return varlen_attn
@@ -146,8 +147,6 @@ def varlen_attention(module, query, key, value, attention_mask, dropout: float =
 
 
 def _register() -> None:
-    from transformers import AttentionInterface
-
     AttentionInterface.register(NAME, varlen_attention)
 
 

@@ -31,6 +31,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _new_process_group_helper, _world
 
 from realcore.transport.interfaces import bind_gloo_to, bind_nccl_to
 
@@ -58,8 +59,6 @@ def new_group(backend: str, store: dist.Store, rank: int, world_size: int, group
     Gloo listens on `host`'s interface (GLOO_SOCKET_IFNAME), not the machine's hostname, NCCL
     bootstraps there (NCCL_SOCKET_IFNAME). An NCCL group's timed-out collective raises in the caller
     (nccl_errors_raise): `timeout` must cover the longest wait of a collective on it."""
-    from torch.distributed.distributed_c10d import _new_process_group_helper, _world
-
     if backend == "nccl" and not (dist.is_nccl_available() and torch.cuda.is_available()):
         raise ValueError("weight update group: backend nccl needs CUDA and a torch built with NCCL (use gloo on CPU)")
     if backend not in ("nccl", "gloo"):

@@ -80,7 +80,7 @@ def _field(row: Mapping, key: str) -> str | None:
 
 def _row_to_sample(row: Mapping, cfg: DatasetConfig, tokenizer, use_chat_template: bool) -> Sample | str:
     """The sample of one row, or the reason it is skipped."""
-    import torch
+    import torch  # the launcher imports this module (describe_skips) and starts without torch
 
     question, answer = _field(row, "question"), _field(row, "answer")
     if question is None or answer is None:

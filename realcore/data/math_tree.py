@@ -193,7 +193,7 @@ def to_sympy(node: list):
 
 
 def _build(node: list):
-    import sympy
+    import sympy  # ~0.5 s: only in the verifier's worker process, which builds sympy objects
 
     if not isinstance(node, list) or not node:
         raise Unparsable(f"not a tree: {str(node)[:50]!r}")

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import sys
 
+from realcore.dfg.draw import draw
+from realcore.dfg.graph import GraphError, build_graph
+from realcore.launch.config_loader import ConfigError, import_user_modules, load_config
+from realcore.trainer.batch_source import source_keys
+
 
 def main(argv: list[str]) -> int:
-    from realcore.launch.config_loader import ConfigError, import_user_modules, load_config
-    from realcore.trainer.batch_source import source_keys
-    from realcore.dfg.draw import draw
-    from realcore.dfg.graph import GraphError, build_graph
-
     if not argv or argv[0] != "show":
         print("usage: python -m realcore.dfg show experiment=NAME [out=FILE.png] [overrides...]", file=sys.stderr)
         return 2

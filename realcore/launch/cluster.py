@@ -46,6 +46,7 @@ from realcore.launch.local import Proc, describe_exit, dump_stacks_and_kill, spa
 from realcore.launch.supervise import (ROLLOUT_SIDE, STABLE_S, begin_attempt, count_quick_death, heartbeat_path, hung,
                                        last_beat, record)
 from realcore.launch.process import PREEMPTED_EXIT, run_and_exit
+from realcore.transport.name_resolve import make_name_resolver
 
 POLL_S = 0.5
 
@@ -203,8 +204,6 @@ def _job_ending(status_file: str) -> bool:
 
 
 def begin(cfg: ExperimentConfig, attempt: int, note: str | None) -> int:
-    from realcore.transport.name_resolve import make_name_resolver
-
     begin_attempt(cfg, make_name_resolver(cfg.system.name_resolve))
     restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
     if restarts:  # Slurm started this job again (a requeue after preemption, or a node failure)

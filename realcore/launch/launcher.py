@@ -13,28 +13,34 @@ interrupted.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
+import socket
 import sys
 import threading
 import time
 
 from realcore.api.alloc import AllocationMode
-from realcore.api.config import ExperimentConfig
+from realcore.api.config import ExperimentConfig, config_keys
 from realcore.backends.clients.registry import capabilities, server_command
+from realcore.backends.server_launch import server_token, wait_http_ready, wait_own_listener
 from realcore.data.datasets import describe_skips
 from realcore.dfg.graph import DataFlowGraph, GraphError
 from realcore.launch.config_loader import ConfigError, load_config
+from realcore.launch.engine_server import free_port
 from realcore.launch.local import Proc, open_log, private_logs_dir, spawn, spawn_command, tail
 from realcore.launch.placement import Plan, describe
+from realcore.launch.process import PREEMPTED_EXIT, node_address
+from realcore.launch.ray_scheduler import describe_bundles, run_ray
 from realcore.launch.run_lock import claim_output, hold_run
+from realcore.launch.slurm import steps, submit_and_watch
 from realcore.launch.supervise import Supervisor, begin_attempt, record, write_pids
 from realcore.launch.validate import (check_inputs, check_model_layout, check_placement, check_ray, check_slurm,
                                       validate)
 from realcore.transport import addresses, keys
-from realcore.launch.engine_server import free_port
 from realcore.transport.name_resolve import make_name_resolver
-from realcore.launch.process import PREEMPTED_EXIT
+from realcore.transport.wire import load_secret, write_secret
 
 
 def run_on_cluster(cfg: ExperimentConfig, dfg: DataFlowGraph, alloc: AllocationMode, dry_run: bool) -> int:
@@ -46,12 +52,8 @@ def run_on_cluster(cfg: ExperimentConfig, dfg: DataFlowGraph, alloc: AllocationM
     if cfg.scheduler == "slurm" and not dry_run:
         precreate_slurm_logs(cfg, alloc)
     if cfg.scheduler == "ray":
-        from realcore.launch.ray_scheduler import run_ray
-
         rc = run_ray(cfg, alloc, config_path, secret_path, child_env(cfg))
     else:
-        from realcore.launch.slurm import submit_and_watch
-
         rc = submit_and_watch(cfg, alloc, config_path, secret_path, child_env(cfg), dry_run=dry_run)
     if rc == 0 and not dry_run:
         print(f"realcore: done; metrics in {os.path.join(cfg.output_dir, 'metrics.jsonl')}", flush=True)
@@ -70,8 +72,6 @@ def check_name_store(cfg: ExperimentConfig) -> None:
 def precreate_slurm_logs(cfg: ExperimentConfig, alloc: AllocationMode) -> None:
     """srun creates its --output files with the job's umask (often 0644): create them here, 0600,
     so that srun's --open-mode=append keeps that mode (a task's log may hold what it printed)."""
-    from realcore.launch.slurm import steps
-
     logs = os.path.join(cfg.output_dir, "logs")
     for step in steps(cfg, alloc):
         names = ["master.out"] if step.kind == "master" else [f"{step.kind}-{t}.log" for t in range(step.ntasks)]
@@ -82,8 +82,6 @@ def precreate_slurm_logs(cfg: ExperimentConfig, alloc: AllocationMode) -> None:
 def prepare_output(cfg: ExperimentConfig, dfg: DataFlowGraph) -> tuple[str, str]:
     """Output folders, the resolved config for workers, a fresh per-run secret, dfg.png (drawn by
     a thread while the workers start: ~1 s of matplotlib that need not delay them)."""
-    from realcore.transport.wire import write_secret
-
     out = os.path.abspath(cfg.output_dir)
     private_logs_dir(os.path.join(out, "logs"))  # 0700, files 0600: engines log their arguments
     open_log(os.path.join(out, "logs", "master.log")).close()  # the master's logging appends to it: 0600 first
@@ -103,7 +101,7 @@ def prepare_output(cfg: ExperimentConfig, dfg: DataFlowGraph) -> tuple[str, str]
 
 
 def draw_dfg(dfg: DataFlowGraph, path: str) -> None:
-    from realcore.dfg.draw import draw
+    from realcore.dfg.draw import draw  # matplotlib: only when the graph is drawn, not at every launch
 
     try:
         draw(dfg, path)
@@ -125,8 +123,6 @@ def resolve_local_host(cfg: ExperimentConfig) -> None:
     here, once, before anything starts, so config.json, every worker and every server command line
     carry the address itself (SGLang would be given the literal `--host auto`). On a cluster each
     worker resolves its own node's address (run_worker)."""
-    from realcore.launch.process import node_address
-
     try:
         cfg.system.host = node_address(cfg.system.host, cfg.system.interface)
     except ValueError as e:
@@ -137,8 +133,6 @@ def resolve_local_host(cfg: ExperimentConfig) -> None:
 def check_bindable(host: str) -> None:
     """Every local process binds `host`: an address this machine does not have must stop the
     launch here, not fail the first worker that binds it (EADDRNOTAVAIL) after the others started."""
-    import socket
-
     try:
         infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
     except OSError as e:
@@ -203,9 +197,6 @@ def start_engine_servers(cfg: ExperimentConfig, alloc: AllocationMode, env: dict
     (run_worker), kept off the command line and filtered out of what the server prints.
     `rollout.server_python` runs them (SGLang/vLLM in an environment of their own). `plan`: their
     GPUs (None: none, the CPU route)."""
-    from realcore.backends.server_launch import server_token
-    from realcore.transport.wire import load_secret
-
     plan = plan or Plan((), "")
     out = os.path.abspath(cfg.output_dir)
     secret = load_secret(os.path.join(out, ".secret"))  # prepare_output wrote it
@@ -232,14 +223,10 @@ def publish_when_ready(cfg: ExperimentConfig, resolver, i: int, proc: Proc, port
     """Publish server `i`'s address once the process we started listens on `port` and answers an
     authenticated probe (a thread: start-up takes 24-60 s). Before the first probe, which carries
     the token, the listener must be ours: a local user who bound the port first would get it."""
-    from realcore.backends.server_launch import wait_http_ready, wait_own_listener
-
     url = f"http://{cfg.system.host}:{port}"
     popen = proc.popen
 
     def run() -> None:
-        import asyncio
-
         deadline = time.monotonic() + cfg.system.startup_timeout_s
         try:
             wait_own_listener(popen, port, timeout_s=cfg.system.startup_timeout_s)
@@ -291,8 +278,6 @@ def start_processes(cfg: ExperimentConfig, alloc: AllocationMode, config_path: s
 
 def print_help(argv: list[str]) -> None:
     """`--help [PREFIX]`: every config key (under PREFIX) with what it does."""
-    from realcore.api.config import config_keys
-
     prefix = next((a for a in argv if not a.startswith("-")), "")
     print("usage: python -m realcore.launch [--dry-run] experiment=NAME [key=value ...]\n"
           "  --dry-run: check the config, model and dataset, print where each process would run (local: its\n"
@@ -333,8 +318,6 @@ def print_plan(cfg: ExperimentConfig, alloc: AllocationMode, plan: Plan | None) 
     """`--dry-run` under scheduler=local (each process, its GPUs, each SGLang/vLLM server's command
     line; the port is picked again when the run starts) or ray (the placement groups). Writes nothing."""
     if cfg.scheduler == "ray":
-        from realcore.launch.ray_scheduler import describe_bundles
-
         print(describe_bundles(cfg, alloc))
     else:
         commands = {}
@@ -372,6 +355,7 @@ def check_all(argv: list[str], dry_run: bool, held: contextlib.ExitStack,
         held.enter_context(hold_run(cfg))
     if not dry_run:  # under the run's lock (the default root is in output_dir); a dry run creates no folder
         check_name_store(cfg)
+    # torch and transformers: not for --help or a config error
     from transformers.utils import logging as hf_logging
 
     from realcore.backends.models import prepare_model
@@ -400,8 +384,6 @@ def run_local(cfg: ExperimentConfig, dfg: DataFlowGraph, alloc: AllocationMode, 
     """Start every process here, each on the GPUs `plan` gives it, and supervise them (supervise.py);
     with recover_mode=auto, a failed run is stopped and started again (it resumes from its last
     recover checkpoint), up to recover_retries times."""
-    from realcore.transport.wire import load_secret
-
     plan = plan or Plan((), "")
     config_path, secret_path = prepare_output(cfg, dfg)
     resolver = make_name_resolver(cfg.system.name_resolve, load_secret(secret_path))

@@ -23,6 +23,7 @@ those ids and run on the CPU.
 from __future__ import annotations
 
 import os
+import shlex
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -73,7 +74,7 @@ def node_gpus(cfg: ExperimentConfig) -> tuple[list[str], str]:
         if not switch.isdigit():
             raise ConfigError(f"{TEST_SWITCH}={switch!r}: a number of GPUs (a test switch)")
         return [str(i) for i in range(int(switch))], f"{TEST_SWITCH}={switch}, a test switch"
-    import torch
+    import torch  # the launcher imports torch only when it must count GPUs
 
     count = torch.cuda.device_count()  # NVML: honours CUDA_VISIBLE_DEVICES, creates no context
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -139,8 +140,6 @@ def plan_local(cfg: ExperimentConfig, alloc: AllocationMode) -> Plan:
 def describe(cfg: ExperimentConfig, alloc: AllocationMode, plan: Plan, commands: dict[str, list[str]]) -> str:
     """The plan as printed by `--dry-run` and at the start of a run on GPUs: one line per process
     with its CUDA_VISIBLE_DEVICES, then the command line of each SGLang/vLLM server (`commands`)."""
-    import shlex
-
     names = process_names(cfg, alloc)
     width = max(len(n) for n in names)
     if plan.slots:

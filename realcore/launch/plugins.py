@@ -6,12 +6,12 @@ import importlib
 import os
 import sys
 
+import realcore.data  # noqa: F401  (registers built-in datasets and rewards)
+import realcore.mfc  # noqa: F401  (registers built-in MFCs)
+import realcore.workflows  # noqa: F401  (registers built-in rollout workflows and environments)
+
 
 def load_plugins(imports: list[str]) -> None:
-    import realcore.data  # noqa: F401  (registers built-in datasets and rewards)
-    import realcore.mfc  # noqa: F401  (registers built-in MFCs)
-    import realcore.workflows  # noqa: F401  (registers built-in rollout workflows and environments)
-
     # A user's module usually sits in the directory the run was started from.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())

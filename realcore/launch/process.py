@@ -5,10 +5,15 @@ from __future__ import annotations
 import atexit
 import ctypes
 import faulthandler
+import gc
 import os
 import signal
+import socket
 import sys
 import threading
+import time
+
+import psutil
 
 _PR_SET_NAME = 15
 _PR_SET_PDEATHSIG = 1
@@ -67,8 +72,6 @@ def run_and_exit(main) -> None:
     # the join of every non-daemon thread.
     threading._shutdown()
     atexit._run_exitfuncs()  # first, as Python does: exit_on_sigterm's handler then ignores a late SIGTERM
-    import gc
-
     gc.collect()
     if code is not None and not isinstance(code, int):  # as sys.exit("message") does
         print(code, file=sys.stderr)
@@ -93,7 +96,7 @@ def set_threads(n: int, *, torch_too: bool = True) -> None:
     os.environ["MKL_NUM_THREADS"] = str(n)
     if not torch_too:
         return
-    import torch
+    import torch  # only in a process that computes with torch (see torch_too)
 
     torch.set_num_threads(n)
     try:
@@ -138,9 +141,6 @@ def setup_worker_process(name: str, threads: int, *, ignore_sigterm: bool = Fals
 def start_heartbeat(path: str, interval_s: float) -> None:
     """Touch `path` every interval from a daemon thread: the launcher reads its age to tell a hung
     process (stopped, or wedged with every thread stuck) from a busy one."""
-    import threading
-    import time
-
     def beat() -> None:
         while True:
             try:
@@ -156,11 +156,7 @@ def start_heartbeat(path: str, interval_s: float) -> None:
 def node_address(host: str, interface: str | None = None) -> str:
     """The address this process binds and publishes: `interface`'s IPv4 address if given (e.g. the
     InfiniBand or cluster network), this node's resolvable address for host 'auto', else `host`."""
-    import socket
-
     if interface:
-        import psutil
-
         addrs = psutil.net_if_addrs()
         if interface not in addrs:
             raise ValueError(f"system.interface: no network interface {interface!r} here (have {sorted(addrs)})")

@@ -42,10 +42,14 @@ import time
 
 from realcore.api.alloc import AllocationMode
 from realcore.api.config import ExperimentConfig
+from realcore.launch.cluster import Follow, run_task
+from realcore.launch.config_loader import ConfigError
+from realcore.launch.local import tail
 from realcore.launch.placement import check_nccl, gpus_per_server
+from realcore.launch.process import PREEMPTED_EXIT
 from realcore.launch.supervise import (ROLLOUT_SIDE, STABLE_S, begin_attempt, count_quick_death, heartbeat_path, hung,
                                        record)
-from realcore.launch.process import PREEMPTED_EXIT
+from realcore.transport.name_resolve import make_name_resolver
 
 
 def worker_specs(cfg: ExperimentConfig, alloc: AllocationMode) -> list[tuple[str, str, int]]:
@@ -126,8 +130,6 @@ def task_env(env: dict) -> dict:
 def _run_worker(cfg: ExperimentConfig, argv: list[str], env: dict, log_path: str, name: str,
                 attempt: int) -> tuple[int, str]:
     """Inside a Ray task: run one realcore worker under the task runner; (exit code, why)."""
-    from realcore.launch.cluster import run_task
-
     if "CUDA_VISIBLE_DEVICES" in os.environ:  # Ray's choice of GPUs for this task reaches the worker (and its engine)
         env = {**env, "CUDA_VISIBLE_DEVICES": os.environ["CUDA_VISIBLE_DEVICES"]}
     try:
@@ -140,19 +142,15 @@ def _run_worker(cfg: ExperimentConfig, argv: list[str], env: dict, log_path: str
 def run_ray(cfg: ExperimentConfig, alloc: AllocationMode, config_path: str, secret_path: str, env: dict) -> int:
     """Exit codes like the local scheduler: 0 done, 1 a worker failed (recover_mode=auto: once the
     restarts are used up), 75 preempted (SIGTERM), 130 interrupted."""
-    import ray
+    import ray  # optional (pip install realcore[ray]); the launcher imports this module without it
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    from realcore.transport.name_resolve import make_name_resolver
 
     r = cfg.ray
     ray.init(address=r.address, namespace=f"realcore-{cfg.experiment_name}-{cfg.trial_name}",
              include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     gpus = cluster_gpus_per_worker(cfg, ray.cluster_resources())
     if cfg.ray.gpus_per_worker is None:
-        from realcore.launch.config_loader import ConfigError
-
         try:  # what the config alone could not tell: whether the cluster's workers are on GPUs
             check_ray_gpus(cfg, alloc, gpus)
         except ConfigError as e:
@@ -200,8 +198,6 @@ def run_ray(cfg: ExperimentConfig, alloc: AllocationMode, config_path: str, secr
 
 def _attempts(cfg: ExperimentConfig, kinds: dict, submit, resolver) -> int:
     """Whole-run starts: the first, then (recover_mode=auto) one per failure of the trainer."""
-    from realcore.launch.cluster import Follow
-
     signals: list[int] = []
     old = {s: signal.signal(s, lambda signum, frame: signals.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
     follow = Follow(os.path.join(cfg.output_dir, "logs", "master.out"))
@@ -221,8 +217,6 @@ def _attempts(cfg: ExperimentConfig, kinds: dict, submit, resolver) -> int:
             print(f"realcore: {why}; cancelling the Ray tasks", file=sys.stderr)
             log = os.path.join(cfg.output_dir, "logs", why.split()[0].replace("/", "-") + ".log")
             if os.path.exists(log):
-                from realcore.launch.local import tail
-
                 print(f"realcore: last lines of {log}:\n{tail(log)}", file=sys.stderr)
             _cancel(list(refs), wait_s=cfg.system.shutdown_timeout_s)
             if cfg.recover_mode != "auto" or restarts == cfg.recover_retries:
@@ -250,7 +244,7 @@ def _attempts(cfg: ExperimentConfig, kinds: dict, submit, resolver) -> int:
 def _watch(cfg: ExperimentConfig, refs: dict, submit, attempt: int, follow, signals: list[int]) -> tuple[int, str]:
     """Wait for one attempt's tasks, restarting rollout-side ones: (0, "") done, (130, "")
     interrupted, (1, why) the run failed. `refs` holds the live tasks (the caller cancels them)."""
-    import ray
+    import ray  # optional, as above
 
     started = {name: time.monotonic() for name in refs.values()}
     quick_deaths: dict[str, int] = {}
@@ -309,7 +303,7 @@ def _blame(cfg: ExperimentConfig, name: str, why: str, refs: dict, started: dict
     runner finds it hung (they lose it), so a trainer failure waits a little for a peer's runner to
     report a hang (its stack dump takes 2 s; one silent for half the heartbeat deadline gets the
     other half) and names that one instead, as the local supervisor does."""
-    import ray
+    import ray  # optional, as above
 
     trainer = ("master", "model_worker")
     if name.split("/")[0] not in trainer or why.startswith("hung"):
@@ -338,7 +332,7 @@ def _cancel(refs: list, grace_s: float = 0.0, wait_s: float = 0.0) -> None:
     every run its whole grace), and wait up to `grace_s` + 2 s for them. Then force-cancel what is
     left (its Ray worker is killed, and the worker with it: PDEATHSIG), and wait up to `wait_s`
     until Ray reports them ended (before a restart starts new ones)."""
-    import ray
+    import ray  # optional, as above
 
     if grace_s:
         for ref in refs:

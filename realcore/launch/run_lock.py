@@ -29,6 +29,7 @@ from typing import IO
 from realcore.api.config import ExperimentConfig
 from realcore.launch.config_loader import ConfigError
 from realcore.transport.durable import fsync_dir
+from realcore.launch.slurm import refuse_live_job
 
 READ_HOLDER_S = 1.0  # the holder writes its name right after taking the lock
 # What makes a folder another run's: a resume would continue from these, a fresh run would mix with them.
@@ -107,8 +108,6 @@ def claim_output(cfg: ExperimentConfig) -> None:
     or auto) or to start over (start_over=true: they move aside, see move_aside)."""
     out = cfg.output_dir
     if cfg.scheduler == "slurm":
-        from realcore.launch.slurm import refuse_live_job
-
         refuse_live_job(out)
     found = previous_records(out)
     if not found:

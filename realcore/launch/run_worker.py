@@ -6,6 +6,7 @@ The launcher (or a Slurm/Ray step) starts it with the run's resolved config file
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import sys
@@ -13,7 +14,15 @@ import sys
 from realcore.api.alloc import parse_allocation_mode
 from realcore.api.config import ExperimentConfig
 from realcore.backends.clients.registry import capabilities
-from realcore.launch.process import PREEMPTED_EXIT, run_and_exit, setup_worker_process, start_heartbeat
+from realcore.backends.server_launch import server_token
+from realcore.launch.engine_server import serve_engine
+from realcore.launch.plugins import load_plugins
+from realcore.launch.process import PREEMPTED_EXIT, node_address, run_and_exit, setup_worker_process, start_heartbeat
+from realcore.rollout.gserver_manager import GServerManager
+from realcore.trainer.master import Master, Preempted, write_curves
+from realcore.transport import addresses, wire
+from realcore.transport.name_resolve import make_name_resolver, use_secret
+from realcore.transport.wire import load_secret
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,8 +43,6 @@ def main(argv: list[str] | None = None) -> int:
         args.index = int(os.environ[args.index_from])
     with open(args.config) as f:
         cfg = ExperimentConfig.model_validate_json(f.read())
-    from realcore.launch.process import node_address
-
     # Bind and publish this node's address (several nodes under Slurm; loopback by default).
     cfg.system.host = node_address(cfg.system.host, cfg.system.interface)
     name = args.type if args.type in ("master", "gserver_manager") else f"{args.type}/{args.index}"
@@ -50,23 +57,14 @@ def main(argv: list[str] | None = None) -> int:
     if "SLURMD_NODENAME" in os.environ:
         logging.info("on node %s (job %s), address %s", os.environ["SLURMD_NODENAME"], os.environ.get("SLURM_JOB_ID"), cfg.system.host)
 
-    from realcore.launch.plugins import load_plugins
-    from realcore.transport.wire import load_secret
-
     load_plugins(cfg.imports)
     secret = load_secret(args.secret_file)
-    from realcore.transport.name_resolve import use_secret
-
     use_secret(secret)  # every resolver of this process signs and checks its entries with it
     # Every generation server requires a bearer token, on loopback too (any local user can reach a
     # loopback port): rollout.server_token, or one derived from the run's secret, which every process
     # of the run (the launcher included, for SGLang/vLLM) and nobody else can read.
-    from realcore.backends.server_launch import server_token
-
     cfg.rollout.server_token = server_token(secret, cfg.rollout.server_token)
     if args.type == "master":
-        from realcore.trainer.master import Master, Preempted, write_curves
-
         master = Master(cfg, secret, args.world)
         try:
             master.run()
@@ -83,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args, cfg: ExperimentConfig, secret: bytes) -> int:
     if args.type == "model_worker":
-        from realcore.trainer.model_worker import ModelWorker
+        from realcore.trainer.model_worker import ModelWorker  # torch: the master and the manager start without it
 
         worker = ModelWorker(cfg, args.index, args.world, secret)
         try:
@@ -91,13 +89,9 @@ def run(args, cfg: ExperimentConfig, secret: bytes) -> int:
         finally:
             worker.close()
     elif args.type == "gen_server" and not capabilities(parse_allocation_mode(cfg.allocation_mode).backend).own_worker:
-        from realcore.launch.engine_server import serve_engine  # SGLang/vLLM under Slurm or Ray
-
-        return serve_engine(cfg, args.index)
+        return serve_engine(cfg, args.index)  # SGLang/vLLM under Slurm or Ray
     elif args.type == "gen_server":
-        from realcore.backends.genserver.http import run_server
-        from realcore.transport import addresses, wire
-        from realcore.transport.name_resolve import make_name_resolver
+        from realcore.backends.genserver.http import run_server  # torch and aiohttp, only in a server process
 
         resolver = make_name_resolver(cfg.system.name_resolve)
         run_server(cfg.model.path, host=cfg.system.host, port=0, seed=cfg.seed + 1000 * args.index,
@@ -107,17 +101,13 @@ def run(args, cfg: ExperimentConfig, secret: bytes) -> int:
                    connect_timeout_s=cfg.system.weight_group_connect_timeout_s,
                    on_ready=lambda addrs: addresses.publish_gen_server(resolver, cfg, args.index, addresses.GenServerAddress(**addrs)))
     elif args.type == "gserver_manager":
-        from realcore.rollout.gserver_manager import GServerManager
-
         manager = GServerManager(cfg, secret, args.n_servers, args.attempt)
         try:
             manager.run()
         finally:
             manager.close()
     elif args.type == "rollout_worker":
-        import asyncio
-
-        from realcore.rollout.rollout_worker import RolloutWorker
+        from realcore.rollout.rollout_worker import RolloutWorker  # torch: the master and the manager start without it
 
         asyncio.run(RolloutWorker(cfg, args.index, secret).main())
     return 0

@@ -56,6 +56,7 @@ from realcore.launch.config_loader import ConfigError
 from realcore.launch.placement import gpus_per_server
 from realcore.launch.supervise import record
 from realcore.launch.process import PREEMPTED_EXIT
+from realcore.launch.local import tail
 
 ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD",
           "RESIZING", "SIGNALING", "STAGE_OUT")
@@ -443,8 +444,6 @@ def follow_job(cfg: ExperimentConfig, job_id: str, attempt: int, follow: Follow,
     print(f"realcore: {who or 'a worker died'}; Slurm job {job_id} ended {state} and was cancelled", file=sys.stderr)
     log = _worker_log(cfg.output_dir, who)
     if log:
-        from realcore.launch.local import tail
-
         print(f"realcore: last lines of {log}:\n{tail(log)}", file=sys.stderr)
     return 1, who or f"job {job_id} ended {state}"
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -50,8 +51,6 @@ def record(output_dir: str, attempt: int, who: str, why: str, action: str) -> No
 
 def begin_attempt(cfg: ExperimentConfig, resolver) -> None:
     """A whole-run start: no address, heartbeat or manager journal of an earlier attempt may be used."""
-    import shutil
-
     resolver.clear(keys.scope(cfg))
     for folder in (".heartbeat", ".manager"):
         shutil.rmtree(os.path.join(cfg.output_dir, folder), ignore_errors=True)

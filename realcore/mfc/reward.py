@@ -26,7 +26,7 @@ class Reward:
         self.runner: RewardRunner | None = None  # started on first use: only replica heads score
 
     def run(self, model, batch: SequenceSample):
-        import torch
+        import torch  # MFCs register in the master too, which starts without torch
 
         if self.runner is None:
             self.runner = reward_runner_for(self.cfg)

@@ -42,7 +42,7 @@ class PPOUpdate:
         self.max_tokens_per_mb = mfc.max_tokens_per_mb  # None: the role's budget
 
     def loss_fn(self, logprobs, entropy, data):
-        from realcore.mfc.ppo_functional import kl_loss, ppo_actor_loss
+        from realcore.mfc.ppo_functional import kl_loss, ppo_actor_loss  # torch: MFCs register in the master too
 
         mask = data["loss_mask"].float()
         decoupled = self.ppo.use_decoupled_loss
@@ -65,7 +65,7 @@ class PPOUpdate:
         return loss, stats
 
     def run(self, model, batch: SequenceSample):
-        import torch
+        import torch  # as in loss_fn: the master registers this MFC without torch
 
         from realcore.mfc.ppo_functional import group_advantages
 
@@ -102,7 +102,7 @@ class SFTUpdate:
 
     @staticmethod
     def loss_fn(logprobs, entropy, data):
-        from realcore.mfc.ppo_functional import sft_loss
+        from realcore.mfc.ppo_functional import sft_loss  # torch, as above
 
         loss, stats = sft_loss(logprobs, data["loss_mask"].float())
         stats = {f"sft/{k}": v for k, v in stats.items()}

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 from torch import Tensor
 
 from realcore.backends.device import group_device
@@ -25,8 +26,6 @@ class LazyHFState(Mapping):
     so a rank loads only what its shard needs."""
 
     def __init__(self, path: str):
-        from safetensors import safe_open
-
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.exists(index):
             with open(index) as f:

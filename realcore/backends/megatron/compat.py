@@ -13,6 +13,9 @@ CPU needs.
 
 from __future__ import annotations
 
+from megatron.core.transformer import torch_norm
+from megatron.core.transformer.moe import moe_utils
+
 _applied = False
 
 
@@ -27,15 +30,11 @@ def apply_compat() -> None:
 
 
 def _define_te_general_gemm() -> None:
-    from megatron.core.transformer.moe import moe_utils
-
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
 
 
 def _allow_sequence_parallel_torch_norm() -> None:
-    from megatron.core.transformer import torch_norm
-
     original_new = torch_norm.WrappedTorchNorm.__new__
 
     def __new__(cls, config, hidden_size, eps=1e-5, **kwargs):

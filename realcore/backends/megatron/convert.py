@@ -101,7 +101,8 @@ def validate(hf_config, *, tp: int, pp: int) -> None:
 
 def mcore_config_from_hf(hf_config, **overrides):
     """A megatron `TransformerConfig` matching an HF Llama/Qwen2 config (CPU initialisation)."""
-    from megatron.core.transformer import TransformerConfig  # heavy import, only when asked
+    # megatron on use: the launcher checks layouts with this module (via parallel.py) without it
+    from megatron.core.transformer import TransformerConfig
 
     validate(hf_config, tp=1, pp=1)
     nh, nkv, hd = _dims(hf_config)
@@ -147,9 +148,9 @@ def layer_spec(hf_config, *, transformer_engine: bool = False):
     same parameter names for these models. The local spec's norms are torch's RMSNorm
     (`normalization`): without it megatron-core picks apex's FusedLayerNorm where apex is installed
     (GPU images), which asserts on RMSNorm."""
-    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.models.gpt import gpt_layer_specs  # megatron on use, as above
 
-    from realcore.backends.megatron.varlen_attention import VarlenDotProductAttention
+    from realcore.backends.megatron.varlen_attention import VarlenDotProductAttention  # imports megatron
 
     if transformer_engine:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
@@ -164,6 +165,7 @@ def block_spec(spec, config, vp_stage: int | None):
     """The decoder of one model chunk: `spec`'s layers (as many as this pipeline stage builds) and
     a final norm of the layers' own norm class. Given a layer spec alone, megatron-core picks the
     final norm itself (TransformerEngine's, else apex's FusedLayerNorm, which asserts on RMSNorm)."""
+    # megatron on use, as above
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage),

@@ -19,6 +19,8 @@ import contextlib
 import types
 
 import torch
+from megatron.core.tensor_parallel import random as mrandom
+from megatron.core.transformer.moe import moe_utils, token_dispatcher
 from torch.overrides import TorchFunctionMode
 
 from realcore.backends.megatron.compat import apply_compat
@@ -142,8 +144,6 @@ def _shim_cuda_moves():
 
 def _patch_megatron_rng():
     # The RNG tracker reads CUDA default generators directly; use the CPU generator instead.
-    from megatron.core.tensor_parallel import random as mrandom
-
     mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: (
         torch.get_rng_state()
     )
@@ -153,8 +153,6 @@ def _patch_megatron_rng():
 
 
 def _patch_megatron_moe():
-    from megatron.core.transformer.moe import moe_utils, token_dispatcher
-
     # The alltoall dispatcher expects numpy split sizes, but only converts CUDA tensors.
     def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
         if torch.is_tensor(tensor) and as_numpy:

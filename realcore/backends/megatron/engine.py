@@ -26,6 +26,13 @@ import shutil
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.models.gpt import GPTModel
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from safetensors.torch import save_file
+from transformers import AutoConfig
 
 from realcore.api.alloc import ParallelDims
 from realcore.api.config import RoleConfig
@@ -34,12 +41,16 @@ from realcore.backends.batching import (cu_seqlens, lr_factor, reduce_weighted, 
                                         token_logprobs, train_batch)
 from realcore.backends.device import compute_device, group_device, to_device
 from realcore.backends.logprobs import logprobs_and_entropy
+from realcore.backends.megatron import recover_state
 from realcore.backends.megatron.checkpoint import LazyHFState, gather_hf, load_shard
 from realcore.backends.megatron.compat import apply_compat
+from realcore.backends.megatron.context_parallel import GatherRow, unpad, zigzag_layout
+from realcore.backends.megatron.convert import block_spec, layer_spec, mcore_config_from_hf, rope_base, to_te_names
 from realcore.backends.megatron.cpu_compat import apply_cpu_compat, cuda_to_cpu_mode
 from realcore.backends.megatron.parallel import check_megatron_config, init_parallel_state, sequence_parallel
 from realcore.backends.megatron.varlen_attention import packed_seq_params
 from realcore.backends.precision import compute_dtype
+from realcore.backends.torch_engine import _load_tokenizer
 from realcore.transport.durable import replace_dir
 
 
@@ -48,11 +59,6 @@ class MegatronEngine(Engine):
 
     def __init__(self, model_path: str, role: RoleConfig, dims: ParallelDims, *, total_steps: int, seed: int = 0,
                  role_name: str = "actor"):
-        from megatron.core import parallel_state as ps
-        from transformers import AutoConfig
-
-        from realcore.backends.torch_engine import _load_tokenizer
-
         apply_compat()  # on every device
         apply_cpu_compat()  # no-op with CUDA
         self.role, self.dims, self.version, self.total_steps = role, dims, 0, total_steps
@@ -88,8 +94,6 @@ class MegatronEngine(Engine):
     # ---- construction ----
 
     def _transformer_config(self):
-        from realcore.backends.megatron.convert import mcore_config_from_hf
-
         d, m = self.dims, self.mcfg
         recompute = {}
         if self.role.gradient_checkpointing and self.role.trainable:
@@ -109,11 +113,6 @@ class MegatronEngine(Engine):
         )
 
     def _build_chunk(self, v: int, hf_state: LazyHFState):
-        from megatron.core import parallel_state as ps
-        from megatron.core.models.gpt import GPTModel
-
-        from realcore.backends.megatron.convert import block_spec, layer_spec, rope_base, to_te_names
-
         vp = v if self.vpp > 1 else None
         spec = layer_spec(self.hf_config, transformer_engine=self.dims.cp > 1)
         if self.dims.cp == 1:  # the local spec's final norm is of the layers' class (convert.block_spec)
@@ -142,9 +141,6 @@ class MegatronEngine(Engine):
         return v * self.dims.pp + self.pp_rank
 
     def _init_training(self) -> None:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
         opt = self.role.optimizer
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=self.mcfg.distributed_optimizer,
@@ -189,8 +185,6 @@ class MegatronEngine(Engine):
         the interleaved schedule needs a multiple of the PP size."""
         n = len(batches)
         if self.dims.ep > 1:
-            from megatron.core import parallel_state as ps
-
             t = torch.tensor([n], dtype=torch.int64, device=self.comm_device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group(with_context_parallel=True))
             n = int(t)
@@ -201,8 +195,6 @@ class MegatronEngine(Engine):
 
     def _run(self, batches: list[dict], seq_len: int, loss_func_for, forward_only: bool) -> list[dict]:
         """Megatron's schedule over packed micro-batches; returns the last stage's loss dicts."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
         device = self.device
 
         def forward_step(data_iterator, model):
@@ -234,10 +226,6 @@ class MegatronEngine(Engine):
 
     def _forward_cp(self, model, mb: dict, seq_len: int, loss_func_for):
         """Forward one micro-batch split over the CP ranks (see context_parallel.py; GPU only)."""
-        from megatron.core import parallel_state as ps
-
-        from realcore.backends.megatron.context_parallel import GatherRow, unpad, zigzag_layout
-
         cp, device = self.dims.cp, self.device
         real = list(mb["lens"])
         c = 2 * cp
@@ -289,8 +277,6 @@ class MegatronEngine(Engine):
 
     def logprobs(self, input_ids: list[torch.Tensor], temperature: float = 1.0, *,
                  max_tokens_per_mb: int | None = None) -> list[torch.Tensor]:
-        from megatron.core import parallel_state as ps
-
         lens = [int(x.numel()) for x in input_ids]
         mbs, seq_len = self._micro_batches(input_ids, max_tokens_per_mb or self.role.max_tokens_per_mb)
         batches = [{"ids": torch.cat([input_ids[i] for i in mb]).long(), "lens": [lens[i] for i in mb]} for mb in mbs]
@@ -330,9 +316,6 @@ class MegatronEngine(Engine):
         """Gradients of the global token-mean loss in the DDP grad buffers (no optimizer step).
         `max_tokens_per_mb`: this call's micro-batch token budget (None: the role's); `group_sizes`:
         keep each group's sequences in one micro-batch."""
-        from megatron.core import parallel_state as ps
-        from megatron.core.distributed import finalize_model_grads
-
         for c in self.chunks:
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -404,8 +387,6 @@ class MegatronEngine(Engine):
     # ---- weights out ----
 
     def _local_shards(self, grads: bool = False) -> dict[int, dict[str, torch.Tensor]]:
-        from realcore.backends.megatron.convert import to_te_names
-
         out = {}
         for v, c in enumerate(self.chunks):
             module = c.module if hasattr(c, "module") else c
@@ -428,8 +409,6 @@ class MegatronEngine(Engine):
     def save_hf(self, path: str, *, merged: bool = True) -> None:
         """Collective; global rank 0 writes an HF directory atomically (tmp dir + rename).
         `merged` is LoRA's (Engine.save_hf): megatron has none."""
-        from safetensors.torch import save_file
-
         state = self.hf_state_dict()
         if state is None:
             return
@@ -461,8 +440,6 @@ class MegatronEngine(Engine):
     def save_state(self, path: str) -> None:
         """Everything this trainable role needs to continue exactly, written under `path`. Collective: every rank
         of the role's mesh calls it."""
-        from realcore.backends.megatron import recover_state
-
         if self.optimizer is None:
             raise ValueError("save_state: this model role is not trainable (role.trainable is False)")
         recover_state.save(path, self.chunks, self.optimizer, version=self.version, mesh=self._mesh_record())
@@ -470,8 +447,6 @@ class MegatronEngine(Engine):
     def load_state(self, path: str) -> None:
         """Restore what save_state wrote (called on freshly built engines of the same HF model and mesh, before
         any training step). Collective."""
-        from realcore.backends.megatron import recover_state
-
         if self.optimizer is None:
             raise ValueError("load_state: this model role is not trainable (role.trainable is False)")
         self.version = recover_state.load(path, self.chunks, self.optimizer, mesh=self._mesh_record())
@@ -481,6 +456,4 @@ class MegatronEngine(Engine):
 
 
 def _ep_rank() -> int:
-    from megatron.core import parallel_state as ps
-
     return ps.get_expert_model_parallel_rank()

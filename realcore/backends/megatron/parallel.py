@@ -10,7 +10,7 @@ import torch
 
 from realcore.api.alloc import ParallelDims
 from realcore.api.config import MegatronConfig
-from realcore.backends.megatron.convert import num_experts
+from realcore.backends.megatron.convert import num_experts, validate
 
 
 def sequence_parallel(mcfg: MegatronConfig, dims: ParallelDims) -> bool:
@@ -20,8 +20,6 @@ def sequence_parallel(mcfg: MegatronConfig, dims: ParallelDims) -> bool:
 def check_megatron_config(role: str, mcfg: MegatronConfig, dims: ParallelDims, hf_config, *,
                           cuda: bool | None = None) -> None:
     """Raise ValueError (one line, naming the setting) for layouts Megatron gets wrong or refuses."""
-    from realcore.backends.megatron.convert import validate
-
     cuda = torch.cuda.is_available() if cuda is None else cuda
     where = f"{role}.megatron"
     if dims.cp > 1 and not cuda:
@@ -29,7 +27,7 @@ def check_megatron_config(role: str, mcfg: MegatronConfig, dims: ParallelDims, h
                          "GPUs; this machine has no CUDA: use c1")
     if dims.cp > 1:
         try:
-            import transformer_engine  # noqa: F401
+            import transformer_engine  # noqa: F401  (optional: only asked whether it is installed)
         except ImportError:
             raise ValueError(f"allocation_mode: context parallel (c{dims.cp}) needs TransformerEngine; "
                              "it is not installed") from None
@@ -68,7 +66,7 @@ def check_megatron_config(role: str, mcfg: MegatronConfig, dims: ParallelDims, h
 def init_parallel_state(dims: ParallelDims, mcfg: MegatronConfig, seed: int) -> None:
     """Megatron's process groups over the already-initialised default group (idempotent for the
     same sizes: every role of a run shares one mesh)."""
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import parallel_state, tensor_parallel  # the launcher imports this module without megatron
 
     if parallel_state.model_parallel_is_initialized():
         have = (parallel_state.get_tensor_model_parallel_world_size(),

@@ -18,11 +18,20 @@ onto another mesh, and recovery must be exact. Another mesh is one ValueError na
 
 from __future__ import annotations
 
+import ctypes
 import json
+import multiprocessing
 import os
+import signal
+from multiprocessing.managers import SyncManager
 
 import torch
 import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing import ShardedObject
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.optimizer import distrib_optimizer
+from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 from realcore.backends.megatron.cpu_compat import cuda_to_cpu_mode
 
@@ -33,9 +42,6 @@ _METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 def _die_with_parent() -> None:
     """In the results queue's manager process: the kernel kills it when its model worker dies."""
-    import ctypes
-    import signal
-
     ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
@@ -45,11 +51,6 @@ def _results_queue():
     worker would leave it behind forever. Ours dies with its worker. It is forked where there is
     no CUDA: spawning it imports torch again (seconds per rank), and forking is only unsafe once
     CUDA is initialised."""
-    import multiprocessing
-    from multiprocessing.managers import SyncManager
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
     if filesystem_async._results_queue is None:
         manager = SyncManager(ctx=multiprocessing.get_context("spawn" if torch.cuda.is_available() else "fork"))
         manager.start(initializer=_die_with_parent)
@@ -59,9 +60,6 @@ def _results_queue():
 
 def save(path: str, chunks: list, optimizer, *, version: int, mesh: dict) -> None:
     """Collective over the mesh: write the recover state of `chunks` (DDP-wrapped) and `optimizer`."""
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
     filesystem_async._get_write_results_queue = _results_queue
     ckpt = os.path.join(path, "dist_ckpt")
     if dist.get_rank() == 0:
@@ -78,8 +76,6 @@ def save(path: str, chunks: list, optimizer, *, version: int, mesh: dict) -> Non
 def load(path: str, chunks: list, optimizer, *, mesh: dict) -> int:
     """Collective over the mesh: restore what `save` wrote into fresh `chunks` and `optimizer`;
     returns the saved version."""
-    from megatron.core import dist_checkpointing
-
     meta = _read_meta(path, mesh)
     _init_torch_adam_state(optimizer)
     # no_grad: with fp32 weights the distributed optimizer's main params are views of the model's.
@@ -96,8 +92,6 @@ def load(path: str, chunks: list, optimizer, *, mesh: dict) -> int:
 
 def _torch_adam_optimizers(optimizer) -> list:
     """The distributed optimizers of `optimizer` that run torch's Adam (no Apex/TE, as always on CPU)."""
-    from megatron.core.optimizer import distrib_optimizer
-
     if distrib_optimizer.HAVE_APEX_OR_TE:
         return []
     return [opt for opt in getattr(optimizer, "chained_optimizers", [optimizer])
@@ -143,8 +137,6 @@ def _describe(mesh: dict) -> str:
 
 def _sharded_state(chunks: list, optimizer, rng: dict, *, is_loading: bool) -> dict:
     """The sharded state dict Megatron-LM builds (`generate_state_dict`), plus this rank's RNG."""
-    from megatron.core.dist_checkpointing import ShardedObject
-
     # The GPT models inside the DDP wrappers: their parameters are the ones the optimizer holds.
     state = {f"model{v}": c.module.sharded_state_dict(metadata=_METADATA) for v, c in enumerate(chunks)}
     state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=_METADATA)
@@ -153,8 +145,6 @@ def _sharded_state(chunks: list, optimizer, rng: dict, *, is_loading: bool) -> d
 
 
 def _rng_state() -> dict:
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
     state = {"cpu": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -164,8 +154,6 @@ def _rng_state() -> dict:
 def _set_rng_state(state: dict) -> None:
     """Restore _rng_state's (generator states are CPU byte tensors, wherever a load put them). The
     CUDA generator's is restored on a GPU only (a CPU run's checkpoint has none)."""
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
     torch.set_rng_state(state["cpu"].cpu())
     get_cuda_rng_tracker().set_states({name: t.cpu() for name, t in state["tracker"].items()})
     if "cuda" in state and torch.cuda.is_available():

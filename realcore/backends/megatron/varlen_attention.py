@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import torch
 from megatron.core import tensor_parallel
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+from realcore.backends.device import to_device
 from realcore.backends.varlen_attention import packed_causal_attention
 
 
@@ -43,10 +45,6 @@ class VarlenDotProductAttention(DotProductAttention):
 
 def packed_seq_params(lens: list[int], padded: list[int], device):
     """THD params of one packed row: true and padded sequence lengths (equal without context parallel)."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    from realcore.backends.device import to_device
-
     # Built on the host, copied without blocking: no host sync per micro-batch.
     cu = to_device(torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32), torch.device(device))
     cu_padded = to_device(torch.tensor([0] + padded, dtype=torch.int32).cumsum(0, dtype=torch.int32),
