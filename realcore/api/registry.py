@@ -7,9 +7,12 @@ the graph is built after those imports, so YAML can name them.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any, Callable
 
 from realcore.api.generation import Availability, Capabilities, EngineEntry, ServerCommand
+from realcore.api.workflow import TRAJECTORY_KEYS
 
 _REGISTRIES: dict[str, dict[str, Any]] = {"mfc": {}, "reward": {}, "dataset": {}, "workflow": {}, "env": {},
                                           "engine": {}}
@@ -78,8 +81,6 @@ def register_workflow(name: str, keys: tuple[str, ...] | None = None) -> Callabl
     """Decorator of a rollout workflow: an async function `fn(engine, data, **kwargs)` or a class
     with `async arun_episode(self, engine, data)` (see realcore.api.workflow). `keys`: what its
     trajectories carry; None: `TRAJECTORY_KEYS`. Extra keys must be per token or per sequence."""
-    from realcore.api.workflow import TRAJECTORY_KEYS
-
     declared = tuple(keys) if keys is not None else TRAJECTORY_KEYS
     missing = [k for k in TRAJECTORY_KEYS if k not in declared]
     if missing or len(set(declared)) != len(declared):
@@ -99,9 +100,6 @@ def workflow_keys(name: str) -> tuple[str, ...]:
 
 def make_workflow(name: str, kwargs: dict[str, Any]) -> Callable:
     """The registered workflow as `async episode(engine, data)`."""
-    import functools
-    import inspect
-
     obj = lookup("workflow", name)
     if inspect.isclass(obj):
         return obj(**kwargs).arun_episode
