@@ -172,7 +172,7 @@ class RoutedClient:
                     raise
                 log.warning("rollout %d: %s (%s); asking for another server", self.seq, self.server, e)
                 self.server = await w.reroute(self.seq, self.server, error=" ".join(str(e).split())[:500])
-        if reply.finish_reason == "abort" and not w.caps.reports_versions:
+        if reply.finish_reason == "abort" and not capabilities(w.engine).reports_versions:
             await w.ask_version(self.server)  # a weight update interrupted it: learn the new version before it resumes
         version = version_number(reply.weight_version)
         # A reply without tokens (a request still queued when an update aborted everything)
@@ -221,7 +221,6 @@ class RolloutWorker:
         self.streams = [addresses.read_model_worker(resolver, cfg, mesh.dp_head(d), timeout_s=timeout).stream
                         for d in range(mesh.dp)]
         self.engine = alloc.backend
-        self.caps = capabilities(self.engine)
         self.clients: dict = {}
         # vLLM: one AskServerVersion at a time per server, and when the last answered one was sent.
         self.asking: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
@@ -245,7 +244,7 @@ class RolloutWorker:
     def learn_version(self, server: str, version: int) -> None:
         """The manager says `server` holds `version`: a vLLM client stamps the replies to requests
         sent from now with it (vLLM reports no version; SGLang and the built-in server do)."""
-        if not self.caps.reports_versions:
+        if not capabilities(self.engine).reports_versions:
             self.client(server).assume_version(version)
 
     async def ask_version(self, server: str) -> None:
