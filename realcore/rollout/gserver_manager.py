@@ -1,4 +1,4 @@
-"""The generation-server manager: admits rollouts under the staleness bound (staleness.py), routes
+"""The generation-server manager: admits rollouts under the staleness bound (admission.py), routes
 them to healthy servers, and moves every server onto each new policy version with interruption.
 
 Rollout workers ask ALLOCATE before a rollout (the grant names the prompt, by seq, and the server)
