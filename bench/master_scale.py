@@ -269,7 +269,7 @@ def run_one(n: int, steps: int, n_procs: int, relay_group: int, fanout: int = 8)
     from realcore.launch.config_loader import load_config
     from realcore.transport import wire
     from realcore.transport import keys as rc_keys
-    from realcore.trainer.batch_source import source_keys
+    from realcore.api.registry import source_keys
     from realcore.trainer.master import Master
     from realcore.trainer.metrics import MetricsWriter
 

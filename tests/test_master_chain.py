@@ -7,7 +7,7 @@ the real wire."""
 from realcore.api.alloc import parse_allocation_mode
 from realcore.dfg.graph import build_graph
 from realcore.launch.config_loader import load_config
-from realcore.trainer.batch_source import source_keys
+from realcore.api.registry import source_keys
 from realcore.trainer.buffer import SampleBuffer, split_balanced
 from realcore.trainer.master import Master
 from realcore.launch.plugins import load_plugins

@@ -140,3 +140,9 @@ def register_engine(name: str, *, command: ServerCommand | None = None,
         return cls
 
     return deco
+
+
+def source_keys(cfg: Any) -> tuple[str, ...]:
+    """What feeds the graph: the dataset (sync) or the rollout workers' trajectory stream (async:
+    the keys the rollout workflow declares)."""
+    return workflow_keys(cfg.rollout.workflow) if cfg.mode == "async" else dataset_keys(cfg.dataset)

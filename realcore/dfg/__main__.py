@@ -7,7 +7,7 @@ import sys
 from realcore.dfg.draw import draw
 from realcore.dfg.graph import GraphError, build_graph
 from realcore.launch.config_loader import ConfigError, import_user_modules, load_config
-from realcore.trainer.batch_source import source_keys
+from realcore.api.registry import source_keys
 
 
 def main(argv: list[str]) -> int:

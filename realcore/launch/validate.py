@@ -19,7 +19,7 @@ from realcore.launch.config_loader import ConfigError, import_user_modules
 from realcore.launch.placement import Plan, check_nccl, node_gpus, plan_local
 from realcore.launch.ray_scheduler import check_ray_gpus, worker_specs
 from realcore.launch.slurm import resolve_gpus_per_node, steps
-from realcore.trainer.batch_source import source_keys
+from realcore.api.registry import source_keys
 
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,127}")
 

@@ -13,16 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from realcore.api.config import ExperimentConfig
-from realcore.api.registry import dataset_keys, workflow_keys
 from realcore.trainer.buffer import SampleBuffer
 from realcore.transport.protocol import Fetch, Fetched, Resolve
-
-
-def source_keys(cfg: ExperimentConfig) -> tuple[str, ...]:
-    """What feeds the graph: the dataset (sync) or the rollout workers' trajectory stream (async:
-    the keys the rollout workflow declares)."""
-    return workflow_keys(cfg.rollout.workflow) if cfg.mode == "async" else dataset_keys(cfg.dataset)
 
 
 # One Fetch per run of heads (worker indices; `sizes[k]` samples from the k-th), each head dropping

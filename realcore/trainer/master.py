@@ -29,7 +29,8 @@ from realcore.dfg.graph import DataFlowGraph, MFCNode, build_graph
 from realcore.plot import plot_run
 from realcore.transport import addresses, drops, keys, wire
 from realcore.trainer import recover
-from realcore.trainer.batch_source import DatasetSource, Group, SourcePorts, StreamSource, source_keys
+from realcore.api.registry import source_keys
+from realcore.trainer.batch_source import DatasetSource, Group, SourcePorts, StreamSource
 from realcore.trainer.buffer import SampleBuffer, split_balanced
 from realcore.transport.columns import merged_stats
 from realcore.transport.pool import Columns, Gathered, WorkerPool

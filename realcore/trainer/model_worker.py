@@ -32,7 +32,7 @@ from realcore.backends.clients.registry import client_for
 from realcore.backends.models import load_tokenizer
 from realcore.dfg.graph import build_graph
 from realcore.transport import addresses, drops, wire
-from realcore.trainer.batch_source import source_keys
+from realcore.api.registry import source_keys
 from realcore.transport.control import ControlServer
 from realcore.transport.data_plane import DataClient, DataServer, Storage
 from realcore.transport.name_resolve import make_name_resolver
