@@ -141,7 +141,7 @@ def test_gradient_checkpointing_needs_a_trainable_role():
 def test_registries_are_the_documented_extension_points():
     from realcore.api import registry
 
-    assert sorted(registry._REGISTRIES) == ["dataset", "engine", "env", "mfc", "reward", "workflow"]  # engine: a generation engine from a user file (issue 43)
+    assert sorted(registry._REGISTRIES) == ["dataset", "engine", "env", "mfc", "reward", "workflow"]  # engine: generation engines, from a user file too
     assert not hasattr(registry, "register_agent")  # agents are workflows
 
 
