@@ -18,6 +18,7 @@ import itertools
 from typing import Any, Awaitable, Callable
 
 from realcore.api.workflow import Completion, RolloutEngine
+from realcore.backends.clients.sglang_api import generate_resumable, sampling_params
 
 # async (prompt, completion, prompt_ids, completion_ids, data) -> float
 RewardFn = Callable[[str, str, list[int], list[int], dict], Awaitable[float]]
@@ -48,8 +49,6 @@ class _Engine(RolloutEngine):
         self.n_completions = self.n_length = 0  # for gen/no_eos_frac
 
     def _params(self, max_new_tokens, temperature, greedy) -> dict:
-        from realcore.backends.clients.sglang_api import sampling_params  # why: aiohttp out of the master
-
         p = sampling_params(self.gconfig)  # the call's own settings override the run's
         if max_new_tokens is not None:
             p["max_new_tokens"] = int(max_new_tokens)
@@ -86,8 +85,6 @@ class ServerEngine(_Engine):
         self._n = itertools.count()
 
     async def _generate(self, input_ids, params):
-        from realcore.backends.clients.sglang_api import generate_resumable  # why: as in _params
-
         t = await generate_resumable(self.client, input_ids, params, rid=f"{self.rid}.g{next(self._n)}")
         return t.output_ids, t.output_logprobs, t.output_versions, t.finish_reason
 
