@@ -23,10 +23,10 @@ from realcore.api.registry import dataset_keys, lookup, workflow_keys
 from realcore.backends.fsdp_engine import FSDPEngine
 from realcore.backends.torch_engine import TorchEngine
 from realcore.backends.clients.server_generation import ServerGeneration
-from realcore.backends.device import select_device
-from realcore.transport.rendezvous import init_mesh
+from realcore.backends import device
+from realcore.transport import rendezvous
 from realcore.trainer.evaluation import Evaluator
-from realcore.backends.clients.sglang_api import push_weights
+from realcore.backends.clients import sglang_api
 from realcore.backends import lora
 from realcore.backends.clients.registry import client_for
 from realcore.backends.models import load_tokenizer
@@ -142,9 +142,9 @@ class ModelWorker:
 
     def _init_process_group(self) -> None:
         """This rank's device first (its GPU becomes the current one), then the mesh's group on it."""
-        self.device = select_device()
+        self.device = device.select_device()
         log.info("model worker %d computes on %s", self.index, self.device)
-        init_mesh(self.cfg, self.resolver, self.index, self.world, self.device)
+        rendezvous.init_mesh(self.cfg, self.resolver, self.index, self.world, self.device)
 
     def fetch(self, msg: Fetch) -> Fetched:
         """Samples for the master's ids: the next of this dataset shard (sync), or up to `n`
@@ -283,7 +283,7 @@ class ModelWorker:
                     # Not paused: the server decodes while the tensors travel, then ends its running
                     # requests (rollout workers resubmit them) and swaps in one step; or, in flight,
                     # swaps under them and ends only those too stale to be trained.
-                    push_weights(address, self.control.secret, str(msg.version), state, self.cfg.system.request_timeout_s,
+                    sglang_api.push_weights(address, self.control.secret, str(msg.version), state, self.cfg.system.request_timeout_s,
                                  limits=wire.Limits.of(self.cfg.system), lora=adapter,
                                  **update_mode(self.cfg, msg.version))
                 except (ConnectionError, TimeoutError) as e:
