@@ -106,6 +106,10 @@ class RoleConfig(StrictModel):
         "weights and Adam state. Log-probs are taken in float32 from the bf16 logits. Refused on a CPU without bf16 "
         "instructions (avx512_bf16 or amx_bf16)")
     megatron: MegatronConfig = Field(default_factory=MegatronConfig, description="read by backend=megatron only")
+    head: Literal["policy", "value", "score"] = Field(
+        "policy", description="what the model outputs. policy: per-token log-probs (the language model head); value: "
+        "one value per token (a critic: the LM head replaced by a fresh linear layer to 1 output); score: one scalar "
+        "per sequence, the value head at its last token (a reward model)")
     trainable: bool = Field(False, description="has an optimizer: MFCs that train (ppo_update, sft_update) need it")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="used when trainable")
     max_tokens_per_mb: int = Field(

@@ -8,15 +8,37 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import torch
 
-# loss_fn(logprobs, entropy, data) -> (loss, stats)
-#   logprobs, entropy: (n_tokens,) for the packed micro-batch, aligned with data["input_ids"]
-#   data: every per-token key of the micro-batch, packed (concatenated) into (n_tokens,) tensors
+Head = Literal["policy", "value", "score"]
+
+
+@dataclass
+class HeadOutput:
+    """What a role's head computed on one packed micro-batch: the tensors a loss reads.
+
+    Aligned like every per-token key (realcore.api.data): position t describes x[t] given x[:t],
+    and each sequence's position 0 holds 0.
+      policy head: logprobs[t] = log p(x[t] | x[:t]) (temperature-scaled), entropy[t] of that distribution
+      value head:  values[t] = V(x[:t]), the critic's value of the state before token t
+      score head:  scores[i], one scalar per sequence: the head at the sequence's last token
+    """
+
+    cu_seqlens: torch.Tensor  # (n_seqs + 1,) int: sequence i is tokens cu_seqlens[i]:cu_seqlens[i+1]
+    logprobs: torch.Tensor | None = None  # (n_tokens,)
+    entropy: torch.Tensor | None = None  # (n_tokens,)
+    values: torch.Tensor | None = None  # (n_tokens,)
+    scores: torch.Tensor | None = None  # (n_seqs,)
+
+
+# loss_fn(out, data) -> (loss, stats)
+#   out: the role's HeadOutput for the packed micro-batch, aligned with data["input_ids"]
+#   data: every per-token key of the micro-batch, packed (concatenated) into (n_tokens,) tensors;
+#         per-sequence keys (one value per sequence) packed into (n_seqs,)
 #   loss: scalar, the mean over this micro-batch's loss tokens; stats: name -> scalar tensor (means)
-LossFn = Callable[[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+LossFn = Callable[[HeadOutput, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 # loss_weight_fn(data) -> number of loss tokens in the micro-batch (the weight of its mean)
 LossWeightFn = Callable[[dict[str, torch.Tensor]], float]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from realcore.api.generation import Availability, Capabilities, EngineEntry, ServerCommand
@@ -35,6 +36,44 @@ def lookup(kind: str, name: str) -> Any:
 
 def registered(kind: str) -> list[str]:
     return sorted(_REGISTRIES[kind])
+
+
+@dataclass(frozen=True)
+class MFCSpec:
+    """What an MFC class is, declared as its `spec` class attribute (read by the graph, the master
+    and the model worker).
+
+    needs_model     it runs on a model role (False: on the master's data only, e.g. a rule reward)
+    trains          a call updates its role's weights (the role must be trainable)
+    generates       it only samples: with generation servers its `model` is a client of them
+    micro_batches   it passes `mfc.max_tokens_per_mb` to the engine (else setting that key is an error)
+    head            the head its role must have (policy, value, score); None: any
+    optimizer_steps optimizer steps one call makes (int, or fn(cfg, mfc) -> int): sizes the
+                    role's LR schedule to the run (total_steps x the largest of its training MFCs)
+    """
+
+    needs_model: bool = True
+    trains: bool = False
+    generates: bool = False
+    micro_batches: bool = False
+    head: str | None = None
+    optimizer_steps: int | Callable[[Any, Any], int] = 1
+
+    def steps_per_call(self, cfg: Any, mfc: Any) -> int:
+        n = self.optimizer_steps(cfg, mfc) if callable(self.optimizer_steps) else self.optimizer_steps
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"MFCSpec.optimizer_steps must be an int >= 1, got {n!r}")
+        return n
+
+
+def mfc_spec(name: str) -> MFCSpec:
+    """The spec of the registered MFC type `name` (its class's `spec`; a default spec if it has none)."""
+    spec = getattr(lookup("mfc", name), "spec", None)
+    if spec is None:
+        return MFCSpec()
+    if not isinstance(spec, MFCSpec):
+        raise TypeError(f"MFC {name!r}: spec must be a realcore.api.registry.MFCSpec, got {spec!r}")
+    return spec
 
 
 def register_mfc(name: str) -> Callable:
