@@ -147,11 +147,10 @@ def test_registries_are_the_documented_extension_points():
 
 def test_user_mfc_registered_from_yaml(tmp_path, monkeypatch):
     (tmp_path / "my_mfcs.py").write_text(
-        "from realcore.api.registry import register_mfc\n"
+        "from realcore.api.registry import MFCSpec, register_mfc\n"
         "@register_mfc('length_bonus')\n"
         "class LengthBonus:\n"
-        "    needs_model = False\n"
-        "    trains = False\n"
+        "    spec = MFCSpec(needs_model=False)\n"
         "    def __init__(self, cfg, mfc): pass\n"
         "    def run(self, model, batch): return {}\n"
     )

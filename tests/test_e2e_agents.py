@@ -23,7 +23,7 @@ USER_FILE = textwrap.dedent('''
     """A user's agent: answer; a wrong answer hears FEEDBACK and tries again (max_turns turns)."""
     import json, os
     import torch
-    from realcore.api.registry import register_env, register_mfc, register_workflow
+    from realcore.api.registry import MFCSpec, register_env, register_mfc, register_workflow
     from realcore.api.workflow import TRAJECTORY_KEYS, Env, TrajectoryBuilder
 
     FEEDBACK = " WRONG! again:"
@@ -87,8 +87,7 @@ USER_FILE = textwrap.dedent('''
     @register_mfc("record_trajectories")
     class Record:
         """Writes what the trainer receives, and the trainer's recomputed log-probs, to a file."""
-        needs_model = False
-        trains = False
+        spec = MFCSpec(needs_model=False)
 
         def __init__(self, cfg, mfc):
             self.path, self.calls = os.path.join(cfg.output_dir, "trained.jsonl"), 0

@@ -48,10 +48,10 @@ def make_data(lens: list[int], seed: int) -> dict[str, list[torch.Tensor]]:
     return {"input_ids": ids, "loss_mask": mask}
 
 
-def nll_loss(logprobs, entropy, data):
+def nll_loss(out, data):
     mask = data["loss_mask"].float()
-    loss = -(logprobs * mask).sum() / mask.sum()
-    return loss, {"loss": loss.detach(), "entropy": (entropy.detach() * mask).sum() / mask.sum()}
+    loss = -(out.logprobs * mask).sum() / mask.sum()
+    return loss, {"loss": loss.detach(), "entropy": (out.entropy.detach() * mask).sum() / mask.sum()}
 
 
 def n_loss_tokens(data) -> float:
@@ -367,8 +367,8 @@ class _ReadOnHost(torch.Tensor):
 def test_loss_statistics_stay_on_the_device_until_the_minibatch_ends(model_dir):
     """_train_minibatch sums each statistic on the device over micro-batches, and reduce_weighted
     reads them all in one copy: none is read per micro-batch, and the numbers are those of floats."""
-    def device_only(logprobs, entropy, data):
-        loss, stats = nll_loss(logprobs, entropy, data)
+    def device_only(out, data):
+        loss, stats = nll_loss(out, data)
         return loss, {k: v.as_subclass(_ReadOnHost) for k, v in stats.items()}
 
     data = make_data([7, 12, 3, 20, 9], seed=2)

@@ -11,7 +11,7 @@ MY_MFCS = textwrap.dedent('''
     import pydantic
     import torch
     from realcore.api.data import SequenceSample
-    from realcore.api.registry import register_mfc, register_reward
+    from realcore.api.registry import MFCSpec, register_mfc, register_reward
 
     @register_reward("exact")
     def exact(prompt, completion, prompt_ids, completion_ids, *, answer, **data) -> float:
@@ -19,8 +19,7 @@ MY_MFCS = textwrap.dedent('''
 
     @register_mfc("length_penalty")
     class LengthPenalty:
-        needs_model = False
-        trains = False
+        spec = MFCSpec(needs_model=False)
         class Args(pydantic.BaseModel):  # its `args:` in the YAML, checked when the graph is built
             model_config = pydantic.ConfigDict(extra="forbid")
             coef: float = 0.01

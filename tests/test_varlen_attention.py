@@ -79,9 +79,11 @@ def test_loss_sees_sequence_boundaries_and_groups_stay_together(model_dir):
     data = make_data(lens, seed=3)
     rows = []
 
-    def sequence_loss(logprobs, entropy, packed):
+    def sequence_loss(out, packed):
         """A sequence-level loss (GSPO-like: each sequence's mean masked log-prob, averaged)."""
+        logprobs = out.logprobs
         cu = packed["cu_seqlens"].tolist()
+        assert out.cu_seqlens.tolist() == cu
         rows.append([b - a for a, b in zip(cu[:-1], cu[1:])])
         assert cu[-1] == logprobs.numel()
         mask = packed["loss_mask"].float()

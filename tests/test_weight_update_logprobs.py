@@ -98,9 +98,9 @@ def train_step(engine: TorchEngine) -> None:
     data = {"input_ids": [torch.tensor(p + t) for p, t in zip(PROMPTS, targets)],
             "loss_mask": [torch.tensor([0] * len(p) + [1] * len(t)) for p, t in zip(PROMPTS, targets)]}
 
-    def nll(logprobs, entropy, mb):
+    def nll(out, mb):
         mask = mb["loss_mask"].float()
-        loss = -(logprobs * mask).sum() / mask.sum()
+        loss = -(out.logprobs * mask).sum() / mask.sum()
         return loss, {"loss": loss.detach()}
 
     engine.train_batch(data, nll, lambda mb: float(mb["loss_mask"].sum()))

@@ -36,7 +36,9 @@ class HeadOutput:
 # loss_fn(out, data) -> (loss, stats)
 #   out: the role's HeadOutput for the packed micro-batch, aligned with data["input_ids"]
 #   data: every per-token key of the micro-batch, packed (concatenated) into (n_tokens,) tensors;
-#         per-sequence keys (one value per sequence) packed into (n_seqs,)
+#         per-sequence keys (one value per sequence) packed into (n_seqs,): a key is per-sequence when
+#         every one of its tensors holds one element while input_ids are longer (e.g. a preference
+#         pair's label); plus `cu_seqlens`, the micro-batch's sequence boundaries
 #   loss: scalar, the mean over this micro-batch's loss tokens; stats: name -> scalar tensor (means)
 LossFn = Callable[[HeadOutput, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 # loss_weight_fn(data) -> number of loss tokens in the micro-batch (the weight of its mean)
@@ -63,6 +65,18 @@ class Engine(ABC):
         `max_tokens_per_mb`: token budget of one micro-batch of this call (an MFC's own
         `MFCConfig.max_tokens_per_mb`); None: the role's `RoleConfig.max_tokens_per_mb`."""
 
+    def values(self, input_ids: list[torch.Tensor], *, max_tokens_per_mb: int | None = None) -> list[torch.Tensor]:
+        """A value-head role: per-token values of each sequence (float32, same length), aligned like
+        HeadOutput.values (values[t] = V(x[:t]); position 0 is 0). `max_tokens_per_mb` as in `logprobs`."""
+        raise NotImplementedError(f"{type(self).__name__}.values: needs a role with head: value "
+                                  f"(this role's head is {_head_of(self)})")
+
+    def scores(self, input_ids: list[torch.Tensor], *, max_tokens_per_mb: int | None = None) -> list[torch.Tensor]:
+        """A score-head role: one 0-d float32 tensor per sequence, the head at its last token.
+        `max_tokens_per_mb` as in `logprobs`."""
+        raise NotImplementedError(f"{type(self).__name__}.scores: needs a role with head: score "
+                                  f"(this role's head is {_head_of(self)})")
+
     @abstractmethod
     def train_batch(
         self,
@@ -75,8 +89,8 @@ class Engine(ABC):
         max_tokens_per_mb: int | None = None,
         group_sizes: list[int] | None = None,
     ) -> dict[str, float]:
-        """One optimizer step per minibatch over `data` (must hold `input_ids`; all keys per-token).
-        Losses are token-weighted across micro-batches and data-parallel ranks. Returns averaged
+        """One optimizer step per minibatch over `data` (must hold `input_ids`; every key per-token or
+        per-sequence, see LossFn); `loss_fn` gets the HeadOutput of the role's head. Losses are token-weighted across micro-batches and data-parallel ranks. Returns averaged
         stats plus `grad_norm` and `lr`. `max_tokens_per_mb` as in `logprobs`. `group_sizes`
         (consecutive sequences summing to all of them): a group stays in one micro-batch, for a
         loss over a whole group (DPO's pairs, GSPO's groups)."""
@@ -112,3 +126,8 @@ class Engine(ABC):
     @abstractmethod
     def load_state(self, path: str) -> None:
         """Restore what save_state wrote, on an engine freshly built from the same model and mesh."""
+
+
+def _head_of(engine: Engine) -> str:
+    role = getattr(engine, "role", None)
+    return getattr(role, "head", "policy")

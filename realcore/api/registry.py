@@ -81,10 +81,9 @@ def register_mfc(name: str) -> Callable:
     `run(self, model, batch: SequenceSample) -> SequenceSample | dict[str, float] | (SequenceSample, dict)`.
     `model` is the role's Engine; for a model-free MFC it only has `.tokenizer` (the actor's).
     `batch` holds the MFC's inputs under the names it reads (after `input_remap`); it returns its
-    declared outputs under the names it writes. Class attributes: `needs_model` (bool), `trains`
-    (bool: a call updates the policy), `micro_batches` (bool: it passes `mfc.max_tokens_per_mb` to
-    the engine's `logprobs`/`train_batch`; without it, setting that key is a graph error), optional
-    `generates` (bool: it only samples, so with generation servers its `model` is a client of them);
+    declared outputs under the names it writes. Class attribute `spec = MFCSpec(...)` says what it is
+    (needs a model, trains, generates, micro-batches, the head its role must have, optimizer steps
+    per call: see MFCSpec; none: MFCSpec()); optional `Args` (a pydantic model of its `args:`);
     optional classmethod `check_config(cfg, mfc)` raising ValueError, called when the graph is built."""
     return lambda cls: _register("mfc", name, cls)
 

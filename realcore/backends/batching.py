@@ -129,14 +129,33 @@ def union_keys(keys: list[str], group, device) -> list[str]:
 
 
 def check_train_data(data: dict[str, list[torch.Tensor]]) -> list[int]:
-    """Sequence lengths of a train_batch input; ValueError unless every key is per-token."""
+    """Sequence lengths of a train_batch input; ValueError unless every key is per-token or
+    per-sequence (one element per sequence while some input_ids are longer: packed as (n_seqs,))."""
     if "input_ids" not in data:
         raise ValueError(f"train_batch: data must hold 'input_ids', got keys {sorted(data)}")
     lens = [int(x.numel()) for x in data["input_ids"]]
     for k, seqs in data.items():
-        if [int(t.numel()) for t in seqs] != lens:
-            raise ValueError(f"train_batch: key {k!r} is not per-token (lengths differ from input_ids)")
+        if len(seqs) != len(lens):
+            raise ValueError(f"train_batch: key {k!r} has {len(seqs)} sequences, input_ids {len(lens)}")
+        sizes = [int(t.numel()) for t in seqs]
+        if sizes != lens and any(n != 1 for n in sizes):
+            raise ValueError(f"train_batch: key {k!r} is neither per-token (lengths of input_ids) nor "
+                             "per-sequence (one element each)")
     return lens
+
+
+def pack(data: dict[str, list[torch.Tensor]], idx: list[int]) -> dict[str, torch.Tensor]:
+    """The sequences `idx` of every key concatenated: per-token keys to (n_tokens,), per-sequence
+    keys to (n_seqs,); plus `cu_seqlens`, the sequences' boundaries (what a loss function reads)."""
+    packed = {k: torch.cat([v[i].reshape(-1) for i in idx]) for k, v in data.items()}
+    packed["cu_seqlens"] = cu_seqlens([int(data["input_ids"][i].numel()) for i in idx])
+    return packed
+
+
+def shift_head(h: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """A value head's per-position outputs (T,) -> values aligned with the ids (realcore.api.data):
+    values[t] = h[t - 1], the head after reading x[:t]; 0 where `starts` marks a sequence's first token."""
+    return torch.where(starts, 0.0, torch.cat([h.new_zeros(1), h[:-1]]))
 
 
 def mean_over_minibatches(results: list[dict[str, float]]) -> dict[str, float]:

@@ -23,8 +23,8 @@ from typing import Callable, Iterator
 import torch
 from safetensors import SafetensorError, safe_open
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast,
-                          Qwen2Config)
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer, LlamaConfig,
+                          PreTrainedTokenizerFast, Qwen2Config)
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
 from realcore.api.config import ModelConfig, TinyModelConfig
@@ -119,6 +119,53 @@ def load_model(path: str, *, device: str | torch.device = "cpu", dtype: torch.dt
     """Load a causal LM from an HF directory (SDPA attention, eval mode)."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
     return model.to(device).eval()
+
+
+def load_head_model(path: str, head: str, *, dtype: torch.dtype, seed: int):
+    """The model of a role's head (RoleConfig.head), SDPA attention, on the CPU.
+
+    policy: the causal LM. value and score: the same body with the LM head replaced by one linear
+    layer to 1 output (HF's *ForTokenClassification, num_labels=1, no dropout: its outputs are one
+    value per position). A head the checkpoint lacks (a causal LM's) is new, drawn from `seed`
+    (every data-parallel rank the same) at std 1/(hidden+1) as OpenRLHF's value head; a value or
+    score checkpoint (*ForTokenClassification / *ForSequenceClassification) keeps its own. The layer
+    has no bias, so both HF classes hold exactly the trained head (export_head_config)."""
+    if head == "policy":
+        return AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=dtype)
+    config = AutoConfig.from_pretrained(path, num_labels=1)
+    config.classifier_dropout = 0.0  # values are a regression target: no dropout in training
+    model, info = AutoModelForTokenClassification.from_pretrained(
+        path, config=config, attn_implementation="sdpa", dtype=dtype, output_loading_info=True)
+    old = model.score
+    if old.bias is not None and "score.bias" not in info["missing_keys"] and bool(old.bias.detach().abs().max() > 0):
+        raise ValueError(f"model.path: {path} holds a {head} head with a bias; realcore's value/score head has none")
+    score = torch.nn.Linear(old.in_features, 1, bias=False, dtype=old.weight.dtype)
+    with torch.no_grad():
+        if "score.weight" in info["missing_keys"]:
+            gen = torch.Generator().manual_seed(seed)
+            score.weight.copy_(torch.randn(score.weight.shape, generator=gen) / (old.in_features + 1))
+        else:
+            score.weight.copy_(old.weight)
+    model.score = score
+    return model
+
+
+def export_head_config(folder: str, head: str, pad_token_id: int | None) -> None:
+    """Make a saved value/score model's config.json what transformers loads: value as
+    *ForTokenClassification, score as *ForSequenceClassification (num_labels 1), with pad_token_id set
+    (sequence classification pools the last token that is not padding; None: the config's eos)."""
+    path = os.path.join(folder, "config.json")
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    arch = config["architectures"][0]
+    base = arch[: arch.index("For")] if "For" in arch else arch
+    config["architectures"] = [base + ("ForTokenClassification" if head == "value" else "ForSequenceClassification")]
+    config["classifier_dropout"] = 0.0
+    if config.get("pad_token_id") is None:
+        eos = pad_token_id if pad_token_id is not None else config.get("eos_token_id")
+        config["pad_token_id"] = eos[0] if isinstance(eos, list) else eos
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
 
 
 def load_tokenizer(path: str):

@@ -30,15 +30,16 @@ import shutil
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from realcore.api.config import RoleConfig
-from realcore.api.engine import Engine, GenerationResult, LossFn, LossWeightFn
+from realcore.api.engine import Engine, GenerationResult, HeadOutput, LossFn, LossWeightFn
 from realcore.backends import lora, onednn_linear
-from realcore.backends.batching import (cu_seqlens, lr_factor, reduce_weighted, split_by_budget, stat_on,
-                                        token_logprobs, train_batch)
+from realcore.backends.batching import (cu_seqlens, lr_factor, pack, reduce_weighted, shift_head, split_by_budget,
+                                        stat_on, token_logprobs, train_batch)
 from realcore.backends.device import compute_device, group_device, to_device
 from realcore.backends.generation import GenerationEngine
+from realcore.backends.models import export_head_config, load_head_model
 from realcore.backends.precision import compute_dtype
 from realcore.backends.varlen_attention import packed_kwargs, standard_attention, use_packed_attention
 from realcore.transport.durable import replace_dir
@@ -59,7 +60,8 @@ def _allreduce_grads(params: list[torch.nn.Parameter], group) -> None:
 
 
 class TorchEngine(Engine):
-    """One data-parallel rank of a model role, backed by a HF `AutoModelForCausalLM`."""
+    """One data-parallel rank of a model role, backed by a HF `AutoModelForCausalLM` (role.head
+    policy) or the same body with a one-output linear head (value, score: models.load_head_model)."""
 
     def __init__(self, model_path: str, role: RoleConfig, *, total_steps: int, seed: int = 0, group=None):
         self.role, self.seed, self.version = role, seed, 0
@@ -74,8 +76,9 @@ class TorchEngine(Engine):
         # A trainable role's parameters stay float32 (the optimizer's master copy), `dtype` is then the
         # autocast dtype; an inference-only one on a GPU holds them in `dtype` (module docstring).
         self.param_dtype = self.dtype if not role.trainable and self.device.type == "cuda" else torch.float32
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, attn_implementation="sdpa",
-                                                          dtype=self.param_dtype)
+        if role.lora is not None and role.head != "policy":
+            raise ValueError(f"lora: a {role.head} head trains every weight (LoRA is for policy heads); drop lora")
+        self.model = load_head_model(model_path, role.head, dtype=self.param_dtype, seed=seed)
         use_packed_attention(self.model)  # packed rows by cu_seqlens; generation switches back to sdpa
         if role.lora is not None:  # PEFT wrapper: base weights frozen, only the adapters train
             self.model = lora.apply_lora(self.model, role.lora, seed=seed)
@@ -118,16 +121,23 @@ class TorchEngine(Engine):
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _forward_packed(self, seqs: list[torch.Tensor], temperature: float, with_entropy: bool):
-        """Forward one packed micro-batch -> per-token (logprobs, entropy|None), each (T,)."""
+    def _forward_packed(self, seqs: list[torch.Tensor], temperature: float, with_entropy: bool) -> HeadOutput:
+        """Forward one packed micro-batch through the role's head: per-token logprobs (and entropy
+        when asked) of a policy, values (T,) of a value head, scores (n_seqs,) of a score head."""
         lens = [int(s.numel()) for s in seqs]
         ids = to_device(torch.cat(seqs).to(torch.int64), self.device)  # (T,)
         pos = torch.cat([torch.arange(n, device=self.device) for n in lens])  # (T,)
         cu = to_device(cu_seqlens(lens), self.device)
         with self._autocast():  # varlen attention: the row's sequence boundaries, no (T, T) mask
             logits = self.model(input_ids=ids[None], position_ids=pos[None], use_cache=False,
-                                **packed_kwargs(cu, lens)).logits[0]  # (T, V)
-        return token_logprobs(logits, ids, pos == 0, temperature, with_entropy)
+                                **packed_kwargs(cu, lens)).logits[0]  # (T, V); value/score heads: (T, 1)
+        if self.role.head == "policy":
+            lp, ent = token_logprobs(logits, ids, pos == 0, temperature, with_entropy)
+            return HeadOutput(cu, logprobs=lp, entropy=ent)
+        h = logits[:, 0].float()  # the head after reading x[:t + 1]
+        if self.role.head == "value":
+            return HeadOutput(cu, values=shift_head(h, pos == 0))
+        return HeadOutput(cu, scores=h[cu[1:].long() - 1])
 
     @contextlib.contextmanager
     def _eval_mode(self):
@@ -140,18 +150,35 @@ class TorchEngine(Engine):
 
     def logprobs(self, input_ids: list[torch.Tensor], temperature: float = 1.0, *,
                  max_tokens_per_mb: int | None = None) -> list[torch.Tensor]:
+        return self._infer("policy", input_ids, temperature, max_tokens_per_mb)
+
+    def values(self, input_ids: list[torch.Tensor], *, max_tokens_per_mb: int | None = None) -> list[torch.Tensor]:
+        return self._infer("value", input_ids, 1.0, max_tokens_per_mb)
+
+    def scores(self, input_ids: list[torch.Tensor], *, max_tokens_per_mb: int | None = None) -> list[torch.Tensor]:
+        return self._infer("score", input_ids, 1.0, max_tokens_per_mb)
+
+    def _infer(self, head: str, input_ids: list[torch.Tensor], temperature: float,
+               max_tokens_per_mb: int | None) -> list[torch.Tensor]:
+        """logprobs, values or scores (float32, on the host) of every sequence, by micro-batches."""
+        if self.role.head != head:
+            call = {"policy": "logprobs", "value": "values", "score": "scores"}[head]
+            raise ValueError(f"{call}: needs a role with head: {head} (this role's head is {self.role.head})")
         out: list[torch.Tensor] = []  # per micro-batch, on the device: one copy to the host at the end
         lens = [int(x.numel()) for x in input_ids]
         mbs = split_by_budget(lens, max_tokens_per_mb or self.role.max_tokens_per_mb) if lens else []
         idle = self._idle_passes(len(mbs))
         with torch.no_grad(), self._eval_mode():
             for mb in mbs:
-                lp, _ = self._forward_packed([input_ids[i] for i in mb], temperature, with_entropy=False)
-                out.append(lp.float())
+                o = self._forward_packed([input_ids[i] for i in mb], temperature, with_entropy=False)
+                out.append({"policy": o.logprobs, "value": o.values, "score": o.scores}[head].float())
             for _ in range(idle):
                 self._idle_pass(backward=False)
-        sizes = [lens[i] for mb in mbs for i in mb]  # split_by_budget keeps the sequences' order
-        return list(torch.cat(out).cpu().split(sizes)) if out else []
+        if not out:
+            return []
+        if head == "score":  # split_by_budget keeps the sequences' order
+            return list(torch.cat(out).cpu().unbind())
+        return list(torch.cat(out).cpu().split([lens[i] for mb in mbs for i in mb]))
 
     def _idle_passes(self, n_passes: int) -> int:
         """Hook: passes this rank adds to its `n_passes` so that every rank of the group runs as many
@@ -160,9 +187,10 @@ class TorchEngine(Engine):
 
     def _idle_pass(self, backward: bool) -> None:
         """A forward (and backward) on two dummy tokens that changes no parameter: zero gradients."""
-        lp, _ = self._forward_packed([torch.zeros(2, dtype=torch.int64)], 1.0, with_entropy=False)
+        o = self._forward_packed([torch.zeros(2, dtype=torch.int64)], 1.0, with_entropy=False)
         if backward:
-            (lp.sum() * 0.0).backward()
+            out = next(t for t in (o.logprobs, o.values, o.scores) if t is not None)
+            (out.sum() * 0.0).backward()
 
     # ---- training ----
 
@@ -178,8 +206,7 @@ class TorchEngine(Engine):
         lens = [int(x.numel()) for x in data["input_ids"]]
         mbs = []
         for idx in split_by_budget(lens, max_tokens_per_mb or self.role.max_tokens_per_mb, group_sizes) if lens else []:
-            packed = {k: torch.cat([v[i] for i in idx]) for k, v in data.items()}
-            packed["cu_seqlens"] = cu_seqlens([lens[i] for i in idx])  # sequence boundaries for the loss
+            packed = pack(data, idx)  # with cu_seqlens, the sequence boundaries for the loss
             w = float(loss_weight_fn(packed))  # on the host's copy: no device sync per micro-batch
             mbs.append((idx, {k: to_device(v, self.device) for k, v in packed.items()}, w))
         global_w = self._allreduce_scalar(sum(w for _, _, w in mbs))
@@ -188,8 +215,9 @@ class TorchEngine(Engine):
         sums: dict[str, torch.Tensor] = {}  # on the device, read once per minibatch (reduce_weighted)
         weights: dict[str, float] = {}
         for idx, packed, w in mbs:
-            lp, ent = self._forward_packed([data["input_ids"][i] for i in idx], temperature, with_entropy=True)
-            loss, stats = loss_fn(lp, ent, packed)
+            out = self._forward_packed([data["input_ids"][i] for i in idx], temperature,
+                                       with_entropy=self.role.head == "policy")
+            loss, stats = loss_fn(out, packed)
             (loss * (w / global_w)).backward()
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + stat_on(v, self.device) * w
@@ -231,6 +259,8 @@ class TorchEngine(Engine):
     # ---- generation and checkpoints ----
 
     def generate(self, prompts: list[list[int]], gconfig) -> list[GenerationResult]:
+        if self.role.head != "policy":
+            raise ValueError(f"generate: a {self.role.head} head does not sample (only head: policy roles generate)")
         if self._gen_engine is None:
             self._gen_engine = GenerationEngine(self.model, self.tokenizer, seed=self.seed)
         with torch.no_grad(), self._eval_mode(), standard_attention(self.model):
@@ -269,6 +299,8 @@ class TorchEngine(Engine):
                 lora.save_adapter(self.model, tmp, adapter)
             else:  # transformers 5 always writes safetensors
                 self.model.save_pretrained(tmp, state_dict=state_dict)
+                if self.role.head != "policy":  # value: *ForTokenClassification, score: *ForSequenceClassification
+                    export_head_config(tmp, self.role.head, getattr(self.tokenizer, "pad_token_id", None))
         if merged is not None:
             lora.save_merged(self.model, os.path.join(tmp, "merged"), merged)
             if self.tokenizer is not None:

@@ -12,7 +12,7 @@ import networkx as nx
 from pydantic import ValidationError
 
 from realcore.api.config import ExperimentConfig, MFCConfig
-from realcore.api.registry import lookup, registered
+from realcore.api.registry import lookup, mfc_spec, registered
 
 
 class GraphError(ValueError):
@@ -84,17 +84,24 @@ def _node(i: int, m: MFCConfig, cfg: ExperimentConfig) -> MFCNode:
         cls = lookup("mfc", m.type)
     except KeyError:
         raise GraphError(f"{where}.type: unknown MFC type {m.type!r} (registered: {', '.join(registered('mfc'))})") from None
+    try:
+        spec = mfc_spec(m.type)
+    except TypeError as e:
+        raise GraphError(f"{where}.type: {e}") from None
     roles = cfg.roles()
-    if m.model is None and getattr(cls, "needs_model", True):
+    if m.model is None and spec.needs_model:
         raise GraphError(f"{where}.model: MFC type {m.type!r} needs a model role ({', '.join(roles)})")
     if m.model is not None and m.model not in roles:
         raise GraphError(f"{where}.model: unknown model {m.model!r} (declared roles: {', '.join(roles)})")
-    trains = bool(getattr(cls, "trains", False))
+    trains = spec.trains
     if trains and not roles[m.model].trainable:
         raise GraphError(f"{where}.model: {m.type!r} trains, but role {m.model!r} has trainable: false")
-    if m.max_tokens_per_mb is not None and not getattr(cls, "micro_batches", False):
+    if spec.head is not None and m.model is not None and roles[m.model].head != spec.head:
+        raise GraphError(f"{where}.model: {m.type!r} needs a role with head: {spec.head}, but role {m.model!r} "
+                         f"has head: {roles[m.model].head}")
+    if m.max_tokens_per_mb is not None and not spec.micro_batches:
         raise GraphError(f"{where}.max_tokens_per_mb: MFC type {m.type!r} runs no token-budgeted forward pass "
-                         "(only types with micro_batches = True, e.g. inference, ppo_update, sft_update, use it)")
+                         "(only types whose spec has micro_batches=True, e.g. inference, ppo_update, sft_update, use it)")
     _check_args(where, m, cls)
     for k in m.input_remap:
         if k not in m.inputs:

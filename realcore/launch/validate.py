@@ -11,7 +11,7 @@ import realcore.workflows  # noqa: F401  (the built-in workflows register on imp
 
 from realcore.api.alloc import AllocationMode, parse_allocation_mode
 from realcore.api.config import ExperimentConfig
-from realcore.api.registry import lookup, make_workflow
+from realcore.api.registry import MFCSpec, lookup, make_workflow, mfc_spec
 from realcore.backends.clients import registry as clients
 from realcore.data.datasets import SKIP_TOO_LONG, LoadedDataset, describe_skips
 from realcore.dfg.graph import DataFlowGraph, build_graph
@@ -48,8 +48,10 @@ def validate(cfg: ExperimentConfig) -> tuple[DataFlowGraph, AllocationMode]:
         if r.backend == "megatron" and importlib.util.find_spec("megatron") is None:
             raise ConfigError(f"{role}.backend=megatron needs megatron-core: pip install -e '.[megatron]'")
         check_dtype(cfg, role, r.backend, r.dtype)
+        if r.lora is not None and r.head != "policy":
+            raise ConfigError(f"{role}.lora: a {r.head} head trains every weight (LoRA is for policy heads); drop lora")
     for m in cfg.mfcs:
-        generates = getattr(_mfc_class(m.type), "generates", False)
+        generates = _spec(m.type).generates
         backend = cfg.roles()[m.model].backend if m.model is not None else None
         if generates and alloc.gen is None and backend in ("megatron", "fsdp"):
             raise ConfigError(f"mfcs ({m.name}): {m.model}.backend={backend} samples on generation servers; "
@@ -145,7 +147,7 @@ def check_inputs(cfg: ExperimentConfig, alloc: AllocationMode) -> LoadedDataset:
         why = " ".join(str(e).split())
         raise ConfigError(f"model.path: cannot load the tokenizer of {cfg.model.path}: {why}") from None
     loaded = quietly(check_dataset, cfg, alloc, tokenizer)
-    if any(getattr(_mfc_class(m.type), "generates", False) for m in cfg.mfcs) or cfg.mode == "async":
+    if any(_spec(m.type).generates for m in cfg.mfcs) or cfg.mode == "async":
         check_context(cfg, context_length(hf_config), loaded)
     return loaded
 
@@ -216,11 +218,11 @@ def check_context(cfg: ExperimentConfig, context: int | None, loaded: LoadedData
                           f"context of {context} tokens; lower it or dataset.max_prompt_len")
 
 
-def _mfc_class(type_name: str):
+def _spec(type_name: str) -> MFCSpec:
     try:
-        return lookup("mfc", type_name)
-    except KeyError:
-        return None  # build_graph reports unknown types with the node's name
+        return mfc_spec(type_name)
+    except (KeyError, TypeError):
+        return MFCSpec()  # build_graph reports unknown types and bad specs with the node's name
 
 
 def check_generation_servers(cfg: ExperimentConfig, alloc: AllocationMode) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 
 from realcore.api.data import SequenceSample
-from realcore.api.registry import register_mfc, workflow_keys
+from realcore.api.registry import MFCSpec, register_mfc, workflow_keys
 from realcore.api.workflow import BadTrajectory, EpisodeOutcome, workflow_data
 from realcore.workflows import sandbox
 from realcore.workflows.engines import BatchingEngine
@@ -25,9 +25,7 @@ from realcore.workflows.reward_runner import RewardRunner, reward_runner_for
 class Generate:
     """dataset keys (prompt_ids, answer, ...) -> the workflow's keys named in `outputs`."""
 
-    needs_model = True
-    trains = False
-    generates = True  # samples only: runs on generation servers when the experiment has them
+    spec = MFCSpec(generates=True, head="policy")  # samples only: runs on generation servers when the experiment has them
 
     def __init__(self, cfg, mfc):
         self.cfg, self.outputs = cfg, list(mfc.outputs)

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 from realcore.api.data import SequenceSample
-from realcore.api.registry import register_mfc
+from realcore.api.registry import MFCSpec, register_mfc
 
 
 @register_mfc("inference")
 class Inference:
     """input_ids -> logprobs (temperature-scaled like generation, so ratios compare like with like)."""
 
-    needs_model = True
-    trains = False
-    micro_batches = True  # passes mfc.max_tokens_per_mb to the engine
+    spec = MFCSpec(micro_batches=True, head="policy")  # passes mfc.max_tokens_per_mb to the engine
 
     def __init__(self, cfg, mfc):
         self.temperature = cfg.generation.temperature

@@ -8,7 +8,7 @@ counted in `reward/timeouts`, and is killed.
 from __future__ import annotations
 
 from realcore.api.data import SequenceSample, tensor_to_text
-from realcore.api.registry import register_mfc
+from realcore.api.registry import MFCSpec, register_mfc
 from realcore.workflows.reward_runner import RewardCall, RewardRunner, reward_runner_for
 
 
@@ -18,8 +18,7 @@ class Reward:
     per sequence): `fn(prompt, completion, prompt_ids, completion_ids, **row)`; the prompt is what
     precedes the first trained token, the completion the trained tokens."""
 
-    needs_model = False
-    trains = False
+    spec = MFCSpec(needs_model=False)
 
     def __init__(self, cfg, mfc):
         self.cfg = cfg

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from realcore.api.data import SequenceSample
-from realcore.api.registry import register_mfc
+from realcore.api.registry import MFCSpec, register_mfc
 
 if TYPE_CHECKING:  # torch and the losses are imported on first use (see realcore.api.data)
     import torch
@@ -19,9 +19,9 @@ def _n_tokens(data: dict[str, torch.Tensor]) -> float:
 class PPOUpdate:
     """input_ids, loss_mask, behav_logprobs, rewards [, ref_logprobs] -> stats. One call = one step."""
 
-    needs_model = True
-    trains = True
-    micro_batches = True  # passes mfc.max_tokens_per_mb to the engine
+    # passes mfc.max_tokens_per_mb to the engine; a call makes ppo_n_minibatches x ppo_epochs optimizer steps
+    spec = MFCSpec(trains=True, micro_batches=True, head="policy",
+                   optimizer_steps=lambda cfg, mfc: cfg.ppo.ppo_n_minibatches * cfg.ppo.ppo_epochs)
 
     @classmethod
     def check_config(cls, cfg, mfc) -> None:
@@ -41,8 +41,10 @@ class PPOUpdate:
         self.temperature = cfg.generation.temperature
         self.max_tokens_per_mb = mfc.max_tokens_per_mb  # None: the role's budget
 
-    def loss_fn(self, logprobs, entropy, data):
+    def loss_fn(self, out, data):
         from realcore.mfc.ppo_functional import kl_loss, ppo_actor_loss  # torch: MFCs register in the master too
+
+        logprobs, entropy = out.logprobs, out.entropy
 
         mask = data["loss_mask"].float()
         decoupled = self.ppo.use_decoupled_loss
@@ -93,18 +95,16 @@ class PPOUpdate:
 class SFTUpdate:
     """input_ids, loss_mask -> stats: token-level negative log-likelihood on loss_mask tokens."""
 
-    needs_model = True
-    trains = True
-    micro_batches = True  # passes mfc.max_tokens_per_mb to the engine
+    spec = MFCSpec(trains=True, micro_batches=True, head="policy")  # passes mfc.max_tokens_per_mb to the engine
 
     def __init__(self, cfg, mfc):
         self.max_tokens_per_mb = mfc.max_tokens_per_mb  # None: the role's budget
 
     @staticmethod
-    def loss_fn(logprobs, entropy, data):
+    def loss_fn(out, data):
         from realcore.mfc.ppo_functional import sft_loss  # torch, as above
 
-        loss, stats = sft_loss(logprobs, data["loss_mask"].float())
+        loss, stats = sft_loss(out.logprobs, data["loss_mask"].float())
         stats = {f"sft/{k}": v for k, v in stats.items()}
         stats["loss"] = loss.detach()
         return loss, stats

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from realcore.api.alloc import parse_allocation_mode
 from realcore.api.config import ExperimentConfig
 from realcore.api.data import SequenceSample
-from realcore.api.registry import dataset_keys, lookup, workflow_keys
+from realcore.api.registry import dataset_keys, lookup, mfc_spec, workflow_keys
 from realcore.backends.fsdp_engine import FSDPEngine
 from realcore.backends.torch_engine import TorchEngine
 from realcore.backends.clients.server_generation import ServerGeneration
@@ -49,10 +49,11 @@ log = logging.getLogger("realcore.model_worker")
 
 
 def optimizer_steps(cfg: ExperimentConfig, role: str) -> int:
-    """Optimizer steps of `role` over the run: where its LR schedule ends. A ppo_update step makes
-    ppo_n_minibatches x ppo_epochs of them, any other training step one."""
-    per_step = [cfg.ppo.ppo_n_minibatches * cfg.ppo.ppo_epochs if m.type == "ppo_update" else 1
-                for m in cfg.mfcs if m.model == role and m.type in ("ppo_update", "sft_update")]
+    """Optimizer steps of `role` over the run: where its LR schedule ends. A step makes as many as
+    the role's training MFC that makes the most per call (its MFCSpec.optimizer_steps, e.g.
+    ppo_update: ppo_n_minibatches x ppo_epochs)."""
+    per_step = [mfc_spec(m.type).steps_per_call(cfg, m) for m in cfg.mfcs
+                if m.model == role and mfc_spec(m.type).trains]
     return cfg.trainer.total_steps * max(per_step, default=1)
 
 
@@ -206,7 +207,7 @@ class ModelWorker:
         samples = self._gather(ids, node.inputs, msg.owners)
         batch = SequenceSample(ids, [{node.input_remap.get(k, k): s[k] for k in node.inputs} for s in samples])
         model = self.engines[node.model] if node.model else self.no_model
-        if self.generator is not None and getattr(self.mfcs[node.name], "generates", False):
+        if self.generator is not None and mfc_spec(node.type).generates:
             model = self.generator
         result = self.mfcs[node.name].run(model, batch)
         out, stats = (result if isinstance(result, tuple) else (result, {}))
