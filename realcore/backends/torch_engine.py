@@ -298,6 +298,9 @@ class TorchEngine(Engine):
             if self.role.lora is not None:
                 lora.save_adapter(self.model, tmp, adapter)
             else:  # transformers 5 always writes safetensors
+                if self.role.head == "value":  # HF's *ForTokenClassification has a bias: ours is an exact 0
+                    state = state_dict if state_dict is not None else self.model.state_dict()
+                    state_dict = {**state, "score.bias": torch.zeros(1, dtype=state["score.weight"].dtype)}
                 self.model.save_pretrained(tmp, state_dict=state_dict)
                 if self.role.head != "policy":  # value: *ForTokenClassification, score: *ForSequenceClassification
                     export_head_config(tmp, self.role.head, getattr(self.tokenizer, "pad_token_id", None))
