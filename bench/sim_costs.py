@@ -241,6 +241,12 @@ def _sim_train_engine(base):
             time.sleep(self.costs.logp_s_per_token * sum(int(x.numel()) for x in input_ids))
             return [torch.zeros(int(x.numel())) for x in input_ids]
 
+        def values(self, input_ids, *, max_tokens_per_mb=None):  # a critic's forward costs what the policy's does
+            return self.logprobs(input_ids)
+
+        def scores(self, input_ids, *, max_tokens_per_mb=None):
+            return [v[-1] for v in self.logprobs(input_ids)]
+
         def _train_minibatch(self, data, loss_fn, loss_weight_fn, temperature, max_tokens_per_mb, group_sizes=None):
             tokens = sum(int(x.numel()) for x in data["input_ids"])
             # bench/async_sim.py's training bound counts these (trained samples may be shorter than the average)

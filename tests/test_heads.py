@@ -210,6 +210,8 @@ def _fsdp_worker(rank: int, port: int, model_dir: str, out: str) -> None:
             res[f"{kind}/before"] = eng.values(xs)
             res[f"{kind}/stats"] = eng.train_batch(data, _mse, _n_tokens)
             res[f"{kind}/after"] = eng.values(xs)
+            if kind == "fsdp":
+                eng.save_hf(os.path.join(out, "fsdp-value"))  # collective: rank 0 writes the gathered model
         torch.save(res, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -227,3 +229,11 @@ def test_fsdp_value_head_equals_the_replicated_engine(tmp_path):
                                        atol=1e-5, rtol=1e-5)
         assert res["fsdp/stats"]["loss"] == pytest.approx(res["torch/stats"]["loss"], rel=1e-5)
         assert res["torch/after"][0][1:].sub(res["torch/before"][0][1:]).abs().max() > 1e-4  # the step moved it
+    from transformers import AutoModelForTokenClassification
+
+    hf = AutoModelForTokenClassification.from_pretrained(tmp_path / "fsdp-value").eval()
+    res = torch.load(tmp_path / "rank0.pt", weights_only=True)
+    for x, v in zip(_seqs([7, 12, 5], seed=10), res["fsdp/after"]):
+        with torch.no_grad():
+            h = hf(input_ids=x[None]).logits[0, :, 0]
+        torch.testing.assert_close(v[1:], h[:-1], atol=1e-5, rtol=0)

@@ -276,6 +276,7 @@ def test_sft_loss():
 
 def test_entropy_bonus_lowers_the_loss_by_coef_times_the_mean_response_entropy():
     from realcore.api.config import PPOConfig
+    from realcore.api.engine import HeadOutput
     from realcore.mfc.train import PPOUpdate
 
     def update(coef):
@@ -287,8 +288,9 @@ def test_entropy_bonus_lowers_the_loss_by_coef_times_the_mean_response_entropy()
     lp = torch.randn(6)
     data = {"loss_mask": torch.tensor([0, 1, 1, 1, 0, 1]), "behav_logprobs": lp.clone(), "advantages": torch.randn(6)}
     entropy = torch.rand(6, requires_grad=True)
-    plain, _ = update(0.0).loss_fn(lp, entropy, data)
-    bonus, stats = update(0.1).loss_fn(lp, entropy, data)
+    out = HeadOutput(torch.tensor([0, 6]), logprobs=lp, entropy=entropy)
+    plain, _ = update(0.0).loss_fn(out, data)
+    bonus, stats = update(0.1).loss_fn(out, data)
     mean = entropy[data["loss_mask"].bool()].mean()
     assert torch.allclose(bonus, plain - 0.1 * mean) and torch.allclose(stats["ppo/entropy"], mean.detach())
     bonus.backward()  # the bonus pushes entropy up on response tokens only

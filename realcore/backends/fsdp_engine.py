@@ -20,6 +20,8 @@ TorchEngine; what differs:
   shards only.
 - No generation here (one rank decoding alone would hang the others' gathers): fsdp roles sample
   on generation servers.
+- Value and score heads (role.head) are TorchEngine's: the one-output linear head is a parameter of
+  the root unit, gathered with the embeddings; save_hf writes the same HF classes.
 """
 
 from __future__ import annotations
