@@ -237,3 +237,14 @@ def test_fsdp_value_head_equals_the_replicated_engine(tmp_path):
         with torch.no_grad():
             h = hf(input_ids=x[None]).logits[0, :, 0]
         torch.testing.assert_close(v[1:], h[:-1], atol=1e-5, rtol=0)
+
+
+def test_the_validator_refuses_lora_on_a_value_head():
+    from realcore.api.config import LoraConfig
+    from realcore.launch.config_loader import ConfigError, load_config
+    from realcore.launch.validate import validate
+
+    cfg = load_config(["experiment=ppo-math", "model=tiny", "output_dir=/tmp/heads-unused"])
+    ref = cfg.ref.model_copy(update={"head": "value", "trainable": True, "lora": LoraConfig()})
+    with pytest.raises(ConfigError, match="ref.lora: a value head trains every weight"):
+        validate(cfg.model_copy(update={"ref": ref}))
