@@ -18,6 +18,11 @@ autocasts, as before.) An explicit float32 role on a GPU computes in true float3
 off (torch's default), so its log-probs match float32 generation servers exactly, not to TF32's
 10-bit mantissa.
 
+Heads (role.head): a policy's loss gets log-probs and entropy; a value or score role is the same
+body with a fresh one-output linear head (models.load_head_model): its loss gets values shifted to
+the state before each token, or the head at each sequence's last token; save_hf writes them as HF
+*ForTokenClassification / *ForSequenceClassification. Only a policy generates or takes LoRA.
+
 FSDPEngine (fsdp_engine.py) shards the same engine through the hooks `_parallelize`, `_autocast`,
 `_idle_passes` and `_reduce_grads`.
 """
