@@ -195,3 +195,27 @@ def test_reference_heads_match_transformers_and_learn(reference):
 @pytest.mark.parametrize("mesh", ["d1p1t2", "d1p2t1"])
 def test_meshes_match_the_reference(reference, mesh):
     _spawn(_mesh_worker, 2, reference, mesh)
+
+
+def test_token_values_alignment():
+    """values[t] = V(x[:t]) is the head at row t - 1; 0 at each sequence's first token."""
+    from realcore.backends.megatron.heads import token_values
+
+    per_row = torch.tensor([10.0, 11.0, 12.0, 20.0, 21.0, 99.0])  # sequences of 3 and 2, then padding
+    starts = torch.tensor([True, False, False, True, False, True])
+    assert token_values(per_row, starts).tolist() == [0.0, 10.0, 11.0, 0.0, 20.0, 0.0]
+
+
+def test_saved_config_names_the_classification_class_and_a_pad_token():
+    from transformers import LlamaConfig
+
+    from realcore.backends.megatron.heads import head_hf_config
+
+    lm = LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=128, eos_token_id=[5, 6],
+                     tie_word_embeddings=True)
+    value = head_hf_config(lm, "value", None)
+    assert value.architectures == ["LlamaForTokenClassification"] and value.num_labels == 1
+    assert value.pad_token_id == 5 and not value.tie_word_embeddings
+    score = head_hf_config(lm, "score", 3)  # the tokenizer's pad token where the config has none
+    assert score.architectures == ["LlamaForSequenceClassification"] and score.pad_token_id == 3
+    assert lm.architectures is None and lm.num_labels == 2  # the engine's own config is left alone
