@@ -48,8 +48,8 @@ from realcore.backends.megatron.checkpoint import LazyHFState, gather_hf, load_s
 from realcore.backends.megatron.compat import apply_compat
 from realcore.backends.megatron.context_parallel import GatherRow, unpad, zigzag_layout
 from realcore.backends.megatron.convert import block_spec, layer_spec, mcore_config_from_hf, rope_base, to_te_names
-from realcore.backends.megatron.heads import head_hf_config, head_meta, install_head, token_values
 from realcore.backends.megatron.cpu_compat import apply_cpu_compat, cuda_to_cpu_mode
+from realcore.backends.megatron.heads import head_hf_config, head_meta, install_head, token_values
 from realcore.backends.megatron.parallel import check_megatron_config, init_parallel_state, sequence_parallel
 from realcore.backends.megatron.varlen_attention import packed_seq_params
 from realcore.backends.precision import compute_dtype
