@@ -87,6 +87,33 @@ def test_round_trip_tp2_pp2_exact(family, tied):
         assert torch.equal(back[k], hf[k]), k
 
 
+@pytest.mark.parametrize("head", ["value", "score"])
+def test_head_round_trip_tp2_pp2_exact(head):
+    """A classification model's `score.*` is the last stage's output layer, whole on every TP rank."""
+    from transformers import Qwen2ForSequenceClassification, Qwen2ForTokenClassification
+
+    cfg = _hf_config("qwen2", True)
+    cfg.num_labels = 1
+    torch.manual_seed(0)
+    hf = (Qwen2ForTokenClassification if head == "value" else Qwen2ForSequenceClassification)(cfg).state_dict()
+    assert ("score.bias" in hf) == (head == "value")  # token classification has a bias by default
+    shards = {(t, p): hf_to_mcore(hf, cfg, tp=2, pp=2, tp_rank=t, pp_rank=p, head=head) for t in range(2) for p in range(2)}
+    for t in range(2):
+        assert torch.equal(shards[(t, 1)]["output_layer.weight"], hf["score.weight"])
+        assert "output_layer.weight" not in shards[(t, 0)]
+    back = mcore_to_hf(shards, cfg, tp=2, pp=2, head=head)
+    assert set(back) == set(hf)
+    for k in hf:
+        assert torch.equal(back[k], hf[k]), k
+
+
+def test_head_from_a_causal_lm_has_no_output_layer():
+    """A causal LM has no score: the engine initialises the head (its lm_head is not read)."""
+    cfg, model = _hf_model("qwen2", False)
+    shard = hf_to_mcore(model.state_dict(), cfg, tp=1, pp=1, tp_rank=0, pp_rank=0, head="value")
+    assert "output_layer.weight" not in shard and "decoder.final_layernorm.weight" in shard
+
+
 @pytest.mark.parametrize("family,tied", CASES)
 def test_shard_keys_and_shapes_match_real_gptmodel(mcore, family, tied):
     cfg, model = _hf_model(family, tied)

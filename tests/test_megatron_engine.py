@@ -91,13 +91,25 @@ def _data(seed: int = 3):
     return {"input_ids": ids, "loss_mask": mask, "advantages": adv}
 
 
-def _loss_fn(logprobs, entropy, data):
+def _loss_fn(out, data):
     """Policy-gradient surrogate plus an entropy bonus: exercises log-prob and entropy gradients."""
+    assert out.cu_seqlens.tolist() == data["cu_seqlens"].tolist()  # the boundaries of the packed sequences
     m = data["loss_mask"].float()
-    pg = -(logprobs * data["advantages"] * m).sum() / m.sum()
-    ent = (entropy * m).sum() / m.sum()
+    pg = -(out.logprobs * data["advantages"] * m).sum() / m.sum()
+    ent = (out.entropy * m).sum() / m.sum()
     loss = pg - 0.01 * ent
     return loss, {"loss": loss.detach(), "entropy": ent.detach()}
+
+
+def _torch_loss_fn(*args):
+    """_loss_fn for the torch engine under either contract: loss_fn(out, data), or the one before
+    issue 44's engines, loss_fn(logprobs, entropy, data) (drop this once the torch engine has HeadOutput)."""
+    from realcore.api.engine import HeadOutput
+
+    if len(args) == 3:
+        lp, ent, data = args
+        return _loss_fn(HeadOutput(data["cu_seqlens"], logprobs=lp, entropy=ent), data)
+    return _loss_fn(*args)
 
 
 def _n_tokens(data):
@@ -141,14 +153,18 @@ def _reference(hf_path: str, out: str):
         lp, ent = token_logprobs(logits, ids, starts, 1.0, True)
         lps.append(lp)
         ents.append(ent)
+    from realcore.api.engine import HeadOutput
+    from realcore.backends.batching import cu_seqlens
+
     packed = {k: torch.cat(v).to(device) for k, v in data.items()}
-    loss, _ = _loss_fn(torch.cat(lps), torch.cat(ents), packed)
+    packed["cu_seqlens"] = cu_seqlens([len(x) for x in data["input_ids"]])
+    loss, _ = _loss_fn(HeadOutput(packed["cu_seqlens"], logprobs=torch.cat(lps), entropy=torch.cat(ents)), packed)
     loss.backward()
     tensors = {f"lp.{i}": lp.detach().cpu() for i, lp in enumerate(lps)}
     hub = _hub_names({n: p.grad for n, p in model.named_parameters()}, model.config.model_type == "mixtral")
     tensors.update({f"grad.{n}": g.cpu().contiguous() for n, g in hub.items()})
     model.zero_grad(set_to_none=True)
-    losses = [engine.train_batch(data, _loss_fn, _n_tokens)["loss"] for _ in range(STEPS)]
+    losses = [engine.train_batch(data, _torch_loss_fn, _n_tokens)["loss"] for _ in range(STEPS)]
     save_file(tensors, f"{out}/ref.st")
     with open(f"{out}/ref.json", "w") as f:
         json.dump(losses, f)

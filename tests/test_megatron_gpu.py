@@ -7,7 +7,6 @@ so GPU and CPU agree to float32 summation order. bf16 on GPUs: test_megatron_bf1
 import os
 
 import pytest
-import torch
 
 from conftest import import_unless_ci  # noqa: E402
 

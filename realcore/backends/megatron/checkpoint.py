@@ -59,8 +59,9 @@ class LazyHFState(Mapping):
 
 
 def load_shard(hf_state: Mapping, hf_config, *, tp: int, n_stages: int, tp_rank: int, stage: int,
-               ep: int = 1, ep_rank: int = 0) -> dict[str, Tensor]:
-    return hf_to_mcore(hf_state, hf_config, tp=tp, pp=n_stages, tp_rank=tp_rank, pp_rank=stage, ep=ep, ep_rank=ep_rank)
+               ep: int = 1, ep_rank: int = 0, head: str = "policy") -> dict[str, Tensor]:
+    return hf_to_mcore(hf_state, hf_config, tp=tp, pp=n_stages, tp_rank=tp_rank, pp_rank=stage, ep=ep, ep_rank=ep_rank,
+                       head=head)
 
 
 def _is_expert(key: str) -> bool:
@@ -68,13 +69,15 @@ def _is_expert(key: str) -> bool:
 
 
 def gather_hf(local: dict[int, dict[str, Tensor]], meta: dict[str, Tensor], hf_config, *, tp: int, pp: int,
-              n_stages: int, coords: tuple[int, int, int, int], ep: int = 1, group=None) -> dict[str, Tensor] | None:
+              n_stages: int, coords: tuple[int, int, int, int], ep: int = 1, group=None,
+              head: str = "policy") -> dict[str, Tensor] | None:
     """Collective over the mesh: rank 0 of `group` returns the HF state dict (float32, on the CPU),
     others None. Messages travel on the device of the group's backend (NCCL: this rank's GPU).
 
     local: this rank's tensors by stage (its model chunks' state dicts or grads, HF-convertible keys);
     coords: this rank's (tp_rank, pp_rank, replica, ep_rank); dense tensors come from replica 0,
-    each EP rank's experts from the first rank holding them; meta: `LazyHFState.meta()`.
+    each EP rank's experts from the first rank holding them; meta: `LazyHFState.meta()` (with a
+    value/score head: `heads.head_meta`, the layout of the head's `score.*`).
     """
     me = dist.get_rank(group)
     device = group_device(group)
@@ -88,7 +91,7 @@ def gather_hf(local: dict[int, dict[str, Tensor]], meta: dict[str, Tensor], hf_c
         expert_owner.setdefault((p, e), r)
 
     def layout(t: int, stage: int, e: int) -> dict[str, Tensor]:
-        return hf_to_mcore(meta, hf_config, tp=tp, pp=n_stages, tp_rank=t, pp_rank=stage, ep=ep, ep_rank=e)
+        return hf_to_mcore(meta, hf_config, tp=tp, pp=n_stages, tp_rank=t, pp_rank=stage, ep=ep, ep_rank=e, head=head)
 
     shards: dict[tuple[int, int], dict[str, Tensor]] = {}
     for t in range(tp):
@@ -108,7 +111,7 @@ def gather_hf(local: dict[int, dict[str, Tensor]], meta: dict[str, Tensor], hf_c
                 shards[(0, stage)].update({_renumber(k, e * per): v for k, v in got.items()})
     if me != 0:
         return None
-    return mcore_to_hf(shards, hf_config, tp=tp, pp=n_stages)
+    return mcore_to_hf(shards, hf_config, tp=tp, pp=n_stages, head=head)
 
 
 def _renumber(key: str, offset: int) -> str:

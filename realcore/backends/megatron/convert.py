@@ -13,6 +13,8 @@ Target layout is `GPTModel` built with `get_gpt_layer_local_spec()` (megatron-co
     decoder.layers.{i}.mlp.linear_fc2.weight            split over the input dim
     decoder.final_layernorm.weight                      last PP stage
     output_layer.weight                                 last PP stage, vocab rows split over TP
+    output_layer.weight, .bias                          value/score head (`head`): HF `score.weight`
+                                                        (1, hidden) and `score.bias`, replicated over TP
 
 Layer numbers `{i}` are local to the PP stage. Megatron's `*._extra_state` entries (TE/fp8
 metadata, None without TransformerEngine) are neither produced nor read: load with
@@ -219,11 +221,12 @@ def _split_qkv(fused: Tensor, nh: int, nkv: int, hd: int) -> tuple[Tensor, Tenso
 
 def hf_to_mcore(
     hf_state: dict[str, Tensor], hf_config, *, tp: int, pp: int, tp_rank: int, pp_rank: int, ep: int = 1,
-    ep_rank: int = 0,
+    ep_rank: int = 0, head: str = "policy",
 ) -> dict[str, Tensor]:
     """The Megatron-core GPTModel state dict of one (tp_rank, pp_rank, ep_rank) shard (contiguous
     clones). With MoE, an EP rank holds experts [ep_rank * E/ep, (ep_rank + 1) * E/ep), numbered
-    from 0 locally (Megatron's `local_experts.{j}`)."""
+    from 0 locally (Megatron's `local_experts.{j}`). `head` value/score: the output layer is the
+    checkpoint's `score.*` where it has one (a causal LM's has none: the engine initialises it)."""
     validate(hf_config, tp=tp, pp=pp)
     if not (0 <= tp_rank < tp and 0 <= pp_rank < pp):
         raise ValueError(f"rank (tp_rank={tp_rank}, pp_rank={pp_rank}) outside tp={tp} pp={pp}")
@@ -270,15 +273,20 @@ def hf_to_mcore(
         out[m + "mlp.linear_fc2.weight"] = row(hf_state[h + "mlp.down_proj.weight"])
     if pp_rank == pp - 1:
         out["decoder.final_layernorm.weight"] = hf_state["model.norm.weight"].clone()
-        if not tied:
+        if head != "policy":
+            names = ["weight", "bias"] if head == "value" else ["weight"]  # sequence classification: no bias
+            out.update({f"output_layer.{n}": hf_state[f"score.{n}"].clone() for n in names if f"score.{n}" in hf_state})
+        elif not tied:
             out["output_layer.weight"] = col(hf_state["lm_head.weight"])
         elif pp > 1:  # Megatron keeps a synced copy of the embedding on the last stage
             out["output_layer.weight"] = col(embed)
     return out
 
 
-def mcore_to_hf(shards: dict[tuple[int, int], dict[str, Tensor]], hf_config, *, tp: int, pp: int) -> dict[str, Tensor]:
-    """Gather all (tp_rank, pp_rank) shards back into an HF state dict.
+def mcore_to_hf(shards: dict[tuple[int, int], dict[str, Tensor]], hf_config, *, tp: int, pp: int,
+                head: str = "policy") -> dict[str, Tensor]:
+    """Gather all (tp_rank, pp_rank) shards back into an HF state dict (`head` value/score: the
+    output layer as `score.*`, no `lm_head`).
 
     With tied embeddings `lm_head.weight` is emitted as a copy of the embedding (HF's
     `state_dict()` lists it too); the last stage's output_layer copy is not read.
@@ -322,7 +330,11 @@ def mcore_to_hf(shards: dict[tuple[int, int], dict[str, Tensor]], hf_config, *, 
             out[h + "mlp.up_proj.weight"] = torch.cat([u for _, u in halves], dim=0)
             out[h + "mlp.down_proj.weight"] = cat(p, m + "mlp.linear_fc2.weight", 1)
     out["model.norm.weight"] = rep(pp - 1, "decoder.final_layernorm.weight")
-    if tied:
+    if head != "policy":
+        for n in ("weight", "bias"):
+            if f"output_layer.{n}" in shards[(0, pp - 1)]:
+                out[f"score.{n}"] = rep(pp - 1, f"output_layer.{n}")
+    elif tied:
         out["lm_head.weight"] = out["model.embed_tokens.weight"].clone()
     else:
         out["lm_head.weight"] = cat(pp - 1, "output_layer.weight", 0)

@@ -9,7 +9,9 @@ DP ranks and divided by the global number of loss tokens in `finalize_model_grad
 global token mean as the torch engine, for any split.
 
 Log-probs come from logits gathered over TP (full vocabulary on the last stage), then are
-broadcast from the last PP stage so every rank returns them.
+broadcast from the last PP stage so every rank returns them. A value or score role (`role.head`)
+has a one-output linear layer in place of the LM head on the last stage (heads.py); its values
+and scores travel the same way, and the loss gets the role's head in a `HeadOutput`.
 
 Devices: the engine computes on this process's current device (its GPU, selected before the mesh's
 process group, or the CPU). Every collective realcore adds (stat names and sums, the PP broadcast of
@@ -36,7 +38,7 @@ from transformers import AutoConfig
 
 from realcore.api.alloc import ParallelDims
 from realcore.api.config import RoleConfig
-from realcore.api.engine import Engine, GenerationResult, LossFn, LossWeightFn
+from realcore.api.engine import Engine, GenerationResult, HeadOutput, LossFn, LossWeightFn
 from realcore.backends.batching import (cu_seqlens, lr_factor, reduce_weighted, split_by_budget, stat_on,
                                         token_logprobs, train_batch)
 from realcore.backends.device import compute_device, group_device, to_device
@@ -47,6 +49,7 @@ from realcore.backends.megatron.compat import apply_compat
 from realcore.backends.megatron.context_parallel import GatherRow, unpad, zigzag_layout
 from realcore.backends.megatron.convert import block_spec, layer_spec, mcore_config_from_hf, rope_base, to_te_names
 from realcore.backends.megatron.cpu_compat import apply_cpu_compat, cuda_to_cpu_mode
+from realcore.backends.megatron.heads import head_hf_config, head_meta, install_head, token_values
 from realcore.backends.megatron.parallel import check_megatron_config, init_parallel_state, sequence_parallel
 from realcore.backends.megatron.varlen_attention import packed_seq_params
 from realcore.backends.precision import compute_dtype
@@ -62,6 +65,7 @@ class MegatronEngine(Engine):
         apply_compat()  # on every device
         apply_cpu_compat()  # no-op with CUDA
         self.role, self.dims, self.version, self.total_steps = role, dims, 0, total_steps
+        self.head, self.seed = role.head, seed
         self.mcfg = role.megatron
         self.hf_config = AutoConfig.from_pretrained(model_path)
         check_megatron_config(role_name, self.mcfg, dims, self.hf_config)
@@ -82,6 +86,8 @@ class MegatronEngine(Engine):
         self.tokenizer = _load_tokenizer(model_path)
         hf_state = LazyHFState(model_path)
         self._meta = hf_state.meta()
+        if self.head != "policy":  # the layout gather_hf writes back: score.* in place of lm_head
+            self._meta = head_meta(self._meta, self.head, self.hf_config)
         self.chunks = [self._build_chunk(v, hf_state) for v in range(self.vpp)]
         self.optimizer = None
         if role.trainable:
@@ -114,6 +120,7 @@ class MegatronEngine(Engine):
 
     def _build_chunk(self, v: int, hf_state: LazyHFState):
         vp = v if self.vpp > 1 else None
+        post_process = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
         spec = layer_spec(self.hf_config, transformer_engine=self.dims.cp > 1)
         if self.dims.cp == 1:  # the local spec's final norm is of the layers' class (convert.block_spec)
             spec = block_spec(spec, self.config, vp)
@@ -121,16 +128,21 @@ class MegatronEngine(Engine):
             config=self.config, transformer_layer_spec=spec,
             vocab_size=self.hf_config.vocab_size, max_sequence_length=self.hf_config.max_position_embeddings,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
-            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
-            share_embeddings_and_output_weights=bool(getattr(self.hf_config, "tie_word_embeddings", False)),
+            post_process=post_process,
+            share_embeddings_and_output_weights=(self.head == "policy"
+                                                 and bool(getattr(self.hf_config, "tie_word_embeddings", False))),
             position_embedding_type="rope", rotary_base=rope_base(self.hf_config), vp_stage=vp,
         )
+        if post_process and self.head != "policy":
+            install_head(model, self.head, self.hf_config, sequence_parallel=self.sp, seed=self.seed)
         shard = load_shard(hf_state, self.hf_config, tp=self.dims.tp, n_stages=self.n_stages, tp_rank=self.tp_rank,
-                           stage=self._stage(v), ep=self.dims.ep, ep_rank=_ep_rank())
+                           stage=self._stage(v), ep=self.dims.ep, ep_rank=_ep_rank(), head=self.head)
         if self.dims.cp > 1:
             shard = to_te_names(shard)
         missing, unexpected = model.load_state_dict(shard, strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
+        # A checkpoint without the head's score.* (a causal LM) leaves the fresh head in place.
+        missing = [k for k in missing if not k.endswith("_extra_state")
+                   and not (self.head != "policy" and k.startswith("output_layer."))]
         if missing or unexpected:
             raise RuntimeError(f"megatron: checkpoint does not fit the model: missing {missing[:4]}, unexpected {unexpected[:4]}")
         # Every parameter in the compute dtype, norms included, as Megatron's Float16Module does
@@ -209,10 +221,10 @@ class MegatronEngine(Engine):
             output = model(tokens, None, None, packed_seq_params=packed_seq_params(lens, lens, device),
                            runtime_gather_output=True)
 
-            def logprob_fn(logits, temperature, with_entropy):
-                return self._token_logprobs(logits, tokens[0], lens, ids.numel(), temperature, with_entropy)
+            def head_fn(output, temperature, with_entropy):
+                return self._head_output(output[0], tokens[0], lens, mb["lens"], temperature, with_entropy)
 
-            return output, loss_func_for(mb, logprob_fn)
+            return output, loss_func_for(mb, head_fn)
 
         # Interleaved schedules run every micro-batch through each model chunk: one iterator each.
         iterators = [iter(batches) for _ in range(self.vpp)]
@@ -249,22 +261,36 @@ class MegatronEngine(Engine):
             out[starts] = 0.0
             return unpad(out, real, padded[: len(real)])
 
-        def logprob_fn(logits, temperature, with_entropy):
+        def head_fn(output, temperature, with_entropy):
+            cu = cu_seqlens(real, device)
+            if self.head != "policy":  # the head at every position of the row, in row order
+                per_row = GatherRow.apply(output[0, :, 0].float(), idx, row.numel(), group)
+                if self.head == "value":
+                    return HeadOutput(cu, values=shifted(per_row))
+                last = starts[: len(real)] + torch.tensor(real, device=device) - 1  # each sequence's last token
+                return HeadOutput(cu, scores=per_row[last])
             labels = torch.roll(row, -1)[idx]  # this rank's positions
-            lp, ent = logprobs_and_entropy(logits[0], labels, temperature, with_entropy)
+            lp, ent = logprobs_and_entropy(output[0], labels, temperature, with_entropy)
             lp = GatherRow.apply(lp, idx, row.numel(), group)
             if with_entropy:
                 ent = shifted(GatherRow.apply(ent, idx, row.numel(), group))
-            return shifted(lp), ent
+            return HeadOutput(cu, logprobs=shifted(lp), entropy=ent)
 
-        return output, loss_func_for(mb, logprob_fn)
+        return output, loss_func_for(mb, head_fn)
 
-    def _token_logprobs(self, logits, tokens, lens, n_real: int, temperature: float, with_entropy: bool):
-        """Per-token log-probs (and entropy) of the real tokens of one packed row."""
+    def _head_output(self, output, tokens, lens, real: list[int], temperature: float, with_entropy: bool) -> HeadOutput:
+        """The role's head on the real tokens of one packed row (`output`: (row, vocab | 1); `lens`:
+        the row's sequences, padding last; `real`: the real sequences' lengths)."""
+        n_real = sum(real)
+        cu = cu_seqlens(real, tokens.device)
         starts = torch.zeros(tokens.numel(), dtype=torch.bool, device=tokens.device)
         starts[torch.tensor([0] + lens[:-1], device=tokens.device).cumsum(0)] = True
-        lp, ent = token_logprobs(logits[0], tokens, starts, temperature, with_entropy)
-        return lp[:n_real], (ent[:n_real] if ent is not None else None)
+        if self.head == "value":
+            return HeadOutput(cu, values=token_values(output[:, 0].float(), starts)[:n_real])
+        if self.head == "score":  # at each sequence's last token
+            return HeadOutput(cu, scores=output[cu[1:].long() - 1, 0].float())
+        lp, ent = token_logprobs(output, tokens, starts, temperature, with_entropy)
+        return HeadOutput(cu, logprobs=lp[:n_real], entropy=(ent[:n_real] if ent is not None else None))
 
     def _eval(self):
         for c in self.chunks:
@@ -277,16 +303,35 @@ class MegatronEngine(Engine):
 
     def logprobs(self, input_ids: list[torch.Tensor], temperature: float = 1.0, *,
                  max_tokens_per_mb: int | None = None) -> list[torch.Tensor]:
+        self._check_head("policy", "logprobs")
+        return self._infer(input_ids, lambda out: out.logprobs, temperature, max_tokens_per_mb, per_token=True)
+
+    def values(self, input_ids: list[torch.Tensor], *, max_tokens_per_mb: int | None = None) -> list[torch.Tensor]:
+        """Per-token values V(x[:t]) of each sequence (float32, same length; position 0 is 0)."""
+        self._check_head("value", "values")
+        return self._infer(input_ids, lambda out: out.values, 1.0, max_tokens_per_mb, per_token=True)
+
+    def scores(self, input_ids: list[torch.Tensor], *, max_tokens_per_mb: int | None = None) -> list[torch.Tensor]:
+        """One 0-d float32 score per sequence: the head at its last token."""
+        self._check_head("score", "scores")
+        return list(self._infer(input_ids, lambda out: out.scores, 1.0, max_tokens_per_mb, per_token=False))
+
+    def _check_head(self, head: str, call: str) -> None:
+        if self.head != head:
+            raise ValueError(f"{call}(): this model role has head={self.head!r}; {call} needs head={head!r}")
+
+    def _infer(self, input_ids, pick, temperature: float, max_tokens_per_mb: int | None, *, per_token: bool):
+        """pick(HeadOutput) of every micro-batch, on every rank: per token (split by sequence) or per sequence."""
         lens = [int(x.numel()) for x in input_ids]
         mbs, seq_len = self._micro_batches(input_ids, max_tokens_per_mb or self.role.max_tokens_per_mb)
         batches = [{"ids": torch.cat([input_ids[i] for i in mb]).long(), "lens": [lens[i] for i in mb]} for mb in mbs]
         batches = self._pad_micro_batches(batches)
 
-        def loss_func_for(mb, logprob_fn):
-            def loss_func(logits):
-                lp, _ = logprob_fn(logits, temperature, False)  # left on the device: one copy at the end
-                no_tokens = torch.zeros((), dtype=torch.int, device=logits.device)
-                return logits.sum() * 0.0, no_tokens, {"lp": lp.detach().float()}
+        def loss_func_for(mb, head_fn):
+            def loss_func(output):
+                got = pick(head_fn(output, temperature, False))  # left on the device: one copy at the end
+                no_tokens = torch.zeros((), dtype=torch.int, device=output.device)
+                return output.sum() * 0.0, no_tokens, {"got": got.detach().float()}
             return loss_func
 
         self._eval()
@@ -296,12 +341,12 @@ class MegatronEngine(Engine):
         finally:
             self._train()
         if ps.is_pipeline_last_stage() and out:
-            flat = torch.cat([d["lp"] for d in out]).to(self.comm_device)
+            flat = torch.cat([d["got"] for d in out]).to(self.comm_device)
         else:
-            flat = torch.zeros(sum(lens), device=self.comm_device)
+            flat = torch.zeros(sum(lens) if per_token else len(lens), device=self.comm_device)
         if self.dims.pp > 1:  # the last stage has them; every rank returns them
             dist.broadcast(flat, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
-        return list(flat.cpu().split(lens))
+        return list(flat.cpu().split(lens)) if per_token else flat.cpu().unbind()
 
     # ---- training ----
 
@@ -337,15 +382,15 @@ class MegatronEngine(Engine):
         def no_tokens():  # on the device: Megatron all-reduces the count over DP (NCCL on GPUs)
             return torch.zeros((), dtype=torch.int, device=device)
 
-        def loss_func_for(mb, logprob_fn):
-            def loss_func(logits):
+        def loss_func_for(mb, head_fn):
+            def loss_func(output):
                 if mb.get("dummy"):
-                    return logits.sum() * 0.0, no_tokens(), {}
-                lp, ent = logprob_fn(logits, temperature, True)
+                    return output.sum() * 0.0, no_tokens(), {}
+                head_out = head_fn(output, temperature, True)
                 w = mb["w"]
                 if w == 0:  # contributes nothing; its mean may be 0/0 (the schedule still needs a graph)
-                    return logits.sum() * 0.0, no_tokens(), {}
-                loss, stats = loss_fn(lp, ent, mb["data"])
+                    return output.sum() * 0.0, no_tokens(), {}
+                loss, stats = loss_fn(head_out, mb["data"])
                 # (w * stat) on the device, w beside it on the host: read once per minibatch.
                 reported = {k: (stat_on(v, device) * w, w) for k, v in stats.items()}
                 # CP ranks compute the same loss, each back-propagating through its own positions:
@@ -401,7 +446,7 @@ class MegatronEngine(Engine):
         """Collective: the full HF state dict (or HF-named gradients) on global rank 0, None elsewhere."""
         return gather_hf(self._local_shards(grads), self._meta, self.hf_config, tp=self.dims.tp, pp=self.dims.pp,
                          n_stages=self.n_stages, coords=(self.tp_rank, self.pp_rank, self.replica, _ep_rank()),
-                         ep=self.dims.ep)
+                         ep=self.dims.ep, head=self.head)
 
     def adapter_state(self) -> dict[str, torch.Tensor] | None:
         raise NotImplementedError("backend=megatron has no LoRA (RoleConfig rejects lora there)")
@@ -420,7 +465,10 @@ class MegatronEngine(Engine):
         os.makedirs(tmp)
         save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(tmp, "model.safetensors"),
                   metadata={"format": "pt"})
-        self.hf_config.save_pretrained(tmp)
+        hf_config = self.hf_config
+        if self.head != "policy":  # *ForTokenClassification (value) / *ForSequenceClassification (score)
+            hf_config = head_hf_config(hf_config, self.head, getattr(self.tokenizer, "pad_token_id", None))
+        hf_config.save_pretrained(tmp)
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(tmp)
         for name in ("generation_config.json",):
