@@ -54,6 +54,12 @@ def test_each_algorithm_yaml_builds_its_config_and_graph(experiment):
         assert u.args.off_policy == "tis"
 
 
+def test_async_ppo_math_reads_the_versions_for_the_version_span():
+    cfg = load("experiment=async-ppo-math", "model=tiny")
+    dfg = build_graph(cfg, source_keys(cfg))
+    assert {"version_start", "version_end"} <= set(dfg.nodes["actor_train"].inputs)
+
+
 def test_ppo_math_without_args_keeps_the_ppo_section():
     cfg = load("experiment=ppo-math", "ppo.eps_clip=0.15", "ppo.adv_norm=batch", "ppo.c_clip=3")
     _, u = update_of(cfg)
