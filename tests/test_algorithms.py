@@ -77,7 +77,7 @@ def test_dr_grpo_is_centred_not_divided():
 
 
 def test_rloo_leave_one_out_baseline():
-    # Ahmadian et al. 2024 eq. 5: A_i = r_i - 1/(k-1) sum_{j != i} r_j
+    # Ahmadian et al. 2024 (RLOO): A_i = r_i - 1/(k-1) sum_{j != i} r_j
     r = [1.0, 0.0, 0.5, 2.0, 4.0]
     masks = [torch.tensor([0, 1, 1])] * 5
     expected = []
@@ -102,7 +102,7 @@ def _whiten_flat(values):
 
 
 def test_reinforce_pp_token_rewards_return_to_go_and_batch_norm():
-    # Hu 2025 eq. 1-3: r_t = -beta KL_t on every response token, + the outcome on the last one;
+    # Hu 2025 (REINFORCE++): r_t = -beta KL_t on every response token, + the outcome on the last one;
     # A_t = sum_{k>=t} gamma^(k-t) r_k, then normalised over all response tokens of the batch.
     gamma = 0.9
     kl = [[0.0, 0.0, -0.1, -0.2], [0.0, 0.05, -0.05, 0.1, 0.0], [0.0, -0.3]]  # already -beta KL, 0 off the mask

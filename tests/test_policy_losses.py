@@ -99,7 +99,7 @@ def test_gspo_sequence_ratio_clipped_per_sequence():
 
 
 def test_cispo_clipped_stop_gradient_weight_times_logprob():
-    # MiniMax-M1 eq. 4-5: J = sum_t sg(clip(r_t, 1 - lo, 1 + hi)) A_t log pi_t
+    # MiniMax-M1 (CISPO): J = sum_t sg(clip(r_t, 1 - lo, 1 + hi)) A_t log pi_t
     lo, hi = 1.0, 0.5  # no lower bound (as MiniMax-M1), upper 1.5
     lp, loss, _ = run_loss("cispo", eps_clip=lo, eps_clip_high=hi)
     loss.sum().backward()

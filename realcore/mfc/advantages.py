@@ -48,7 +48,7 @@ def grpo(inputs: AdvantageInputs) -> AdvantageOutputs:
 
 @register_advantage("dr-grpo")
 def dr_grpo(inputs: AdvantageInputs) -> AdvantageOutputs:
-    """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-like training", eq. 3): A_i = r_i - mean_g, not
+    """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-like training", §3.1): A_i = r_i - mean_g, not
     divided by the std (which up-weights near-unanimous groups)."""
     from realcore.mfc.ppo_functional import group_advantages  # torch
 
@@ -65,7 +65,7 @@ def _group_ids(group_sizes: list[int], n: int) -> Tensor:
 
 @register_advantage("rloo")
 def rloo(inputs: AdvantageInputs) -> AdvantageOutputs:
-    """RLOO (Ahmadian et al. 2024, "Back to basics", eq. 5; Kool et al. 2019): the baseline of sample i is the
+    """RLOO (Ahmadian et al. 2024, "Back to basics", §3; Kool et al. 2019): the baseline of sample i is the
     mean reward of the other k-1 samples of its prompt, A_i = r_i - (sum_g - r_i) / (k - 1). A group of one
     has no other sample: advantage 0."""
     import torch
@@ -138,7 +138,7 @@ def _reinforce_pp(inputs: AdvantageInputs, outcome: Tensor) -> AdvantageOutputs:
 
 @register_advantage("reinforce++")
 def reinforce_pp(inputs: AdvantageInputs) -> AdvantageOutputs:
-    """REINFORCE++ (Hu 2025, arXiv:2501.03262, eq. 1-3): token reward r_t = -beta KL_t (+ the outcome on the last
+    """REINFORCE++ (Hu 2025, arXiv:2501.03262, §3): token reward r_t = -beta KL_t (+ the outcome on the last
     response token), A_t = sum_{k >= t} gamma^(k-t) r_k, normalised over the batch's tokens: (A - mean) / (std + eps)."""
     return _reinforce_pp(inputs, inputs.rewards)
 

@@ -58,7 +58,7 @@ def _clip_bounds(inputs: PolicyLossInputs) -> tuple[float, float]:
 def ppo_clip(inputs: PolicyLossInputs) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO's clipped surrogate (Schulman et al. 2017, eq. 7) per token, as a loss:
         L_t = max(-A_t r_t, -A_t clip(r_t, 1 - eps_low, 1 + eps_high))
-    eps_low = `eps_clip`, eps_high = `eps_clip_high` (DAPO's clip-higher, Yu et al. 2025 eq. 10; default
+    eps_low = `eps_clip`, eps_high = `eps_clip_high` (DAPO's clip-higher, Yu et al. 2025 §3.1; default
     eps_clip). Dual clip (Ye et al. 2020) with `c_clip` > 1: for A_t < 0, L_t = min(L_t, -c_clip A_t)."""
     import torch
 
@@ -95,8 +95,8 @@ def seq_mean_log_ratio(log_ratio: Tensor, mask: Tensor, cu_seqlens: Tensor) -> T
 
 @register_policy_loss("gspo")
 def gspo(inputs: PolicyLossInputs) -> tuple[Tensor, dict[str, Tensor]]:
-    """GSPO (Zheng et al. 2025, eq. 5-7): the sequence-level ratio s_i = exp(mean_t log(pi / pi_old)) over the
-    sequence's tokens, clipped per sequence to [1 - eps_clip, 1 + eps_clip_high]. Per token (GSPO-token, eq. 13):
+    """GSPO (Zheng et al. 2025, §4.1): the sequence-level ratio s_i = exp(mean_t log(pi / pi_old)) over the
+    sequence's tokens, clipped per sequence to [1 - eps_clip, 1 + eps_clip_high]. Per token (GSPO-token, §4.3):
     s_i,t = sg(s_i) pi_t / sg(pi_t), equal to s_i in value and whose gradient, averaged over the sequence's tokens
     (loss_agg seq-mean-token-mean), is that of s_i A_i."""
     import torch
@@ -121,7 +121,7 @@ def gspo(inputs: PolicyLossInputs) -> tuple[Tensor, dict[str, Tensor]]:
 
 @register_policy_loss("cispo")
 def cispo(inputs: PolicyLossInputs) -> tuple[Tensor, dict[str, Tensor]]:
-    """CISPO (MiniMax-M1, 2025, eq. 4-5): the importance weight is clipped and its gradient stopped, and every
+    """CISPO (MiniMax-M1, 2025, §3.1): the importance weight is clipped and its gradient stopped, and every
     token keeps a policy-gradient term: L_t = -sg(clip(r_t, 1 - eps_clip, 1 + eps_clip_high)) A_t log pi_t."""
     import torch
 
