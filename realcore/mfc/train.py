@@ -58,6 +58,7 @@ class PPOArgs(StrictModel):
                                 "needs the ref_logprobs input")
     gamma: float = Field(1.0, ge=0, le=1, description="discount of token rewards (reinforce++, gae)")
     lam: float = Field(1.0, ge=0, le=1, description="GAE's lambda")
+    gae_whiten: bool = Field(True, description="gae: whiten the advantages over the batch's response tokens")
     params: dict[str, Any] = Field(default_factory=dict, description="free settings read by a user's estimator or loss "
                                    "(args.params[NAME])")
 
