@@ -193,3 +193,15 @@ def test_drift_warnings_name_each_figure_past_its_threshold():
     assert lines[1].startswith("consistency/version_span = 3 exceeds ppo.warn_version_span = 2")
     assert drift_warnings({"consistency/logprob_gap_mean": 0.01}, cfg) == []
     assert drift_warnings({}, cfg) == []  # a step that trained nothing
+
+
+def test_consistency_p99_is_the_nearest_rank_percentile():
+    from realcore.mfc.consistency_stats import consistency_stats
+
+    gaps = [torch.arange(1, 101, dtype=torch.float32) / 100, torch.tensor([5.0])]  # 101 values: 0.01 .. 1.0, 5
+    out = consistency_stats(gaps, {}, model=None)
+    # nearest rank: the ceil(0.99 x 101) = 100th smallest = 1.0; max 5; mean (50.5 + 5) / 101
+    assert out["consistency/logprob_gap_p99"] == pytest.approx(1.0)
+    assert out["consistency/logprob_gap_max"] == 5.0
+    assert out["consistency/logprob_gap_mean"] == pytest.approx(55.5 / 101)
+    assert consistency_stats([], {}, model=None) == {}

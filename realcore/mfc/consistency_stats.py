@@ -20,7 +20,7 @@ def consistency_stats(gaps: list, versions: dict[str, list], model: Any) -> dict
     import torch.distributed as dist
 
     out: dict[str, float] = {}
-    g = torch.cat(gaps).double() if gaps else torch.zeros(0, dtype=torch.float64)
+    g = torch.cat([x.cpu() for x in gaps]).double() if gaps else torch.zeros(0, dtype=torch.float64)
     has_versions = "version_start" in versions and "version_end" in versions
     vs = torch.cat(versions["version_start"]).double() if has_versions and versions["version_start"] else None
     ve = torch.cat(versions["version_end"]).double() if has_versions and versions["version_end"] else None
@@ -28,7 +28,7 @@ def consistency_stats(gaps: list, versions: dict[str, list], model: Any) -> dict
     # [sum, count] summed; [p99, max, -min start, max end] maxed over ranks
     sums = torch.tensor([float(g.sum()), float(g.numel())], dtype=torch.float64)
     maxes = torch.tensor([
-        float(torch.quantile(g, 0.99)) if g.numel() else 0.0, float(g.max()) if g.numel() else 0.0,
+        _p99(g), float(g.max()) if g.numel() else 0.0,
         -float(vs.min()) if vs is not None and vs.numel() else -inf, float(ve.max()) if ve is not None and ve.numel() else -inf,
     ], dtype=torch.float64)
     group = getattr(model, "group", None)
@@ -45,3 +45,12 @@ def consistency_stats(gaps: list, versions: dict[str, list], model: Any) -> dict
     if has_versions and maxes[3] > -inf:
         out["consistency/version_span"] = float(maxes[3] + maxes[2])  # a float: the master sums int stats over workers
     return out
+
+
+def _p99(x):
+    """The nearest-rank 99th percentile (torch.quantile refuses more than 2^24 values)."""
+    import math
+
+    if x.numel() == 0:
+        return 0.0
+    return float(x.kthvalue(max(1, math.ceil(0.99 * x.numel()))).values)

@@ -175,7 +175,7 @@ class PPOUpdate:
             return
         recomputed = prox if prox is not None else (logprobs.detach() if self._before_step() else None)
         if recomputed is not None:
-            self._gaps.append((recomputed.detach() - behav)[on].abs().float().cpu())
+            self._gaps.append((recomputed.detach() - behav)[on].abs().float())  # on the device: no sync here
 
     def advantages(self, batch: SequenceSample) -> tuple[list, dict[str, float]]:
         """The estimator's per-token advantages of the batch (after overlong shaping and KL token rewards)."""
