@@ -61,7 +61,7 @@ def _ppo_loss_fn():
     from realcore.mfc.train import PPOUpdate
 
     cfg = SimpleNamespace(ppo=PPOConfig(eps_clip=EPS_CLIP, kl_coef=0.0), generation=GenerationConfig(temperature=1.0))
-    return PPOUpdate(cfg, SimpleNamespace(max_tokens_per_mb=None)).loss_fn
+    return PPOUpdate(cfg, SimpleNamespace(max_tokens_per_mb=None, args={})).loss_fn
 
 
 def _n_tokens(data):

@@ -277,18 +277,19 @@ def test_sft_loss():
 def test_entropy_bonus_lowers_the_loss_by_coef_times_the_mean_response_entropy():
     from realcore.api.config import PPOConfig
     from realcore.api.engine import HeadOutput
-    from realcore.mfc.train import PPOUpdate
+    from realcore.mfc.train import PPOArgs, PPOUpdate
 
     def update(coef):
         u = PPOUpdate.__new__(PPOUpdate)
         u.ppo = PPOConfig(entropy_coef=coef)
+        u.args, u._gaps = PPOUpdate.resolve(PPOArgs(), u.ppo), None
         return u
 
     torch.manual_seed(0)
     lp = torch.randn(6)
     data = {"loss_mask": torch.tensor([0, 1, 1, 1, 0, 1]), "behav_logprobs": lp.clone(), "advantages": torch.randn(6)}
     entropy = torch.rand(6, requires_grad=True)
-    out = HeadOutput(torch.tensor([0, 6]), logprobs=lp, entropy=entropy)
+    out = HeadOutput(torch.tensor([0, 4, 6]), logprobs=lp, entropy=entropy)
     plain, _ = update(0.0).loss_fn(out, data)
     bonus, stats = update(0.1).loss_fn(out, data)
     mean = entropy[data["loss_mask"].bool()].mean()

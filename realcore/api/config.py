@@ -225,6 +225,16 @@ class PPOConfig(StrictModel):
     ppo_epochs: int = Field(
         1, gt=0, description="passes over the batch per training step, each ppo_n_minibatches optimizer steps; "
         "advantages and behaviour log-probs stay those of the batch; stats are the last pass's")
+    warn_logprob_gap_mean: float | None = Field(
+        0.05, gt=0, description="a step whose consistency/logprob_gap_mean (mean |behaviour - recomputed log-prob| "
+        "over the trained tokens) exceeds it logs a warning line naming the figure; None: no warning")
+    warn_logprob_gap_p99: float | None = Field(
+        None, gt=0, description="the same for consistency/logprob_gap_p99 (its 99th percentile); None: no warning")
+    warn_logprob_gap_max: float | None = Field(
+        None, gt=0, description="the same for consistency/logprob_gap_max (its largest token); None: no warning")
+    warn_version_span: int | None = Field(
+        None, ge=0, description="a step whose consistency/version_span (newest version_end - oldest version_start "
+        "of the trained sequences, async mode) exceeds it logs a warning line; None: no warning")
 
 
 class RewardConfig(StrictModel):
