@@ -33,7 +33,7 @@ class CriticInference:
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, loss_mask: torch.Tensor,
                value_eps_clip: float | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO2's clipped value loss (baselines' ppo2; Andrychowicz et al. 2021 sec. 3.5), token mean over the mask:
+    """PPO2's clipped value loss (baselines' ppo2; realhf's critic_loss_fn), token mean over the mask:
 
         V_clip = clip(V, V_old - eps_v, V_old + eps_v)
         loss   = sum_t mask_t max((V_t - R_t)^2, (V_clip_t - R_t)^2) / 2 / sum_t mask_t
