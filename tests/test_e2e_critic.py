@@ -34,11 +34,11 @@ USER = textwrap.dedent('''
         return AdvantageOutputs([-a for a in out.advantages], out.returns, out.stats)
 ''')
 
-THREE_MESHES = "allocation_mode=actor:d1p1t1,critic:d1p1t1,ref:d1p1t1"
+THREE_MESHES = "allocation_mode='actor:d1p1t1,critic:d1p1t1,ref:d1p1t1'"  # quoted: hydra reads a bare a,b as a list
 COMMON = ["model=tiny", "dataset=tiny-arith", "imports=[critic_user]", "reward.type=even-tokens",
           "trainer.batch_size=8", "generation.n_samples=4", "generation.max_new_tokens=8", "generation.temperature=1.0",
           "actor.optimizer.lr=0.01", "actor.optimizer.lr_scheduler=constant", "roles.critic.optimizer.lr=0.01",
-          "roles.critic.optimizer.lr_scheduler=constant", "eval.freq_steps=null"]
+          "++roles.critic.optimizer.lr_scheduler=constant", "eval.freq_steps=null"]
 ACTOR_TRAIN = 4  # mfcs[4] of ppo-critic-math: the actor's ppo_update
 
 
@@ -79,7 +79,7 @@ def test_critic_ppo_with_the_advantage_negated_does_not_learn(tmp_path):
     metrics = run(tmp_path, "ppo-critic-math", THREE_MESHES, f"mfcs.{ACTOR_TRAIN}.args.advantage=negated-gae")
     rewards = [m["reward/mean"] for m in metrics]
     print("reward (negated advantage)", [round(x, 3) for x in rewards])
-    assert mean(rewards[-3:]) < mean(rewards[:3]) - 0.05, rewards
+    assert mean(rewards[-3:]) < mean(rewards[:3]) - 0.15, rewards  # it learns the opposite task
 
 
 @pytest.mark.timeout(600)
