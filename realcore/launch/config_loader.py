@@ -76,7 +76,7 @@ def _defaults() -> dict:
         if field.is_required():
             continue
         value = field.get_default(call_default_factory=True)
-        out[name] = value.model_dump() if isinstance(value, pydantic.BaseModel) else value
+        out[field.alias or name] = value.model_dump() if isinstance(value, pydantic.BaseModel) else value
     return out
 
 
