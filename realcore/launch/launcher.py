@@ -255,9 +255,9 @@ def start_processes(cfg: ExperimentConfig, alloc: AllocationMode, config_path: s
     env = child_env(cfg)
     logs = os.path.join(cfg.output_dir, "logs")
     n_servers = alloc.gen.dp if alloc.gen is not None else 0
-    common = ["--world", str(alloc.train.world_size), "--config", config_path, "--secret-file", secret_path,
+    common = ["--world", str(alloc.world_size), "--config", config_path, "--secret-file", secret_path,
               "--n-servers", str(n_servers), "--attempt", str(attempt)]
-    kinds = [("model_worker", alloc.train.world_size)]
+    kinds = [("model_worker", alloc.world_size)]
     procs = []
     if alloc.gen is not None:
         if capabilities(alloc.backend).own_worker:
