@@ -100,3 +100,11 @@ def test_the_launcher_starts_every_meshs_workers():
     c = cfg(ref={}, allocation_mode="actor:d1p1t1,ref:d2p1t1")
     names = process_names(c, parse_allocation_mode(c.allocation_mode))
     assert names == ["model_worker/0", "model_worker/1", "model_worker/2", "master"]
+
+
+def test_per_role_allocation_on_the_command_line_needs_no_quotes():
+    from realcore.launch.config_loader import load_config
+
+    load_plugins([])
+    c = load_config(["experiment=ppo-math", "model=tiny", "output_dir=/tmp/roles-unused", "allocation_mode=actor:d1,ref:d2"])
+    assert c.allocation_mode == "actor:d1,ref:d2" and parse_allocation_mode(c.allocation_mode).world_size == 3
