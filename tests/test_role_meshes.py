@@ -107,3 +107,17 @@ def test_mfcs_on_two_meshes_overlap_and_on_one_mesh_queue(runs):
     for m in runs["colocated"][1]:
         (a0, a1), (b0, b1) = _span(m, "ref_inf"), _span(m, "actor_inf")
         assert a1 <= b0 or b1 <= a0, m
+
+
+@pytest.mark.timeout(300)
+def test_concurrency_bench_quick_prints_its_table():
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, os.path.join(repo, "bench", "concurrency.py"), "--quick"], cwd=repo,
+                       capture_output=True, text=True, timeout=280)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in r.stdout.splitlines()
+            if line.startswith("| ") and not line.startswith("| |")}
+    assert {"ref_inf alone", "ref2_inf alone", "ref3_inf alone", "sum of the three", "longest of the three",
+            "step, colocated", "step, three meshes"} <= set(rows), r.stdout
+    assert any(k.startswith("inference span, three meshes") for k in rows), r.stdout
+    assert all(float(v) > 0 for v in rows.values()), rows
