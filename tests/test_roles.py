@@ -108,3 +108,11 @@ def test_per_role_allocation_on_the_command_line_needs_no_quotes():
     load_plugins([])
     c = load_config(["experiment=ppo-math", "model=tiny", "output_dir=/tmp/roles-unused", "allocation_mode=actor:d1,ref:d2"])
     assert c.allocation_mode == "actor:d1,ref:d2" and parse_allocation_mode(c.allocation_mode).world_size == 3
+
+
+def test_the_meshes_are_described_with_their_workers():
+    from realcore.launch.placement import describe_meshes
+
+    c = cfg(ref={}, roles={"critic": {"trainable": True}}, allocation_mode="actor:d2p1t1,critic:d1p2t1")
+    assert describe_meshes(c, parse_allocation_mode(c.allocation_mode)).splitlines()[1:] == [
+        "  actor, ref: model_worker/0-1 (d2p1t1c1e1)", "  critic: model_worker/2-3 (d1p2t1c1e1)"]

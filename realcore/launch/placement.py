@@ -182,3 +182,13 @@ def check_nccl(cfg: ExperimentConfig, alloc: AllocationMode, *, trainer_on_gpu: 
         raise ConfigError(f"rollout.weight_update=nccl: NCCL needs both on GPUs, and the trainer is "
                           f"{where[trainer_on_gpu]} while the generation servers are {where[servers_on_gpu]}{why}; "
                           f"use {instead}")
+
+
+def describe_meshes(cfg: ExperimentConfig, alloc: AllocationMode) -> str:
+    """One line per training mesh: its roles and its model workers (printed when roles have meshes of their own)."""
+    lines = ["realcore: training meshes (docs/roles.md):"]
+    for m in alloc.meshes(cfg.roles()):
+        d = m.dims
+        workers = f"model_worker/{m.first}" + (f"-{m.workers[-1]}" if d.world_size > 1 else "")
+        lines.append(f"  {', '.join(m.roles)}: {workers} (d{d.dp}p{d.pp}t{d.tp}c{d.cp}e{d.ep})")
+    return "\n".join(lines)
