@@ -9,17 +9,22 @@ from realcore.dfg.graph import build_graph
 from realcore.launch.config_loader import load_config
 from realcore.api.registry import source_keys
 from realcore.trainer.buffer import SampleBuffer, split_balanced
-from realcore.trainer.master import Master
+from realcore.trainer.master import Master, MeshView
 from realcore.launch.plugins import load_plugins
 from test_buffer import sizes
 
 
-def _master(dp: int = 2) -> Master:
+def _master(dp: int = 2, allocation_mode: str | None = None) -> Master:
     load_plugins([])
-    cfg = load_config(["experiment=ppo-math", "model=tiny", f"allocation_mode=d{dp}p1t1", "output_dir=/tmp/unused"])
+    cfg = load_config(["experiment=ppo-math", "model=tiny", f"allocation_mode={allocation_mode or f'd{dp}p1t1'}",
+                       "output_dir=/tmp/unused"])
     m = object.__new__(Master)
     m.cfg, m.alloc = cfg, parse_allocation_mode(cfg.allocation_mode)
     m.mesh = m.alloc.train
+    m.policy = cfg.policy_role()
+    m.meshes = [MeshView(i, mesh, mesh.heads(), [[d] for d in range(mesh.dims.dp)])
+                for i, mesh in enumerate(m.alloc.meshes(cfg.roles()))]
+    m.mesh_of_role = {role: v for v in m.meshes for role in v.mesh.roles}
     m.dfg = build_graph(cfg, source_keys(cfg))
     m.nodes = [m.dfg.nodes[n] for n in m.dfg.order()]
     m.buffer = SampleBuffer(m.nodes)
@@ -68,3 +73,12 @@ def test_an_mfc_split_differently_is_not_chained():
     parts = _parts(m, "ref_inf", ids)
     assert parts != _parts(m, "actor_train", ids)
     assert m.chain(m.dfg.nodes["ref_inf"], ids, parts, set()) == []
+
+
+def test_an_mfc_on_another_mesh_is_not_chained():
+    m = _master(allocation_mode="actor:d2p1t1,ref:d2p1t1")
+    ids = list(range(m.dfg.nodes["actor_gen"].n_seqs))
+    _generated(m, ids, {sid: 10 + 7 * sid for sid in ids})
+    # ref_inf runs on ref's mesh, actor_train on the actor's: each goes to its own workers.
+    assert m.mesh_of(m.dfg.nodes["ref_inf"]).index == 1 and m.mesh_of(m.dfg.nodes["actor_train"]).index == 0
+    assert m.chain(m.dfg.nodes["ref_inf"], ids, _parts(m, "ref_inf", ids), set()) == []

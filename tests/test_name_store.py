@@ -201,6 +201,25 @@ def test_a_rank_refuses_a_store_without_the_runs_proof(tmp_path):
         del stranger
 
 
+def test_each_training_mesh_has_its_own_rendezvous(tmp_path):
+    """A role on a mesh of its own (allocation_mode actor:d1,ref:d2) is a torch.distributed world of
+    its own: its ranks join the store published under that mesh's key, not the actor mesh's."""
+    from datetime import timedelta
+
+    from realcore.transport import keys
+    from realcore.transport.rendezvous import LOOPBACK, init_mesh, serve_store, store_address
+
+    cfg = _mesh_cfg(tmp_path)
+    nr = make_name_resolver(cfg.system.name_resolve, SECRET)
+    first = serve_store(LOOPBACK, 2, timedelta(seconds=10), None)
+    second = serve_store(LOOPBACK, 2, timedelta(seconds=10), None)
+    nr.put(keys.dist_init(cfg), store_address(LOOPBACK, first.port), replace=True)
+    nr.put(keys.dist_init(cfg) + "/mesh1", store_address(LOOPBACK, second.port), replace=True)
+    with pytest.raises(RuntimeError, match=f"the store at tcp://127.0.0.1:{second.port} holds no run proof"):
+        init_mesh(cfg, nr, 1, 2, mesh=1)
+    del first, second
+
+
 def test_a_local_mesh_listens_on_loopback_whatever_system_host(tmp_path, monkeypatch):
     """scheduler=local: every rank is on this machine, so the store binds loopback even when
     system.host is the wildcard (servers reachable from elsewhere); the rank's own proof passes."""

@@ -70,10 +70,13 @@ def test_a_model_worker_selects_its_device_before_its_mesh(monkeypatch):
 
     order = []
     monkeypatch.setattr(device, "select_device", lambda name="auto": order.append("select") or torch.device("cuda", 0))
-    monkeypatch.setattr(rendezvous, "init_mesh", lambda cfg, resolver, rank, world, dev: order.append(("mesh", dev)))
-    worker = SimpleNamespace(cfg=None, resolver=None, index=3, world=4)
+    monkeypatch.setattr(rendezvous, "init_mesh", lambda cfg, resolver, rank, world, dev, mesh: order.append(
+        ("mesh", rank, world, dev, mesh)))
+    # Worker 3 of a run whose second mesh (workers 2-5) holds it: rank 1 of that mesh's world of 4.
+    worker = SimpleNamespace(cfg=None, resolver=None, index=3, world=6, rank=1, mesh=SimpleNamespace(world_size=4),
+                             mesh_index=1)
     ModelWorker._init_process_group(worker)
-    assert order == ["select", ("mesh", torch.device("cuda", 0))] and worker.device == torch.device("cuda", 0)
+    assert order == ["select", ("mesh", 1, 4, torch.device("cuda", 0), 1)] and worker.device == torch.device("cuda", 0)
 
 
 class _CountsHostCopies(torch.Tensor):
@@ -96,7 +99,7 @@ def test_a_memory_update_copies_the_weights_to_the_host_once_for_all_servers(mon
     monkeypatch.setattr(gen_client, "push_weights", lambda address, secret, version, sd, *a, **kw: pushed.append(sd))
     cfg = _cfg()
     engine = SimpleNamespace(hf_state_dict=lambda: state)
-    worker = SimpleNamespace(cfg=cfg, engines={"actor": engine}, index=0, control=SimpleNamespace(secret=b"s" * 32),
+    worker = SimpleNamespace(cfg=cfg, engines={"actor": engine}, index=0, control=SimpleNamespace(secret=b"s" * 32), policy="actor",
                              _sharded=lambda role: False)
     _CountsHostCopies.copies = 0
     published = ModelWorker.publish_weights(worker, PublishWeights(version=1, servers=["x", "y", "z"]))

@@ -10,9 +10,9 @@ import os
 import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from realcore.api.alloc import parse_allocation_mode
+from realcore.api.alloc import POLICY_ROLE, parse_allocation_mode
 from realcore.api.config_base import StrictModel
 # The process and scheduler sections live in config_system; callers keep importing them from here.
 from realcore.api.config_system import NameResolveConfig as NameResolveConfig
@@ -92,13 +92,19 @@ class LoraConfig(StrictModel):
 
 
 class RoleConfig(StrictModel):
-    """A model role (actor, ref): its backend and, if trainable, its optimizer."""
+    """A model role (actor, ref, critic, reward, or a user's): its weights, head, backend and, if
+    trainable, its optimizer. Its mesh is given in allocation_mode (default: the actor's)."""
+
+    model_path: str | None = Field(
+        None, description="the HF model directory this role starts from (e.g. a reward model's folder); None: "
+        "model.path (a critic starts from the policy's weights with a fresh value head)")
 
     backend: Literal["torch", "fsdp", "megatron"] | None = Field(
         None, description="torch (replicated on every data-parallel rank) | fsdp (the torch engine with parameters, "
         "gradients and optimizer state sharded over data-parallel ranks by FSDP2; generates on generation servers "
-        "only) | megatron; None: for the actor torch on a data-parallel training mesh, megatron when "
-        "allocation_mode asks for pN/tN/cN/eN > 1; other roles: the actor's backend")
+        "only) | megatron; None: a role on a mesh of its own in allocation_mode (and the actor) torch when that "
+        "mesh is data-parallel only, megatron when it asks for pN/tN/cN/eN > 1; a role colocated with the actor: "
+        "the actor's backend")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="compute dtype. auto: bfloat16 on a GPU, float32 on a CPU. bfloat16 — torch: autocast to bf16; fsdp: parameters gathered in bf16 "
         "(FSDP2 MixedPrecisionPolicy), gradients reduced in float32; both keep float32 parameters and optimizer "
@@ -380,11 +386,11 @@ class LoggingConfig(StrictModel):
     wandb: WandbConfig = Field(WandbConfig(), description="Weights & Biases (off unless logging.wandb.project is set)")
 
 
-def _model_parallel(allocation_mode: str) -> bool:
-    """Whether the training mesh splits the model (pN/tN/cN/eN > 1); False for an unparsable mode,
-    which the launcher's checks report."""
+def _model_parallel(allocation_mode: str, role: str = POLICY_ROLE) -> bool:
+    """Whether `role`'s training mesh splits the model (pN/tN/cN/eN > 1); False for an unparsable
+    mode, which the launcher's checks report."""
     try:
-        m = parse_allocation_mode(allocation_mode).train
+        m = parse_allocation_mode(allocation_mode).mesh_dims(role)
     except ValueError:
         return False
     return (m.pp, m.tp, m.cp, m.ep) != (1, 1, 1, 1)
@@ -392,6 +398,9 @@ def _model_parallel(allocation_mode: str) -> bool:
 
 class ExperimentConfig(StrictModel):
     """One run: what `python -m realcore.launch` composes from experiments/ and the command line."""
+
+    # `roles` (the field) is stored as roles_ beside the method roles(); written and read as `roles`.
+    model_config = ConfigDict(populate_by_name=True, serialize_by_alias=True)
 
     experiment_name: str = Field(
         description="names the run with trial_name (name-resolution keys, Slurm job, Ray namespace, the default "
@@ -426,7 +435,10 @@ class ExperimentConfig(StrictModel):
         "local", description="local: processes on this machine; slurm: one sbatch job (slurm:); ray: Ray tasks (ray:)")
     allocation_mode: str = Field(
         "d2p1t1", description="AReaL form: the training mesh (d2p1t1 = DP 2 x PP 1 x TP 1; cN, eN optional), generation colocated; "
-        "or ENGINE.MESH+MESH (local, sglang, vllm, or one registered in `imports`): generation servers, then the training mesh")
+        "or ENGINE.MESH+MESH (local, sglang, vllm, or one registered in `imports`): generation servers, then the training mesh. "
+        "The training mesh may be given per role, ROLE:MESH,... (e.g. actor:d1p1t1,critic:d1p1t1,ref:d1p1t1, or "
+        "local.d1+actor:d1,critic:d1): each named role gets model workers of its own, and MFCs on different meshes run "
+        "at the same time; the actor must be named; a role not named shares the actor's mesh. A plain mesh puts every role on it")
     imports: list[str] = Field(
         default_factory=list, description="user modules imported by the launcher and every worker before the graph is "
         "built (they register MFCs, workflows, rewards, datasets)")
@@ -434,6 +446,9 @@ class ExperimentConfig(StrictModel):
     dataset: DatasetConfig = Field(DatasetConfig(), description="the training prompts")
     actor: RoleConfig = Field(RoleConfig(trainable=True), description="the policy role (trainable unless set otherwise)")
     ref: RoleConfig | None = Field(None, description="the reference role (ref_logprobs for the KL term); None: no ref")
+    roles_: dict[str, RoleConfig] = Field(
+        default_factory=dict, alias="roles", description="the other model roles by name (critic, reward, a user's), "
+        "each with its head, weights and backend; MFCs name them in `model`. actor and ref are given above")
     generation: GenerationConfig = Field(
         GenerationConfig(), description="sampling of rollouts (generate MFC, rollout workers, generation servers)")
     ppo: PPOConfig = Field(PPOConfig(), description="the ppo_update MFC's hyperparameters")
@@ -453,18 +468,41 @@ class ExperimentConfig(StrictModel):
             raise ValueError("mfcs: an experiment declares at least one MFC")
         if self.system.name_resolve.root is None:  # the run's own folder, shared by its nodes (NameResolveConfig.root)
             self.system.name_resolve.root = os.path.join(os.path.abspath(self.output_dir), ".name_resolve")
+        for name in self.roles_:
+            if name == POLICY_ROLE or (name == "ref" and self.ref is not None):
+                raise ValueError(f"roles.{name}: the role {name!r} is given twice (as `{name}:` and in `roles:`)")
+        try:
+            placed = parse_allocation_mode(self.allocation_mode).role_meshes
+        except ValueError:
+            placed = {}  # the launcher's checks report an unparsable mode
+        roles = self.roles()
+        for name in placed:
+            if name not in roles:
+                raise ValueError(f"allocation_mode: unknown role {name!r} (declared roles: {', '.join(roles)})")
         if self.actor.backend is None:
             self.actor.backend = "megatron" if _model_parallel(self.allocation_mode) else "torch"
-        if self.ref is not None and self.ref.backend is None:  # roles share one mesh: same backend by default
-            self.ref.backend = self.actor.backend
+        for name, r in roles.items():
+            if r.backend is None:  # a role on the actor's mesh takes the actor's backend; on its own, its mesh's
+                own = "megatron" if _model_parallel(self.allocation_mode, name) else "torch"
+                r.backend = own if name in placed else self.actor.backend
         return self
 
     def roles(self) -> dict[str, RoleConfig]:
-        """Model roles declared by this experiment."""
-        out = {"actor": self.actor}
+        """Model roles declared by this experiment, the actor first."""
+        out = {POLICY_ROLE: self.actor}
         if self.ref is not None:
             out["ref"] = self.ref
+        out.update({k: v for k, v in self.roles_.items() if k not in out})
         return out
+
+    def policy_role(self) -> str:
+        """The role that generates, whose version the run counts and whose weights go to the
+        generation servers."""
+        return POLICY_ROLE
+
+    def role_model_path(self, role: str) -> str | None:
+        """Where `role`'s initial weights are: its model_path, else model.path."""
+        return self.roles()[role].model_path or self.model.path
 
 
 def _models(annotation) -> list[type[BaseModel]]:
@@ -479,7 +517,7 @@ def config_keys(model: type[BaseModel] = ExperimentConfig, prefix: str = "") -> 
     `python -m realcore.launch --help` prints."""
     out = {}
     for name, field in model.model_fields.items():
-        key = prefix + name
+        key = prefix + (field.alias or name)
         out[key] = field.description
         for sub in _models(field.annotation):
             out.update(config_keys(sub, key + "."))

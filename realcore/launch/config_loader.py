@@ -76,7 +76,7 @@ def _defaults() -> dict:
         if field.is_required():
             continue
         value = field.get_default(call_default_factory=True)
-        out[name] = value.model_dump() if isinstance(value, pydantic.BaseModel) else value
+        out[field.alias or name] = value.model_dump() if isinstance(value, pydantic.BaseModel) else value
     return out
 
 
@@ -106,9 +106,20 @@ def _replace_whole(overrides: list[str]) -> list[str]:
     return out
 
 
+def _quote_allocation(overrides: list[str]) -> list[str]:
+    """`allocation_mode=actor:d1,ref:d1` as one string (hydra reads an unquoted comma as a sweep)."""
+    out = []
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if key.lstrip("+") == "allocation_mode" and "," in value and value[:1] not in "'\"":
+            o = f"{key}='{value}'"
+        out.append(o)
+    return out
+
+
 def compose(overrides: list[str]) -> dict:
     """Hydra composition of `experiments/` with command-line overrides, resolved to a plain dict."""
-    return _compose(_replace_whole(overrides))
+    return _compose(_replace_whole(_quote_allocation(overrides)))
 
 
 def _compose(overrides: list[str]) -> dict:

@@ -30,7 +30,7 @@ from realcore.dfg.graph import DataFlowGraph, GraphError
 from realcore.launch.config_loader import ConfigError, load_config
 from realcore.launch.engine_server import free_port
 from realcore.launch.local import Proc, open_log, private_logs_dir, spawn, spawn_command, tail
-from realcore.launch.placement import Plan, describe
+from realcore.launch.placement import Plan, describe, describe_meshes
 from realcore.launch.process import PREEMPTED_EXIT, node_address
 from realcore.launch.ray_scheduler import describe_bundles, run_ray
 from realcore.launch.run_lock import claim_output, hold_run
@@ -255,9 +255,9 @@ def start_processes(cfg: ExperimentConfig, alloc: AllocationMode, config_path: s
     env = child_env(cfg)
     logs = os.path.join(cfg.output_dir, "logs")
     n_servers = alloc.gen.dp if alloc.gen is not None else 0
-    common = ["--world", str(alloc.train.world_size), "--config", config_path, "--secret-file", secret_path,
+    common = ["--world", str(alloc.world_size), "--config", config_path, "--secret-file", secret_path,
               "--n-servers", str(n_servers), "--attempt", str(attempt)]
-    kinds = [("model_worker", alloc.train.world_size)]
+    kinds = [("model_worker", alloc.world_size)]
     procs = []
     if alloc.gen is not None:
         if capabilities(alloc.backend).own_worker:
@@ -327,6 +327,8 @@ def print_plan(cfg: ExperimentConfig, alloc: AllocationMode, plan: Plan | None) 
                                                 write_files=False)
                 commands[f"gen_server/{i}"] = argv
         print(describe(cfg, alloc, plan, commands))
+    if alloc.role_meshes:
+        print(describe_meshes(cfg, alloc))
     print("realcore: dry run: nothing was started", flush=True)
     return 0
 
@@ -396,6 +398,8 @@ def run_local(cfg: ExperimentConfig, dfg: DataFlowGraph, alloc: AllocationMode, 
                 print(describe(cfg, alloc, plan, {}), flush=True)
             print(f"realcore: {cfg.experiment_name}/{cfg.trial_name}: {', '.join(p.name for p in procs)}; "
                   f"output in {cfg.output_dir}", flush=True)
+            if alloc.role_meshes:
+                print(describe_meshes(cfg, alloc), flush=True)
             print(dfg.describe(), flush=True)
         write_pids(cfg.output_dir, procs)
         own = alloc.gen is not None and capabilities(alloc.backend).own_worker

@@ -97,7 +97,7 @@ def gpus_per_server(cfg: ExperimentConfig, alloc: AllocationMode) -> int:
 def process_names(cfg: ExperimentConfig, alloc: AllocationMode) -> list[str]:
     """Every process a local run starts, in plan order: servers, training ranks, the rest."""
     names = [f"gen_server/{i}" for i in range(alloc.gen.dp if alloc.gen is not None else 0)]
-    names += [f"model_worker/{r}" for r in range(alloc.train.world_size)]
+    names += [f"model_worker/{r}" for r in range(alloc.world_size)]
     if cfg.mode == "async":
         names += ["gserver_manager"] + [f"rollout_worker/{i}" for i in range(cfg.rollout.n_workers)]
     return names + ["master"]
@@ -110,10 +110,10 @@ def make_plan(cfg: ExperimentConfig, alloc: AllocationMode, slots: list[str], so
         return Plan((), source, hide=source == "system.gpus")
     per_server = gpus_per_server(cfg, alloc)
     n_servers = alloc.gen.dp if alloc.gen is not None else 0
-    need = n_servers * per_server + alloc.train.world_size
+    need = n_servers * per_server + alloc.world_size
     if need > len(slots):
         parts = f"{n_servers} generation server(s) x {per_server} + " if n_servers * per_server else ""
-        raise ConfigError(f"allocation_mode: {cfg.allocation_mode} needs {need} GPUs ({parts}{alloc.train.world_size} "
+        raise ConfigError(f"allocation_mode: {cfg.allocation_mode} needs {need} GPUs ({parts}{alloc.world_size} "
                           f"training rank(s)) and this node has {len(slots)} ({source}); use a smaller allocation_mode "
                           "or name more slots in system.gpus")
     gpus: dict[str, tuple[str, ...]] = {}
@@ -121,7 +121,7 @@ def make_plan(cfg: ExperimentConfig, alloc: AllocationMode, slots: list[str], so
     for i in range(n_servers if per_server else 0):
         gpus[f"gen_server/{i}"] = tuple(slots[nxt:nxt + per_server])
         nxt += per_server
-    for r in range(alloc.train.world_size):
+    for r in range(alloc.world_size):
         gpus[f"model_worker/{r}"] = (slots[nxt],)
         nxt += 1
     for name, held in gpus.items():
@@ -182,3 +182,13 @@ def check_nccl(cfg: ExperimentConfig, alloc: AllocationMode, *, trainer_on_gpu: 
         raise ConfigError(f"rollout.weight_update=nccl: NCCL needs both on GPUs, and the trainer is "
                           f"{where[trainer_on_gpu]} while the generation servers are {where[servers_on_gpu]}{why}; "
                           f"use {instead}")
+
+
+def describe_meshes(cfg: ExperimentConfig, alloc: AllocationMode) -> str:
+    """One line per training mesh: its roles and its model workers (printed when roles have meshes of their own)."""
+    lines = ["realcore: training meshes (docs/roles.md):"]
+    for m in alloc.meshes(cfg.roles()):
+        d = m.dims
+        workers = f"model_worker/{m.first}" + (f"-{m.workers[-1]}" if d.world_size > 1 else "")
+        lines.append(f"  {', '.join(m.roles)}: {workers} (d{d.dp}p{d.pp}t{d.tp}c{d.cp}e{d.ep})")
+    return "\n".join(lines)

@@ -54,7 +54,7 @@ from realcore.transport.name_resolve import make_name_resolver
 
 def worker_specs(cfg: ExperimentConfig, alloc: AllocationMode) -> list[tuple[str, str, int]]:
     """(name, type, index) of every worker process, the master last."""
-    specs = [(f"model_worker/{i}", "model_worker", i) for i in range(alloc.train.world_size)]
+    specs = [(f"model_worker/{i}", "model_worker", i) for i in range(alloc.world_size)]
     if alloc.gen is not None:
         specs += [(f"gen_server/{i}", "gen_server", i) for i in range(alloc.gen.dp)]
     if cfg.mode == "async":
@@ -72,7 +72,7 @@ def mesh_bundles(cfg: ExperimentConfig, alloc: AllocationMode,
     SGLang/vLLM server spans tp*pp GPUs, its own TP/PP workers)."""
     r = cfg.ray
     per_worker = (r.gpus_per_worker or 0) if gpus_per_worker is None else gpus_per_worker
-    meshes = {"model_worker": (alloc.train.world_size, per_worker)}
+    meshes = {"model_worker": (alloc.world_size, per_worker)}
     if alloc.gen is not None:
         meshes["gen_server"] = (alloc.gen.dp, per_worker * gpus_per_server(cfg, alloc))
     return {kind: (n, {"CPU": r.cpus_per_worker, **({"GPU": g} if g else {})}) for kind, (n, g) in meshes.items()}
@@ -171,7 +171,7 @@ def run_ray(cfg: ExperimentConfig, alloc: AllocationMode, config_path: str, secr
             return 1
         task = ray.remote(_run_worker)
         n_servers = alloc.gen.dp if alloc.gen is not None else 0
-        common = ["--world", str(alloc.train.world_size), "--config", config_path, "--secret-file", secret_path,
+        common = ["--world", str(alloc.world_size), "--config", config_path, "--secret-file", secret_path,
                   "--n-servers", str(n_servers)]
         logs = os.path.join(cfg.output_dir, "logs")
         kinds = {name: (kind, index) for name, kind, index in worker_specs(cfg, alloc)}

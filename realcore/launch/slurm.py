@@ -113,7 +113,7 @@ def steps(cfg: ExperimentConfig, alloc: AllocationMode) -> list[Step]:
         use_gpus = alloc.gen is not None and not capabilities(alloc.backend).own_worker
     else:
         use_gpus = gpus > 0
-    out = [Step("model_worker", alloc.train.world_size, 1 if use_gpus else 0)]  # one rank per GPU
+    out = [Step("model_worker", alloc.world_size, 1 if use_gpus else 0)]  # one rank per GPU
     if alloc.gen is not None:
         # One task per server: a built-in server is one process on one GPU; an SGLang/vLLM server
         # spans tp*pp GPUs of its node (its own TP/PP workers; multi-node servers are not supported).
@@ -130,7 +130,7 @@ def steps(cfg: ExperimentConfig, alloc: AllocationMode) -> list[Step]:
 
 def _common_args(alloc: AllocationMode, config_path: str, secret_path: str) -> list[str]:
     n_servers = alloc.gen.dp if alloc.gen is not None else 0
-    return ["--world", str(alloc.train.world_size), "--config", config_path, "--secret-file", secret_path,
+    return ["--world", str(alloc.world_size), "--config", config_path, "--secret-file", secret_path,
             "--n-servers", str(n_servers)]
 
 

@@ -41,8 +41,8 @@ def validate(cfg: ExperimentConfig) -> tuple[DataFlowGraph, AllocationMode]:
         raise ConfigError(f"allocation_mode: mode=async needs generation servers, e.g. local.d2p1t1+{cfg.allocation_mode}")
     if alloc.gen is not None:
         check_generation_servers(cfg, alloc)
-    mesh = alloc.train
     for role, r in cfg.roles().items():
+        mesh = alloc.mesh_dims(role)
         if r.backend in ("torch", "fsdp") and (mesh.pp, mesh.tp, mesh.cp, mesh.ep) != (1, 1, 1, 1):
             raise ConfigError(f"allocation_mode: {role}.backend={r.backend} supports data parallel only (got {cfg.allocation_mode}); use pN/tN with the megatron backend")
         if r.backend == "megatron" and importlib.util.find_spec("megatron") is None:
@@ -141,6 +141,12 @@ def check_inputs(cfg: ExperimentConfig, alloc: AllocationMode) -> LoadedDataset:
         hf_config = check_model_dir(cfg.model.path)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    for role, r in cfg.roles().items():
+        if r.model_path is not None:
+            try:
+                check_model_dir(r.model_path)
+            except ValueError as e:
+                raise ConfigError(f"{role}.model_path: {e}") from None
     try:
         tokenizer = load_tokenizer(cfg.model.path)
     except Exception as e:  # transformers raises many types for a tokenizer it cannot load
@@ -278,7 +284,7 @@ def check_model_layout(cfg: ExperimentConfig, alloc: AllocationMode) -> None:
                           f"ranks, and {cfg.model.path} has {heads}; use a tp that divides {heads}")
     for role, r in roles.items():
         try:
-            check_megatron_config(role, r.megatron, alloc.train, hf_config)
+            check_megatron_config(role, r.megatron, alloc.mesh_dims(role), hf_config)
         except ValueError as e:
             raise ConfigError(str(e)) from None
 

@@ -1,9 +1,11 @@
 """The master worker: schedules the dataflow graph's MFCs onto model workers, moves only metadata.
 
 One step: take `batch_size` new samples from the batch source (dataset shards or the trajectory
-stream), then run every MFC whose inputs are ready on `n_seqs` samples (independent MFCs
-concurrently; each worker executes requests in arrival order, so collectives line up; an MFC that
-waits only for the one being sent goes in its request, Master.chain), then release the samples
+stream), then run every MFC whose inputs are ready on `n_seqs` samples, on the workers of its
+role's training mesh (a model-free MFC on the actor's): MFCs on different meshes run at the same
+time, MFCs on one mesh one after another (a worker runs one request at a time, so `time/NAME_s`
+is each MFC's own wall time; an MFC that waits only for the one being sent, on the same mesh,
+goes in its request, Master.chain), then release the samples
 (each worker drops them with its next request), publish the new weights to the generation
 servers, log, and checkpoint.
 A recover checkpoint (recover.py) lets a restarted run continue from the step it was written at.
@@ -22,9 +24,9 @@ import queue
 import signal
 import time
 
-from realcore.api.alloc import parse_allocation_mode
+from realcore.api.alloc import Mesh, parse_allocation_mode
 from realcore.api.config import ExperimentConfig
-from realcore.api.registry import lookup
+from realcore.api.registry import mfc_spec
 from realcore.dfg.graph import DataFlowGraph, MFCNode, build_graph
 from realcore.plot import plot_run
 from realcore.transport import addresses, drops, keys, wire
@@ -81,6 +83,17 @@ def spans_of(starts: list[int], ds: list[int]) -> list[tuple[int, int]]:
     return spans
 
 
+@dataclasses.dataclass(frozen=True)
+class MeshView:
+    """A training mesh as the master addresses it: its replicas' heads (global worker indices) and
+    which of them travel as one request (one relay's)."""
+
+    index: int
+    mesh: Mesh
+    heads: list[int]
+    groups: list[list[int]]  # replicas (indices into heads)
+
+
 def calm_collector() -> None:
     """The master makes ~75k small containers a step at 1000 workers (metadata per sample); with
     Python's default thresholds the cyclic collector then ran ~5 full collections a step over all
@@ -102,10 +115,10 @@ class Master:
         self.names = [f"model_worker/{i}" for i in range(n_workers)]
         self.index_of = {n: i for i, n in enumerate(self.names)}
         self.alloc = parse_allocation_mode(cfg.allocation_mode)
-        self.mesh = self.alloc.train
-        # One head per data-parallel replica holds the replica's samples and answers for it.
-        self.heads = [self.mesh.dp_head(d) for d in range(self.mesh.dp)]
-        self.head_set = set(self.heads)
+        self.policy = cfg.policy_role()
+        # One head per data-parallel replica of each mesh holds the replica's samples and answers for it.
+        meshes = self.alloc.meshes(cfg.roles())
+        self.head_set = {h for m in meshes for h in m.heads()}
         self.resolver = make_name_resolver(cfg.system.name_resolve, secret)
         timeout = cfg.system.startup_timeout_s
         addrs = {n: addresses.read_model_worker(self.resolver, cfg, i, timeout_s=timeout).control
@@ -120,7 +133,11 @@ class Master:
             relays=(relays := relay_groups({n: addrs[n] for n in self.names}, cfg.system.relay_group_size)),
             relay_timeout_s=cfg.system.request_timeout_s, tops=relay_tops(list(relays), cfg.system.relay_fanout),
         )
-        self.groups = replica_groups(self.heads, self.names, self.pool.relay_of, self.pool.top_of)
+        self.meshes = [MeshView(i, m, m.heads(), replica_groups(m.heads(), self.names, self.pool.relay_of, self.pool.top_of))
+                       for i, m in enumerate(meshes)]
+        self.mesh_of_role = {role: v for v in self.meshes for role in v.mesh.roles}
+        # The dataset shards over the actor's mesh's replicas (and async trajectories go to its heads).
+        self.heads, self.groups = self.meshes[0].heads, self.meshes[0].groups
         self.drop_tally = drops.Tally()
         self.drop_totals: collections.Counter[str] = collections.Counter()  # "process/socket/reason" -> drops this attempt
         self.version = 0
@@ -209,11 +226,15 @@ class Master:
 
     # --- the step -----------------------------------------------------------------------------
 
+    def mesh_of(self, node: MFCNode) -> MeshView:
+        """Where `node` runs: its role's mesh; a model-free MFC on the actor's."""
+        return self.mesh_of_role[node.model if node.model is not None else self.policy]
+
     def collective(self, node: MFCNode) -> bool:
         """Runs on every rank of each replica (a Megatron role's forward/backward), or on heads only."""
         if node.model is None or self.cfg.roles()[node.model].backend != "megatron":
             return False
-        return not (self.alloc.gen is not None and getattr(lookup("mfc", node.type), "generates", False))
+        return not (self.alloc.gen is not None and mfc_spec(node.type).generates)
 
     def chain(self, node: MFCNode, ids: list[int], parts: list[list[int]], busy, costs: list[int] | None = None) -> list[MFCNode]:
         """MFCs to send with `node` on the same ids, run right after it on each worker: one request
@@ -223,20 +244,22 @@ class Master:
         split as `node` is by its own token costs: so it runs where it would have run anyway.
         Not after generation (the responses it makes change every later MFC's costs), nor for
         collective (Megatron) MFCs (other ranks read a head's outputs through the data plane,
-        which a chained MFC could reach before the head stored them). `costs`: those `parts` were
-        split by (an MFC with the same costs splits the same way: not split again)."""
-        if self.collective(node) or getattr(lookup("mfc", node.type), "generates", False):
+        which a chained MFC could reach before the head stored them), nor on another mesh.
+        `costs`: those `parts` were split by (an MFC with the same costs splits the same way: not
+        split again)."""
+        if self.collective(node) or mfc_spec(node.type).generates:
             return []
+        view = self.mesh_of(node)
         have = self.buffer.common_keys(ids) | set(node.outputs)
         made = set(node.outputs)
         out: list[MFCNode] = []
         for b in self.nodes:
-            if (b is node or b.name in busy or b.n_seqs != len(ids) or self.collective(b)
+            if (b is node or b.name in busy or b.n_seqs != len(ids) or self.collective(b) or self.mesh_of(b) is not view
                     or not set(b.inputs) <= have or not set(b.inputs) & made
                     or self.buffer.touched(b, ids) or self.buffer.ready(b) is not None):
                 continue
             mine = self.buffer.costs(ids, b.inputs)
-            if mine != costs and split_balanced(ids, mine, self.mesh.dp) != parts:
+            if mine != costs and split_balanced(ids, mine, view.mesh.dims.dp) != parts:
                 continue
             out.append(b)
             have |= set(b.outputs)
@@ -245,8 +268,9 @@ class Master:
 
     def dispatch(self, node: MFCNode, ids: list[int], busy) -> tuple[list[MFCNode], dict[str, Reply]]:
         """Send `node` on `ids` (and the MFCs chained to it) to its workers: (chained MFCs, replies)."""
+        view = self.mesh_of(node)
         costs = self.buffer.costs(ids, node.inputs)
-        parts = split_balanced(ids, costs, self.mesh.dp)
+        parts = split_balanced(ids, costs, view.mesh.dims.dp)
         chained = self.chain(node, ids, parts, busy, costs)
         for n in (node, *chained):
             self.buffer.start(n, ids)
@@ -262,40 +286,46 @@ class Master:
         # One request per group of replicas (a relay's, or one replica's): the ids of its parts in
         # order, and who holds each input of each (columns.py).
         collective = self.collective(node)
-        groups = [[d] for d in range(len(parts))] if collective else self.groups
+        groups = [[d] for d in range(len(parts))] if collective else view.groups
         msgs = []
         for ds in groups:
             spans = spans_of(starts, ds)
             ids = take(order, spans)
-            heads = [self.heads[d] for d in ds for _ in parts[d]]
+            heads = [view.heads[d] for d in ds for _ in parts[d]]
             then, made = [], set(node.outputs)
             for b in chained:
                 then.append(RunMFC(b.name, ids, {k: heads if k in made else take(cols[k], spans) for k in b.inputs}))
                 made |= set(b.outputs)
             msgs.append(RunMFC(node.name, ids, {k: take(cols[k], spans) for k in node.inputs}, then=then))
         if collective:  # every rank of a replica; the heads' replies are the replica's
-            futs = self.pool.request_many(self.with_clears({self.names[i]: msgs[self.mesh.dp_rank(i)]
-                                                            for i in range(self.n_workers)}))
+            m = view.mesh
+            futs = self.pool.request_many(self.with_clears({self.names[i]: msgs[m.dims.dp_rank(i - m.first)]
+                                                            for i in m.workers}))
         else:
             futs = self.pool.request_columns([
-                Columns([self.names[self.heads[d]] for d in ds], [len(parts[d]) for d in ds], msg,
-                        [self.to_clear.pop(self.heads[d], []) for d in ds]) for ds, msg in zip(groups, msgs)])
+                Columns([self.names[view.heads[d]] for d in ds], [len(parts[d]) for d in ds], msg,
+                        [self.to_clear.pop(view.heads[d], []) for d in ds]) for ds, msg in zip(groups, msgs)])
         return chained, futs
 
     def run_step(self, step: int, metrics: dict, writer: MetricsWriter) -> None:
         # name of the first MFC -> (the MFCs sent together, ids, replies, start time)
         running: dict[str, tuple[list[MFCNode], list[int], dict[str, Reply], float]] = {}
         busy: set[str] = set()  # every MFC in `running`, chained ones included
+        meshes_busy: dict[str, int] = {}  # first MFC in `running` -> the mesh it runs on
         # Each request reports once, when all its workers replied (or at the first failure): O(workers)
         # per MFC, where waking up on every reply and re-scanning every future was O(workers^2).
         events: queue.Queue = queue.Queue()
+        step_t0 = time.perf_counter()
         while True:
             for node in self.nodes:
-                if node.name in busy:
+                # An MFC whose mesh is busy waits: on the workers it would only queue behind the
+                # running one, and its wall time would count the wait.
+                if node.name in busy or self.mesh_of(node).index in meshes_busy.values():
                     continue
                 ids = self.buffer.ready(node)
                 if ids is not None:
                     chained, futs = self.dispatch(node, ids, busy)
+                    meshes_busy[node.name] = self.mesh_of(node).index
                     running[node.name] = ([node, *chained], ids, futs, time.perf_counter())
                     busy.update(n.name for n in running[node.name][0])
                     _report_when_done(node.name, futs, events)
@@ -309,6 +339,7 @@ class Master:
             if error is not None:  # a worker failed or was lost: the run cannot go on
                 raise error
             nodes, ids, futs, t0 = running.pop(name)
+            del meshes_busy[name]
             wall = time.perf_counter() - t0
             got = [r if isinstance(r, Gathered) else Gathered([w], [len(r.ids)], r)
                    for w, r in wait_all(futs, 0, f"MFC {name}").items()
@@ -321,14 +352,18 @@ class Master:
             # A chain's wall time is shared out by the slowest worker's own time in each MFC.
             slowest = [max((r.seconds for r in rs), default=0.0) for rs in per_node]
             total = sum(slowest)
+            began = t0 - step_t0
             for node, rs, s in zip(nodes, per_node, slowest):
                 self.buffer.add_many([(own, r.ids, r.tokens, r.seqs) for own, r in zip(owners, rs)])
                 self.buffer.finish(node, ids)
                 merge_stats(rs, metrics)
                 share = wall * s / total if total > 0 else wall / len(nodes)
                 metrics[f"time/{node.name}_s"] = metrics.get(f"time/{node.name}_s", 0.0) + share
+                # When it ran, in seconds since the step's MFCs began (which ran at the same time).
+                metrics.setdefault(f"timeline/{node.name}_start_s", began)
+                metrics[f"timeline/{node.name}_end_s"] = began = began + share
                 busy.discard(node.name)
-                if node.trains:
+                if node.trains and node.model == self.policy:  # a critic's training is no new policy
                     self.version += 1
 
     def log_drops(self, metrics: dict) -> None:

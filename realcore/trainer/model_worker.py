@@ -1,5 +1,7 @@
-"""A model worker: holds its data-parallel rank of every model role, its dataset shard, and the
-samples it produced; runs MFCs the master asks for, fetching inputs it lacks from peers.
+"""A model worker: holds its data-parallel rank of every model role placed on its training mesh
+(allocation_mode; one mesh for all roles unless roles get their own), its dataset shard (the
+actor's mesh only), and the samples it produced; runs MFCs the master asks for, fetching inputs it
+lacks from peers (on any mesh) through the data plane.
 
 Main loop: take a request, dispatch by command, reply. Socket I/O runs on the control and data
 threads; the master's silence for longer than the heartbeat deadline ends the worker.
@@ -16,7 +18,7 @@ from types import SimpleNamespace
 
 import torch.distributed as dist
 
-from realcore.api.alloc import parse_allocation_mode
+from realcore.api.alloc import mesh_of_worker, parse_allocation_mode
 from realcore.api.config import ExperimentConfig
 from realcore.api.data import SequenceSample
 from realcore.api.registry import dataset_keys, lookup, mfc_spec, workflow_keys
@@ -68,10 +70,16 @@ class ModelWorker:
     def __init__(self, cfg: ExperimentConfig, index: int, world: int, secret: bytes):
         self.cfg, self.index, self.world = cfg, index, world
         self.alloc = parse_allocation_mode(cfg.allocation_mode)
-        self.mesh = self.alloc.train
+        # This worker's training mesh: the roles it holds, and its rank within the mesh.
+        meshes = self.alloc.meshes(cfg.roles())
+        self.my_mesh = mesh_of_worker(meshes, index)
+        self.mesh_index = meshes.index(self.my_mesh)
+        self.mesh, self.rank = self.my_mesh.dims, index - self.my_mesh.first
+        self.policy = cfg.policy_role()
+        self.on_policy_mesh = self.policy in self.my_mesh.roles  # the dataset, the stream, generation
         # Ranks of one data-parallel replica (a TP x PP group) work on the same samples; its head
         # holds them, fetches them, and answers for the replica.
-        self.dp_rank, self.head = self.mesh.dp_rank(index), self.mesh.is_dp_head(index)
+        self.dp_rank, self.head = self.mesh.dp_rank(self.rank), self.mesh.is_dp_head(self.rank)
         self.dfg = build_graph(cfg, source_keys(cfg))
         self.state = "created"
         self.storage = Storage()
@@ -88,7 +96,7 @@ class ModelWorker:
         self.dataset: list = []
         self.sampler: EpochSampler | None = None  # sync mode, replica heads: the shard's position
         self.stream = (TrajectoryStream(host, secret, workflow_keys(cfg.rollout.workflow), name=name, limits=limits)
-                       if cfg.mode == "async" and self.head else None)
+                       if cfg.mode == "async" and self.head and self.on_policy_mesh else None)
         self.generator = None  # sync mode with generation servers: where `generate` MFCs sample
         self.evaluator = None  # worker 0, when eval.freq_steps is set: made at the first EVALUATE
         self.sender = None  # worker 0, weight_update=nccl: its weight-update group with the servers
@@ -104,27 +112,32 @@ class ModelWorker:
     def configure(self, msg: Configure) -> Configured:
         cfg = self.cfg
         self._init_process_group()
-        for role, rcfg in cfg.roles().items():
+        roles = cfg.roles()
+        for role in self.my_mesh.roles:
+            rcfg, path = roles[role], cfg.role_model_path(role)
             if rcfg.backend == "megatron":
                 from realcore.backends.megatron.engine import MegatronEngine  # why: megatron-core (optional, slow to import) only for its roles
 
-                self.engines[role] = MegatronEngine(cfg.model.path, rcfg, self.mesh, total_steps=optimizer_steps(cfg, role),
+                self.engines[role] = MegatronEngine(path, rcfg, self.mesh, total_steps=optimizer_steps(cfg, role),
                                                     seed=cfg.seed, role_name=role)
             elif rcfg.backend == "fsdp":
-                self.engines[role] = FSDPEngine(cfg.model.path, rcfg, total_steps=optimizer_steps(cfg, role), seed=cfg.seed)
+                self.engines[role] = FSDPEngine(path, rcfg, total_steps=optimizer_steps(cfg, role), seed=cfg.seed)
             else:
-                self.engines[role] = TorchEngine(cfg.model.path, rcfg, total_steps=optimizer_steps(cfg, role), seed=cfg.seed)
-        tokenizer = self.engines["actor"].tokenizer or load_tokenizer(cfg.model.path)
+                self.engines[role] = TorchEngine(path, rcfg, total_steps=optimizer_steps(cfg, role), seed=cfg.seed)
+        policy = self.engines.get(self.policy)
+        tokenizer = (policy.tokenizer if policy is not None else None) or load_tokenizer(cfg.model.path)
         self.no_model = SimpleNamespace(tokenizer=tokenizer)
         counts = Configured()
-        if cfg.mode == "sync" and self.head:  # in async mode the rollout workers hold the dataset
+        # The dataset shards over the actor's mesh's replicas (the master's batch source asks its heads);
+        # in async mode the rollout workers hold it.
+        if cfg.mode == "sync" and self.head and self.on_policy_mesh:
             loaded = lookup("dataset", cfg.dataset.type)(
                 cfg.dataset, tokenizer, rank=self.dp_rank, world=self.mesh.dp, use_chat_template=cfg.model.use_chat_template
             )
             self.dataset = loaded.samples
             self.sampler = EpochSampler(len(self.dataset), cfg.dataset.seed, self.dp_rank)
             counts = Configured(loaded.n_rows, len(self.dataset), loaded.skipped)
-        if cfg.mode == "sync" and self.alloc.gen is not None and self.head:
+        if cfg.mode == "sync" and self.alloc.gen is not None and self.head and self.on_policy_mesh:
             self.generator = self._server_generation(tokenizer)
         for i in range(self.world):
             if i != self.index:
@@ -145,7 +158,8 @@ class ModelWorker:
         """This rank's device first (its GPU becomes the current one), then the mesh's group on it."""
         self.device = device.select_device()
         log.info("model worker %d computes on %s", self.index, self.device)
-        rendezvous.init_mesh(self.cfg, self.resolver, self.index, self.world, self.device)
+        rendezvous.init_mesh(self.cfg, self.resolver, self.rank, self.mesh.world_size, self.device,
+                             mesh=self.mesh_index)
 
     def fetch(self, msg: Fetch) -> Fetched:
         """Samples for the master's ids: the next of this dataset shard (sync), or up to `n`
@@ -192,7 +206,7 @@ class ModelWorker:
             # The step-0 evaluation can come before a server has published its address.
             servers = server_addresses(self.cfg, self.alloc.gen.dp, "http", timeout_s=self.cfg.system.startup_timeout_s)
             return Evaluated(self.evaluator.run(msg.version, servers=servers))
-        return Evaluated(self.evaluator.run(msg.version, model=self.engines["actor"]))
+        return Evaluated(self.evaluator.run(msg.version, model=self.engines[self.policy]))
 
     def run_mfc(self, msg: RunMFC) -> MFCDone:
         t0 = time.perf_counter()
@@ -248,10 +262,10 @@ class ModelWorker:
         return self.cfg.roles()[role].backend in ("megatron", "fsdp")
 
     def save(self, msg: Save) -> None:
-        """Each trainable role in HF format (the actor at the path itself), written by rank 0."""
+        """Each trainable role in HF format (the policy at the path itself), written by its mesh's rank 0."""
         for role, engine in self.engines.items():
-            if self.cfg.roles()[role].trainable and (self.index == 0 or self._sharded(role)):
-                engine.save_hf(msg.path if role == "actor" else os.path.join(msg.path, role))
+            if self.cfg.roles()[role].trainable and (self.rank == 0 or self._sharded(role)):
+                engine.save_hf(msg.path if role == self.policy else os.path.join(msg.path, role))
 
     def save_state(self, msg: SaveState) -> None:
         worker_state.save(self._state_parts(), msg.path)
@@ -261,16 +275,18 @@ class ModelWorker:
         roles = self.cfg.roles()
         return worker_state.StateParts(
             self.index, engines={role: e for role, e in self.engines.items() if roles[role].trainable},
-            collective={role for role, r in roles.items() if r.backend == "megatron"}, sampler=self.sampler, stream=self.stream)
+            collective={role for role in self.engines if roles[role].backend == "megatron"}, sampler=self.sampler, stream=self.stream)
 
     def publish_weights(self, msg: PublishWeights) -> Published | None:
         """Hand the actor's weights to the generation servers: as an HF directory they load
         (`path`; in sync mode rank 0 then tells the servers in `http`), or pushed over the
         authenticated wire to their update sockets (`servers`)."""
-        engine, sharded = self.engines["actor"], self._sharded("actor")
+        if self.policy not in self.engines:  # a mesh without the policy has nothing to publish
+            return Published()
+        engine, sharded = self.engines[self.policy], self._sharded(self.policy)
         if msg.servers:
             # Megatron, FSDP: every rank joins the gather. Torch: rank 0's. With LoRA the adapter alone.
-            lora_cfg, adapter = self.cfg.actor.lora, None
+            lora_cfg, adapter = self.cfg.roles()[self.policy].lora, None
             if lora_cfg is not None:
                 state = engine.adapter_state() if sharded or self.index == 0 else None
                 adapter = {"name": lora.LORA_NAME, "config": lora.adapter_config(lora_cfg)}
@@ -292,7 +308,7 @@ class ModelWorker:
                     failed.append(address)
             return Published(failed)
         if self.index == 0 or sharded:
-            if self.cfg.actor.lora is not None:  # servers load the adapter alone: no merged export
+            if self.cfg.roles()[self.policy].lora is not None:  # servers load the adapter alone: no merged export
                 engine.save_hf(msg.path, merged=False)
             else:
                 engine.save_hf(msg.path)
@@ -304,8 +320,10 @@ class ModelWorker:
         weight-update group (realcore.weights.broadcast); a Megatron or FSDP role's ranks first
         gather them to rank 0 (with LoRA: base + adapter merged). Published.failed: the servers it did
         not update."""
-        engine = self.engines["actor"]
-        state = engine.hf_state_dict() if self._sharded("actor") or self.index == 0 else None
+        if self.policy not in self.engines:  # a mesh without the policy has nothing to send
+            return Published()
+        engine = self.engines[self.policy]
+        state = engine.hf_state_dict() if self._sharded(self.policy) or self.index == 0 else None
         if self.index != 0:
             return Published()
         if self.sender is None:

@@ -1,5 +1,10 @@
 """The training mesh's torch.distributed rendezvous: rank 0 serves the TCPStore, the others connect.
 
+Each training mesh of allocation_mode (one per role placed on its own, api/alloc.py) is a
+torch.distributed world of its own, with its own store: the engines take their groups from the
+default group (Megatron's parallel_state, FSDP's device mesh, the torch engine's all-reduce), so
+each sees exactly its mesh. Data between meshes goes through the data plane, never a collective.
+
 Why not `init_method="tcp://host:port"` with a port found by binding and closing a socket: between
 that close and the store's own bind, another process can take the port (the store fails to start,
 or the ranks talk to a stranger); and a store given a port binds every interface, unauthenticated.
@@ -94,9 +99,11 @@ def parse_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def init_mesh(cfg: ExperimentConfig, resolver, rank: int, world: int, device: torch.device | None = None) -> None:
-    """torch.distributed over the run's training mesh: rank 0 serves the store on system.host and
-    publishes its address under keys.dist_init; the others wait for it (system.startup_timeout_s).
+def init_mesh(cfg: ExperimentConfig, resolver, rank: int, world: int, device: torch.device | None = None,
+              mesh: int = 0) -> None:
+    """torch.distributed over training mesh number `mesh` (`rank` and `world` within it): its rank 0
+    serves the store on system.host and publishes its address under the mesh's dist_init key; the
+    others wait for it (system.startup_timeout_s).
 
     `device` (the one the process selected, realcore.backends.device.select_device; None: the CPU):
     on a GPU the group is NCCL, bound to that GPU (`device_id`: its communicator is made at once, on
@@ -109,11 +116,12 @@ def init_mesh(cfg: ExperimentConfig, resolver, rank: int, world: int, device: to
     host = mesh_host(cfg)
     timeout = timedelta(seconds=cfg.system.request_timeout_s)
     secret = resolver.secret
+    key = keys.dist_init(cfg) if mesh == 0 else f"{keys.dist_init(cfg)}/mesh{mesh}"
     if rank == 0:
         store = serve_store(host, world, timeout, secret)
-        resolver.put(keys.dist_init(cfg), store_address(host, store.port), replace=True)
+        resolver.put(key, store_address(host, store.port), replace=True)
     else:
-        address = resolver.wait(keys.dist_init(cfg), timeout_s=cfg.system.startup_timeout_s)
+        address = resolver.wait(key, timeout_s=cfg.system.startup_timeout_s)
         peer, port = parse_address(address)
         store = dist.TCPStore(peer, port, world, False, timeout)
         check_proof(store, secret, address)  # wait() needed the secret: it is there
