@@ -41,14 +41,16 @@ def test_rm_math_ranks_held_out_pairs(reward_model):
     init = metrics[0]["rm/eval_accuracy_init"]
     evals = [m["rm/eval_accuracy"] for m in metrics if "rm/eval_accuracy" in m]
     train_acc = [m["rm/accuracy"] for m in metrics]
-    print("held-out accuracy", init, [round(x, 3) for x in evals])
+    print("held-out accuracy", round(init, 3), [round(x, 3) for x in evals])
     assert len(evals) == RM_STEPS // 10  # every 10 steps, the last one included
     assert "rm/eval_accuracy" in metrics[-1]
     assert evals[-1] >= 0.7 and evals[-1] > init + 0.1, evals
     assert sum(train_acc[-10:]) / 10 > sum(train_acc[:10]) / 10
     # the saved reward model is an HF sequence classifier with one output
-    config = json.load(open(os.path.join(folder, "config.json")))
-    assert config["architectures"][0].endswith("ForSequenceClassification") and config["num_labels"] == 1
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    assert config.architectures[0].endswith("ForSequenceClassification") and config.num_labels == 1
 
 
 @pytest.mark.timeout(900)
