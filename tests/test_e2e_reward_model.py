@@ -13,7 +13,7 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RM_STEPS = 150  # measured (2026-11-29, batch 64, lr 3e-3): held-out 0.73 after 100 steps, 0.8-0.85 after 150
+RM_STEPS = 200  # measured (2026-11-29, batch 64, lr 5e-3): held-out 0.75-0.8 from step 140 on (by hand: 0.53)
 
 
 def _launch(tmp, name: str, *overrides: str) -> list[dict]:
@@ -42,7 +42,7 @@ def test_rm_math_ranks_held_out_pairs(reward_model):
     evals = [m["rm/eval_accuracy"] for m in metrics if "rm/eval_accuracy" in m]
     train_acc = [m["rm/accuracy"] for m in metrics]
     print("held-out accuracy", round(init, 3), [round(x, 3) for x in evals])
-    assert len(evals) == RM_STEPS // 10  # every 10 steps, the last one included
+    assert len(evals) == RM_STEPS // 20  # every 20 steps, the last one included
     assert "rm/eval_accuracy" in metrics[-1]
     assert evals[-1] >= 0.7 and evals[-1] > init + 0.1, evals
     assert sum(train_acc[-10:]) / 10 > sum(train_acc[:10]) / 10

@@ -131,23 +131,32 @@ def load_preference_jsonl(cfg: DatasetConfig, tokenizer, *, rank: int, world: in
 # arith-preference
 
 
-WRONG_OFFSETS = range(5, 16)  # how far a rejected answer is from the correct one, either way (see below)
+MIN_GAP = 8  # a rejected answer is at least this far from the correct one
+
+
+def _arith_question(rng: random.Random, op: str) -> tuple[str, int]:
+    a, b = rng.randint(0, 20), rng.randint(0, 20)
+    if op == "+":
+        return f"What is {a} + {b}?", a + b
+    a, b = max(a, b), min(a, b)
+    return f"What is {a} - {b}?", a - b
 
 
 def arith_preference_rows(seed: int, size: int) -> list[tuple[str, str, str]]:
     """`size` pairs: "What is a + b?" (or a - b, a >= b) with operands in [0, 20], the correct
-    answer chosen and a wrong one rejected: the correct one moved by one of WRONG_OFFSETS either
-    way, never negative (a plausible number: telling them apart needs the sum)."""
+    answer chosen and a wrong one rejected. The wrong answer is the correct answer of another
+    question of the same operation (at least MIN_GAP away): chosen and rejected answers are then
+    drawn from one distribution, so no rule that ignores the question (e.g. "the smaller number
+    wins": 68% right with a wrong answer of correct +- 5..15, 56% here) does much better than
+    chance: ranking them takes the sum."""
     rng = random.Random(seed)
     rows = []
     for _ in range(size):
-        a, b = rng.randint(0, 20), rng.randint(0, 20)
-        if rng.random() < 0.5:
-            question, answer = f"What is {a} + {b}?", a + b
-        else:
-            a, b = max(a, b), min(a, b)
-            question, answer = f"What is {a} - {b}?", a - b
-        wrong = answer + rng.choice([d for o in WRONG_OFFSETS for d in (o, -o) if answer + d >= 0])
+        op = "+" if rng.random() < 0.5 else "-"
+        question, answer = _arith_question(rng, op)
+        wrong = answer
+        while abs(wrong - answer) < MIN_GAP:
+            wrong = _arith_question(rng, op)[1]
         rows.append((question, str(answer), str(wrong)))
     return rows
 
