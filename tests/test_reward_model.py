@@ -20,7 +20,7 @@ from realcore.api.registry import dataset_keys, lookup, mfc_spec
 from realcore.backends.batching import cu_seqlens, split_by_budget
 from realcore.backends.models import build_tiny_tokenizer
 from realcore.data.datasets import held_out
-from realcore.data.preferences import (arith_preference_rows, load_arith_preference, load_heldout_pairs,
+from realcore.data.preferences import (MIN_GAP, arith_preference_rows, load_arith_preference, load_heldout_pairs,
                                        load_preference_jsonl)
 from realcore.mfc.reward_model import CombineRewards, RMInference, RMTrain, bradley_terry_loss, n_pairs, pair_loss
 
@@ -92,10 +92,19 @@ def test_arith_preference_pairs(tok):
         truth = int(a) + int(b) if op == "+" else int(a) - int(b)
         assert _decode(tok, c, mc) == f" {truth}<|endoftext|>"  # chosen (first): the correct answer
         wrong = int(_decode(tok, r, mr).removesuffix("<|endoftext|>"))
-        assert wrong != truth and wrong >= 0 and _decode(tok, r[mr == 0]) == prompt
+        assert abs(wrong - truth) >= MIN_GAP and 0 <= wrong <= (40 if op == "+" else 20)
+        assert _decode(tok, r[mr == 0]) == prompt
     again = load_arith_preference(_ds(type="arith-preference", size=40, seed=3), tok, rank=0, world=1,
                                   use_chat_template=False)
     assert all(torch.equal(x, y) for s, t in zip(ds.samples, again.samples) for x, y in zip(s["input_ids"], t["input_ids"]))
+
+
+def test_arith_preference_needs_the_question():
+    """Chosen and rejected answers come from one distribution: a rule that reads only the two
+    numbers (the smaller wins, the larger wins) stays near chance, so ranking them takes the sum."""
+    rows = arith_preference_rows(1, 4000)
+    smaller = sum(int(c) < int(r) for _, c, r in rows) / len(rows)
+    assert 0.4 < smaller < 0.6
 
 
 def _prompts(tok, samples):
