@@ -228,6 +228,8 @@ def test_rm_train_learns_the_training_pairs_with_whole_pairs_per_micro_batch(tok
     assert all(n > 1 for n in engine.micro_batches[0])  # several micro-batches of whole pairs (pair_loss checks)
     assert len(engine.micro_batches[0]) > 1
     assert history[-1]["rm/loss"] < history[0]["rm/loss"] - 0.2 and history[-1]["rm/accuracy"] > 0.8
+    trained = engine.scores([x for p in pairs for x in p["input_ids"]])  # the chosen ones now score higher
+    assert sum(float(trained[i] > trained[i + 1]) for i in range(0, 32, 2)) / 16 > 0.8
     assert "rm/eval_accuracy_init" in history[0] and "rm/eval_accuracy" not in history[0]
     evals = [i for i, h in enumerate(history) if "rm/eval_accuracy" in h]
     assert evals == [4, 9, 11]  # after optimizer steps 5 and 10, and the run's last (12)
