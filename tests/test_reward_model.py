@@ -143,6 +143,11 @@ def test_preference_jsonl(tok, tmp_path):
     p0, p1 = _prompts(tok, shards[0].samples), _prompts(tok, shards[1].samples)
     assert not p0 & p1 and len(p0 | p1) == 6
     assert lookup("dataset", "preference-jsonl") is load_preference_jsonl
+    split = _ds(type="preference-jsonl", path=path, prompt_template="{question}", holdout=0.5)
+    train = load_preference_jsonl(split, tok, rank=0, world=1, use_chat_template=False).samples
+    held = load_heldout_pairs(split, tok, use_chat_template=False, n=100)
+    tp, hp = _prompts(tok, train), _prompts(tok, held)
+    assert tp and hp and not tp & hp and tp | hp == {f"q{i}" for i in range(6)}
 
 
 @pytest.mark.parametrize("bad, message", [
