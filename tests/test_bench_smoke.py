@@ -213,3 +213,25 @@ def test_gpu_check_quick(tmp_path):
         assert any(name.startswith(prefix) for name in results), (prefix, results)
     gpu_tests = [name for name in results if name.startswith("test ")]
     assert gpu_tests and all(results[n] == "SKIP" for n in gpu_tests), results  # no GPU here: each says what it needs
+
+
+@pytest.mark.timeout(600)
+def test_algorithms_bench_quick(tmp_path):
+    # Two algorithms (one with a critic) on the tiny model, 3 steps: the table and the picture come out,
+    # every run ends, and the critic's value loss is reported only where there is a critic. Nothing
+    # about learning (the tiny random model learns nothing in 3 steps).
+    out = tmp_path / "algorithms"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "algorithms.py"), "--quick", "--algorithms", "rloo,ppo-critic",
+         "--out", str(out)],
+        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=560,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = table_rows(proc.stdout, skip="| algorithm", key=lambda first: first)
+    assert set(rows) == {"rloo", "ppo-critic"}, proc.stdout
+    for algo, (seeds_ok, _first, _last, acc, value_loss, step_s) in rows.items():
+        assert seeds_ok == "1/1" and " -> " in acc and "n/a" not in acc and float(step_s) > 0, (algo, rows[algo])
+        assert (value_loss == "-") == (algo == "rloo"), (algo, value_loss)
+    results = json.loads((out / "results.json").read_text())
+    assert [len(r["reward"]) for r in results["runs"]] == [3, 3], results["runs"]
+    assert (out / "algorithms.png").read_bytes().startswith(b"\x89PNG")
