@@ -1,3 +1,3 @@
 """Built-in datasets and rewards; importing this package registers them."""
 
-from realcore.data import datasets, math_verify  # noqa: F401  (registration side effects)
+from realcore.data import datasets, math_verify, preferences  # noqa: F401  (registration side effects)

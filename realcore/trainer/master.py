@@ -33,6 +33,7 @@ from realcore.transport import addresses, drops, keys, wire
 from realcore.trainer import recover
 from realcore.api.registry import source_keys
 from realcore.trainer.batch_source import DatasetSource, Group, SourcePorts, StreamSource
+from realcore.trainer.consistency import drift_warnings
 from realcore.trainer.buffer import SampleBuffer, split_balanced
 from realcore.transport.columns import merged_stats
 from realcore.transport.pool import Columns, Gathered, WorkerPool
@@ -520,6 +521,9 @@ class Master:
             groups = self.source.fetch(metrics)
             version = self.version
             self.run_step(step, metrics, writer)
+            drift = drift_warnings(metrics, cfg)
+            if drift:  # one line per step, naming each figure past its threshold
+                log.warning("step %d: %s", step, "; ".join(drift))
             ledger.write(step, version, self.ledger_rows(groups, version))
             self.release(now=step == cfg.trainer.total_steps or self.preempt_requested)
             if self.weights is not None and self.version != version:
