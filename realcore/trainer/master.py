@@ -406,7 +406,12 @@ class Master:
 
     def save(self, step: int) -> None:
         path = os.path.join(self.cfg.output_dir, "checkpoints", f"step_{step}")
-        self.call_all(Save(path), "checkpoint")
+        # The policy's mesh first: it swaps in the whole folder (atomically), which would take away
+        # another mesh's role folder (step_N/ROLE) written into it at the same time.
+        first = self.mesh_of_role[self.policy].mesh.workers
+        for part in (first, [i for i in range(len(self.names)) if i not in first]):
+            if part:
+                self.wait(self.pool.request_many({self.names[i]: Save(path) for i in part}), "checkpoint")
         log.info("saved %s", path)
 
     # --- recovery -----------------------------------------------------------------------------
