@@ -101,6 +101,18 @@ def _whiten_flat(values):
     return [(v - m) / (s + 1e-6) for v in values]
 
 
+def _on_masks(flat: list[float]) -> list[list[float]]:
+    """The response tokens' values of `flat`, laid back on MASKS (0 on the prompt tokens)."""
+    expected, i = [], 0
+    for m in MASKS:
+        row = []
+        for on in m:
+            row.append(flat[i] if int(on) else 0.0)
+            i += int(on)
+        expected.append(row)
+    return expected
+
+
 def test_reinforce_pp_token_rewards_return_to_go_and_batch_norm():
     # Hu 2025 (REINFORCE++): r_t = -beta KL_t on every response token, + the outcome on the last one;
     # A_t = sum_{k>=t} gamma^(k-t) r_k, then normalised over all response tokens of the batch.
@@ -114,13 +126,7 @@ def test_reinforce_pp_token_rewards_return_to_go_and_batch_norm():
         resp_rewards.append(rr)
     returns = [_rtg(rr, gamma) for rr in resp_rewards]
     flat = _whiten_flat([x for g in returns for x in g])
-    expected, i = [], 0
-    for m in MASKS:
-        row = []
-        for on in m:
-            row.append(flat[i] if int(on) else 0.0)
-            i += int(on)
-        expected.append(row)
+    expected = _on_masks(flat)
     tr = [torch.tensor(k) for k in kl]
     out = advantage("reinforce++")(inputs(outcome, [2, 1], token_rewards=tr, gamma=gamma, adv_eps=1e-6))
     assert_adv(out, expected)
@@ -132,13 +138,7 @@ def test_reinforce_pp_baseline_subtracts_the_group_mean_first():
     centred = [0.5, -0.5, 0.0]  # the group of one is centred to 0
     returns = [[c] * int(m.sum()) for c, m in zip(centred, MASKS)]  # gamma 1, reward on the last token only
     flat = _whiten_flat([x for g in returns for x in g])
-    expected, i = [], 0
-    for m in MASKS:
-        row = []
-        for on in m:
-            row.append(flat[i] if int(on) else 0.0)
-            i += int(on)
-        expected.append(row)
+    expected = _on_masks(flat)
     out = advantage("reinforce++-baseline")(inputs(r, [2, 1], gamma=1.0, adv_eps=1e-6))
     assert_adv(out, expected)
 
