@@ -17,7 +17,6 @@ import collections
 import dataclasses
 import gc
 import itertools
-import json
 import logging
 import os
 import queue
@@ -40,7 +39,7 @@ from realcore.transport.pool import Columns, Gathered, WorkerPool
 from realcore.transport.relay_tree import relay_groups, relay_tops, replica_groups
 from realcore.transport.reply import Reply, wait_all, when_all_done
 from realcore.trainer.ledger import Ledger
-from realcore.trainer.metrics import MetricsWriter, wandb_init_kwargs
+from realcore.trainer.metrics import MetricsWriter, print_reward_summary, wandb_init_kwargs
 from realcore.transport.name_resolve import make_name_resolver
 from realcore.transport.protocol import (Clear, Configure, Evaluate, Exit, Fetch, ManagerState, RemoteError, Restore, RunMFC, Save,
                                       SaveState, Snapshot, WorkerLost, parse)
@@ -585,21 +584,3 @@ def write_curves(output_dir: str) -> None:
         plot_run(output_dir)
     except Exception as e:
         log.warning("curves.png not written: %s: %s", type(e).__name__, e)
-
-
-def print_reward_summary(metrics_path: str) -> None:
-    """Mean reward of the first and last steps of the whole run (across restarts: from the file),
-    and held-out accuracy before training and after the last step (when evaluation is on)."""
-    with open(metrics_path) as f:
-        rows = [json.loads(line) for line in f]
-    rewards = [m["reward/mean"] for m in rows if "reward/mean" in m]
-    if rewards:
-        k = max(1, min(5, len(rewards) // 2))
-        first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
-        print(f"reward/mean: first {k} steps {first:.3f}, last {k} steps {last:.3f} ({last - first:+.3f})", flush=True)
-    evals = [m for m in rows if "eval/accuracy" in m]
-    if len(evals) >= 2:
-        a, b = evals[0], evals[-1]
-        print(f"held-out accuracy (greedy, {int(b.get('eval/n_prompts', 0))} prompts): step {a['step']} "
-              f"{a['eval/accuracy']:.3f}, step {b['step']} {b['eval/accuracy']:.3f} "
-              f"({b['eval/accuracy'] - a['eval/accuracy']:+.3f})", flush=True)

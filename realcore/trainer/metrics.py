@@ -159,3 +159,21 @@ class MetricsWriter:
             except Exception as e:
                 log.warning("wandb: finish failed (the data is under the run's wandb/ folder; `wandb sync` uploads "
                             "it): %s: %s", type(e).__name__, " ".join(str(e).split()))
+
+
+def print_reward_summary(metrics_path: str) -> None:
+    """Mean reward of the first and last steps of the whole run (across restarts: from the file),
+    and held-out accuracy before training and after the last step (when evaluation is on)."""
+    with open(metrics_path) as f:
+        rows = [json.loads(line) for line in f]
+    rewards = [m["reward/mean"] for m in rows if "reward/mean" in m]
+    if rewards:
+        k = max(1, min(5, len(rewards) // 2))
+        first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+        print(f"reward/mean: first {k} steps {first:.3f}, last {k} steps {last:.3f} ({last - first:+.3f})", flush=True)
+    evals = [m for m in rows if "eval/accuracy" in m]
+    if len(evals) >= 2:
+        a, b = evals[0], evals[-1]
+        print(f"held-out accuracy (greedy, {int(b.get('eval/n_prompts', 0))} prompts): step {a['step']} "
+              f"{a['eval/accuracy']:.3f}, step {b['step']} {b['eval/accuracy']:.3f} "
+              f"({b['eval/accuracy'] - a['eval/accuracy']:+.3f})", flush=True)
