@@ -3,6 +3,8 @@ function each in an `imports:` file, named in the update's args; ppo_update wire
 (through a stand-in for the engine's train_batch: it stands in for the engine's packing and policy head
 only), with its consistency figures."""
 
+import math
+
 import pytest
 import torch
 
@@ -128,7 +130,7 @@ class FakeEngine:
         return {k: float(v) for k, v in stats.items()}
 
 
-def batch(version_start=None):
+def batch(version_start=None, version_end=None):
     """Two prompts, two sequences each: [prompt, prompt, response...]."""
     seqs = [torch.tensor([1, 2, 3, 4]), torch.tensor([1, 2, 5]), torch.tensor([6, 7, 8]), torch.tensor([6, 7, 9, 9])]
     masks = [torch.tensor([0, 0, 1, 1]), torch.tensor([0, 0, 1]), torch.tensor([0, 0, 1]), torch.tensor([0, 0, 1, 1])]
@@ -137,7 +139,7 @@ def batch(version_start=None):
             "rewards": [torch.tensor([r]) for r in (1.0, 0.0, 0.0, 0.0)]}
     if version_start is not None:
         data["version_start"] = [torch.tensor([v]) for v in version_start]
-        data["version_end"] = [torch.tensor([v + 1]) for v in version_start]
+        data["version_end"] = [torch.tensor([v]) for v in version_end or [v + 1 for v in version_start]]
     return SequenceSample.from_flat([0, 1], [2, 2], data)
 
 
@@ -169,17 +171,21 @@ def test_a_users_estimator_and_loss_are_one_decorated_function_each(tmp_path, mo
 def test_ppo_update_reports_version_span_and_tis_recomputes_once():
     cfg = load("experiment=grpo-tis-math", "model=tiny", "ppo.kl_coef=0")
     _, u = update_of(cfg)
-    b = batch(version_start=[3, 3, 5, 6])
-    lp = [torch.tensor([0.0, 0.0, -1.0, -1.0]), torch.tensor([0.0, 0.0, -1.0]), torch.tensor([0.0, 0.0, -1.0]),
-          torch.tensor([0.0, 0.0, -1.0, -3.0])]  # one token 2 nats from its behaviour log-prob
+    b = batch(version_start=[3, 3, 5, 6], version_end=[4, 4, 5, 6])
+    lp = [torch.tensor([0.0, 0.0, -4.0, -4.0]), torch.tensor([0.0, 0.0, -1.0]), torch.tensor([0.0, 0.0, -1.5]),
+          torch.tensor([0.0, 0.0, -1.0, -3.0])]  # the last: one token 2 nats from its behaviour log-prob
     engine = FakeEngine(lp)
+    engine.version = 6
     stats = u.run(engine, b)
     assert engine.logprob_calls == 1  # the recomputed log-probs of the weights that sampled
-    assert stats["consistency/version_span"] == 7 - 3
+    assert stats["consistency/version_span"] == 6 - 3
+    # The gap counts only the sequence sampled wholly by the weights the trainer holds (version 6): the
+    # others' gaps (3 nats, 0.5 nats) are staleness, which version_span reports.
     assert stats["consistency/logprob_gap_max"] == pytest.approx(2.0)
-    assert stats["consistency/logprob_gap_mean"] == pytest.approx(2.0 / 6)
-    # the token with w = e^-2 < 1 is not truncated (TIS truncates above C only): mean weight over the 6 tokens
-    assert stats["ppo/off_policy/weight_mean"] == pytest.approx((5 + torch.tensor(-2.0).exp().item()) / 6, abs=1e-6)
+    assert stats["consistency/logprob_gap_mean"] == pytest.approx(2.0 / 2)
+    # weights w = exp(recomputed - behav) below 1 are not truncated (TIS truncates above C only): their mean
+    e = math.exp
+    assert stats["ppo/off_policy/weight_mean"] == pytest.approx((2 * e(-3) + 1 + e(-0.5) + 1 + e(-2)) / 6, abs=1e-6)
 
 
 def test_drift_warnings_name_each_figure_past_its_threshold():

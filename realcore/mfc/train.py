@@ -130,7 +130,7 @@ class PPOUpdate:
         mask = data["loss_mask"].float()
         on = mask != 0
         logprobs, behav, prox = out.logprobs, data["behav_logprobs"], data.get("prox_logprobs")
-        self._watch(logprobs, behav, prox, on)
+        self._watch(logprobs, behav, prox, on & data["same_weights"].bool() if "same_weights" in data else on)
         corrected = ppo.use_decoupled_loss or a.off_policy != "none"
         old = prox if corrected else behav
         per_tok, pstats = policy_loss(a.policy_loss)(
@@ -209,7 +209,9 @@ class PPOUpdate:
         return out.advantages, stats
 
     def run(self, model, batch: SequenceSample):
-        from realcore.mfc.consistency_stats import consistency_stats  # torch, as in loss_fn
+        import torch  # as in loss_fn
+
+        from realcore.mfc.consistency_stats import consistency_stats
 
         adv, adv_stats = self.advantages(batch)
         data = {k: batch.flat(k) for k in ("input_ids", "loss_mask", "behav_logprobs")}
@@ -223,6 +225,11 @@ class PPOUpdate:
                                                    max_tokens_per_mb=self.max_tokens_per_mb)
         v0 = model.version
         self._gaps, self._before_step = [], lambda: model.version == v0
+        if "version_start" in batch.keys() and "version_end" in batch.keys():
+            # The gap is watched on sequences sampled wholly by the weights the trainer holds now: the
+            # mismatch between engines, not staleness (consistency/version_span measures that).
+            data["same_weights"] = [torch.full((len(x),), bool(int(s) == int(e) == v0)) for x, s, e in
+                                    zip(data["input_ids"], batch.flat("version_start"), batch.flat("version_end"))]
         try:
             stats = {}
             for _ in range(self.ppo.ppo_epochs):
