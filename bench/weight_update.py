@@ -137,7 +137,11 @@ def interrupted(urls: list[str], update, mode: str = "abort") -> tuple[float, in
         update()
         asyncio.run(on_all(urls, lambda c: c.resume()))
         t1 = time.perf_counter()
-    partial = [n for t, n in load.aborted if t0 <= t <= t1]
+        if mode == "abort":  # a fast update resumes before the aborted replies are back: wait for them
+            deadline = time.monotonic() + 10.0
+            while sum(t >= t0 for t, _ in load.aborted) < LOAD_REQUESTS * len(urls) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        partial = [n for t, n in load.aborted if t >= t0]
     if mode == "hold" and (partial or not any(t >= t0 for t in load.spanning)):
         raise RuntimeError("held update: a request was aborted, or none went on under the new version")
     return t1 - t0, sum(partial), sum(len(Load.PROMPT) + n for n in partial)
