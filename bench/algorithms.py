@@ -30,7 +30,7 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, BENCH)
 
 import learning  # noqa: E402  (bench/learning.py: launch, curves, evaluation, table helpers)
-from learning import ROOT, HOLDOUT, evaluate_all, final_checkpoint, fmt  # noqa: E402
+from learning import ROOT, HOLDOUT, fmt  # noqa: E402
 
 # name -> experiment (experiments/experiment/NAME.yaml) and what it is
 ALGORITHMS = {
@@ -174,22 +174,11 @@ def main(argv=None) -> int:
           f"x {args.batch_size} prompts x {args.n_samples} samples, up to {args.new_tokens} new tokens, lr {args.lr}; "
           f"algorithms: {', '.join(args.algorithms)}; output in {args.out}", flush=True)
     failures: list[str] = []
-    before: dict[int, dict] = {}
-    by_path: dict[str, dict] = {}
-    for seed in range(1, args.seeds + 1):
-        path = learning.base_model(args, seed)
-        if path not in by_path:
-            by_path[path] = evaluate_all(path, seed, args, failures)
-        before[seed] = by_path[path]
-        print(f"base model (seed {seed}): {before[seed]}", flush=True)
+    before = learning.evaluate_bases(args, failures)
     runs = []
     for seed in range(1, args.seeds + 1):  # seed-major: a cut-short benchmark still has whole seeds
         for algo in args.algorithms:
-            run = train(algo, seed, args)
-            ckpt = final_checkpoint(run["dir"]) if run["rc"] == 0 else None
-            run["after"] = evaluate_all(ckpt, seed, args, failures) if ckpt else {}
-            if run["rc"] == 0 and ckpt is None:
-                failures.append(f"{algo}-s{seed}: no checkpoint in {run['dir']}/checkpoints")
+            run = learning.evaluate_run(train(algo, seed, args), f"{algo}-s{seed}", args, failures)
             runs.append(run)
             print(f"{algo}-s{seed}: exit {run['rc']}, {run['wall_s']:.0f} s, reward {[round(x, 3) for x in run['reward']]}, "
                   f"after {run['after']}", flush=True)

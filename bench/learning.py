@@ -215,6 +215,28 @@ def base_model(args, seed: int) -> str:
     return prepare_model(cfg.model, cfg.seed)
 
 
+def evaluate_bases(args, failures: list) -> dict[int, dict]:
+    """seed -> the base model's accuracies, evaluated once per distinct base model."""
+    before: dict[int, dict] = {}
+    by_path: dict[str, dict] = {}
+    for seed in range(1, args.seeds + 1):
+        path = base_model(args, seed)
+        if path not in by_path:
+            by_path[path] = evaluate_all(path, seed, args, failures)
+        before[seed] = by_path[path]
+        print(f"base model (seed {seed}): {before[seed]}", flush=True)
+    return before
+
+
+def evaluate_run(run: dict, name: str, args, failures: list) -> dict:
+    """`run` with run["after"]: its final checkpoint's accuracies ({} when it failed or saved none)."""
+    ckpt = final_checkpoint(run["dir"]) if run["rc"] == 0 else None
+    run["after"] = evaluate_all(ckpt, run["seed"], args, failures) if ckpt else {}
+    if run["rc"] == 0 and ckpt is None:
+        failures.append(f"{name}: no checkpoint in {run['dir']}/checkpoints")
+    return run
+
+
 def mean_spread(xs: list[float]) -> tuple[float, float]:
     return sum(xs) / len(xs), (max(xs) - min(xs)) / 2
 
@@ -351,22 +373,11 @@ def main(argv=None) -> int:
           f"{args.batch_size} prompts x {args.n_samples} samples, up to {args.new_tokens} new tokens, lr {args.lr}; "
           f"evaluated (greedy, up to {args.eval_prompts} prompts each): {', '.join(sets)}; output in {args.out}", flush=True)
     failures: list[str] = []
-    before: dict[int, dict] = {}
-    by_path: dict[str, dict] = {}
-    for seed in range(1, args.seeds + 1):  # the base model's accuracy, once per distinct base model
-        path = base_model(args, seed)
-        if path not in by_path:
-            by_path[path] = evaluate_all(path, seed, args, failures)
-        before[seed] = by_path[path]
-        print(f"base model (seed {seed}): {before[seed]}", flush=True)
+    before = evaluate_bases(args, failures)
     runs = []
     for seed in range(1, args.seeds + 1):  # seed-major: a cut-short benchmark still has whole seeds
         for key in args.settings:
-            run = train(key, seed, args)
-            ckpt = final_checkpoint(run["dir"]) if run["rc"] == 0 else None
-            run["after"] = evaluate_all(ckpt, seed, args, failures) if ckpt else {}
-            if run["rc"] == 0 and ckpt is None:
-                failures.append(f"{key}-s{seed}: no checkpoint in {run['dir']}/checkpoints")
+            run = evaluate_run(train(key, seed, args), f"{key}-s{seed}", args, failures)
             runs.append(run)
             print(f"{key}-s{seed}: exit {run['rc']}, {run['wall_s']:.0f} s, {len(run['reward'])} steps, "
                   f"reward {[round(x, 3) for x in run['reward']]}, after {run['after']}", flush=True)
