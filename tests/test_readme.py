@@ -46,3 +46,30 @@ def test_the_first_command_runs_the_real_model():
 
     cfg = load_config(["experiment=async-ppo-math"])
     assert cfg.mode == "async" and cfg.model.name == "smollm2-135m"
+
+
+def prose(text: str) -> str:
+    """The text outside code blocks, inline code and links' targets (where commands, versions and
+    paths live)."""
+    text = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
+    text = re.sub(r"`[^`]*`", "", text)
+    return re.sub(r"\]\([^)]*\)", "]", text)
+
+
+def test_the_readme_is_short_and_links_only_to_what_exists():
+    text = open(os.path.join(REPO, "README.md")).read()
+    assert len(text.splitlines()) <= 250
+    for target in re.findall(r"\]\(([^)#\s]+)", text):
+        assert target.startswith("http") or os.path.exists(os.path.join(REPO, target)), target
+
+
+def test_every_figure_the_readme_shows_is_in_benchmarks_md():
+    """A measured number (a decimal, a percentage, a range, minutes) in the README's prose or in its
+    quoted output appears in docs/benchmarks.md, where its date, machine and commit are."""
+    text = open(os.path.join(REPO, "README.md")).read()
+    bench = open(os.path.join(REPO, "docs", "benchmarks.md")).read()
+    printed = "\n".join(line for line in text.splitlines() if line.startswith("    "))  # the default run's output
+    figures = re.findall(r"\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?%|\d+\.\d+|\d+ minutes|\d+e-\d+", prose(text) + printed)
+    assert len(figures) >= 8, figures
+    missing = [f for f in figures if f not in bench]
+    assert not missing, missing
