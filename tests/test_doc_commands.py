@@ -62,8 +62,20 @@ def test_each_launch_command_shown_composes(page, command):
             assert cfg.experiment_name == value, (page, command)
 
 
-def run(argv: list[str], env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", *argv], cwd=REPO, capture_output=True, text=True, timeout=timeout,
+GRAPHS = sorted({(p, c) for p, c in shown("realcore.dfg") if c.startswith("python -m realcore.dfg show ")})
+
+
+@pytest.mark.parametrize("page,command", GRAPHS, ids=[f"{p}:{c[28:74]}" for p, c in GRAPHS])
+def test_each_dfg_show_command_shown_builds_its_graph(page, command, tmp_path):
+    """Run as shown (from examples/ when it names the example's folder), the picture into tmp_path."""
+    argv = [o if not o.startswith("out=") else f"out={tmp_path}/dfg.png" for o in overrides(command)]
+    cwd = os.path.join(REPO, "examples") if "$PWD" in command else REPO
+    r = run(["realcore.dfg", "show", *argv[1:]], cwd=cwd)
+    assert r.returncode == 0 and "[ppo_update on actor]" in r.stdout, (page, command, r.stderr[-2000:])
+
+
+def run(argv: list[str], env: dict | None = None, timeout: int = 600, cwd: str = REPO) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", *argv], cwd=cwd, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "PYTHONPATH": REPO, **(env or {})})
 
 
