@@ -38,8 +38,9 @@ setup(
     install_requires=install_requires,
     extras_require={
         # The tests use every optional backend that runs on a CPU machine.
+        # mkdocs-material builds the docs site (mkdocs.yml); .ci/run reads its pin from this line.
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "redis==8.1.0", "etcd-sdk-python==0.0.7", "protobuf==7.36.2",
-                "ray==2.60.0", "wandb==0.31.0"],
+                "ray==2.60.0", "wandb==0.31.0", "mkdocs-material==9.8.1"],
         # megatron-core 0.17+ requires Python >= 3.12 (its Requires-Python); 0.16.1 is the last for 3.11.
         "megatron": ["megatron-core==0.16.1"],
         # SGLang / vLLM are installed by the user (GPU builds; see README).
