@@ -10,7 +10,7 @@ import torch
 from realcore.api.config import DatasetConfig
 from realcore.api.data import tensor_to_text
 from realcore.api.workflow import workflow_data
-from realcore.data.datasets import LoadedDataset, load_hf, load_jsonl, load_parquet, load_tiny_arith
+from realcore.data.datasets import LoadedDataset, build_shard, load_hf, load_jsonl, load_parquet, load_tiny_arith
 from test_datasets import tokenizer  # noqa: F401  (the fixture: a byte-level BPE with a chat template)
 
 torch.set_num_threads(1)
@@ -19,8 +19,8 @@ ROWS = [{"problem": f"What is {i} + 1?", "solution": str(i + 1), "difficulty": i
         for i in range(10)]
 
 
-def _load(fn, tokenizer, rank=0, world=1, chat=False, **cfg) -> LoadedDataset:
-    return fn(DatasetConfig(**cfg), tokenizer, rank=rank, world=world, use_chat_template=chat)
+def _load(fn, tok, rank=0, world=1, chat=False, **cfg) -> LoadedDataset:
+    return fn(DatasetConfig(**cfg), tok, rank=rank, world=world, use_chat_template=chat)
 
 
 def _write_parquet(path, rows):
@@ -123,6 +123,12 @@ def test_a_key_no_row_has_is_one_error_naming_it(tokenizer, tmp_path):  # noqa: 
     jl.write_text(json.dumps({"question": "q", "answer": "1"}) + "\n" + json.dumps({"question": "q"}) + "\n")
     shard = _load(load_jsonl, tokenizer, rank=1, world=2, type="jsonl", path=str(jl))
     assert (shard.n_rows, shard.skipped) == (1, {"missing field": 1})
+    # A user's dataset that hands build_shard no way to read the whole source: its rows decide.
+    rows = [(3, {"q": "a"}), (5, "bad json"), (7, {"q": "b", "answer": "1"})]
+    assert build_shard(iter(rows[:2] + rows[2:]), DatasetConfig(prompt_key="q"), tokenizer, use_chat_template=False,
+                       source="mine").skipped == {"missing field": 1, "bad json": 1}
+    with pytest.raises(ValueError, match=r"^dataset: mine row 4: no key 'answer' in any row \(keys: q\)"):
+        build_shard(iter(rows[:2]), DatasetConfig(prompt_key="q"), tokenizer, use_chat_template=False, source="mine")
 
 
 def test_chat_messages_go_through_the_chat_template(tokenizer, tmp_path):  # noqa: F811

@@ -197,20 +197,21 @@ def build_shard(
     *,
     use_chat_template: bool,
     source: str,
-    all_rows: Callable[[], Rows],
+    all_rows: Callable[[], Rows] | None = None,
 ) -> LoadedDataset:
     """Samples from this rank's `(index, row)` pairs (a row, or the reason it is already known to
     be skipped). `source` names the data in errors; `all_rows()` reads the whole source: when no
     row of the shard has the prompt or answer key, it tells a rare bad row (skipped and counted)
-    from a mapping mistake (a one-line error)."""
-    samples, skipped, n_rows, n_read = [], Counter(), 0, 0
-    absent = Counter()
-    for _, row in rows:
+    from a mapping mistake (a one-line error). None: the shard's own rows decide."""
+    samples, skipped, n_rows, n_read, first = [], Counter(), 0, 0, None
+    absent = Counter()  # prompt_key / answer_key -> rows read without it
+    for i, row in rows:
         n_rows += 1
         if isinstance(row, str):
             skipped[row] += 1
             continue
         n_read += 1
+        first = first or (i, row)
         for name in ("prompt_key", "answer_key"):
             absent[name] += get_key(row, getattr(cfg, name)) is MISSING
         out = _row_to_sample(row, cfg, tokenizer, use_chat_template)
@@ -220,8 +221,9 @@ def build_shard(
             samples.append(out)
     for name in ("prompt_key", "answer_key"):
         key = getattr(cfg, name)
-        if n_read and absent[name] == n_read and (first := _absent_everywhere(all_rows, key)) is not None:
-            i, row = first
+        if n_read and absent[name] == n_read and (
+                missing := first if all_rows is None else _absent_everywhere(all_rows, key)) is not None:
+            i, row = missing
             keys = ", ".join(sorted(map(str, row))) or "none"
             raise ValueError(f"dataset: {source} row {i + 1}: no key {key!r} in any row (keys: {keys}); "
                              f"set dataset.{name}")
