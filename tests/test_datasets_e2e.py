@@ -63,3 +63,20 @@ def test_a_users_file_trains_and_its_fields_reach_the_reward(tmp_path, kind):
     metrics = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
     assert [m["step"] for m in metrics] == [1, 2]
     assert [m["reward/mean"] for m in metrics] == [1.0, 1.0], metrics
+
+
+def test_a_key_no_row_has_is_refused_before_any_worker(tmp_path):
+    """A mapping mistake is one line and exit 2 from the launcher's input checks: no worker starts."""
+    data = tmp_path / "data.parquet"
+    _write_parquet(data)
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "realcore.launch", "experiment=ppo-math", "model=tiny",
+           f"dataset={{type: parquet, path: {data}, prompt_key: question, answer_key: solution}}",
+           f"output_dir={out}", "trial_name=data-refused", f"model.cache_dir={tmp_path}/cache",
+           f"system.name_resolve.root={out}-nr"]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": REPO})
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.stderr.splitlines() == [f"realcore: config error: dataset: {data} row 1: no key 'question' in any row "
+                                     "(keys: difficulty, problem, solution); set dataset.prompt_key"], r.stderr
+    if out.is_dir():
+        assert not {"logs", "pids.json", "config.json"} & set(os.listdir(out)), os.listdir(out)
