@@ -83,6 +83,17 @@ def test_parquet_and_hf_shards_are_disjoint_and_cover(tokenizer, tmp_path):  # n
         assert shards[1].skipped == {"missing field": 1}
 
 
+def test_parquet_reader_shards_across_its_batches(tmp_path):
+    from realcore.data.readers import parquet_rows
+
+    path = _write_parquet(tmp_path / "big.parquet", [{"i": i} for i in range(2500)])  # 3 batches of rows
+    cfg = DatasetConfig(type="parquet", path=path)
+    for world in (1, 3):
+        for rank in range(world):
+            got = list(parquet_rows(cfg, rank, world))
+            assert got == [(i, {"i": i}) for i in range(rank, 2500, world)]
+
+
 def test_hf_dataset_dict_split(tokenizer, tmp_path):  # noqa: F811
     path = _write_hf(tmp_path / "dd", None, splits={"train": ROWS[:6], "test": ROWS[6:]})
     test = _load(load_hf, tokenizer, type="hf", path=path, split="test", **MAPPED)

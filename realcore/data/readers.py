@@ -59,12 +59,12 @@ def parquet_rows(cfg: DatasetConfig, rank: int, world: int) -> Rows:
         f = pq.ParquetFile(path)
     except Exception as e:  # pyarrow's ArrowInvalid and friends: not a parquet file
         raise ValueError(f"dataset.path: {cfg.path!r} is not a parquet file: {' '.join(str(e).split())}") from None
-    i = 0
+    start = 0  # the index of the batch's first row
     for batch in f.iter_batches(batch_size=1024):
-        for row in batch.to_pylist():
-            if i % world == rank:
-                yield i, row
-            i += 1
+        owned = [j for j in range(batch.num_rows) if (start + j) % world == rank]
+        for j, row in zip(owned, batch.take(owned).to_pylist()):  # only the owned rows become Python objects
+            yield start + j, row
+        start += batch.num_rows
 
 
 def hf_rows(cfg: DatasetConfig, rank: int, world: int) -> Rows:
