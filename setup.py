@@ -27,6 +27,8 @@ install_requires = [
     "psutil>=5.9",
     "openai==3.54.0",  # the client of OpenAI-compatible servers; its types shape the workflow chat client
     "peft>=0.21",  # LoRA adapters (actor.lora); pure Python, uses the torch above (no CUDA build pulled)
+    "pyarrow>=15",  # dataset.type=parquet
+    "datasets>=3,<6",  # dataset.type=hf: a folder written by save_to_disk
 ]
 
 setup(

@@ -9,6 +9,7 @@ from realcore.api.config import DatasetConfig
 from realcore.api.data import tensor_to_text
 from realcore.api.registry import dataset_keys, lookup
 from realcore.data.datasets import LoadedDataset, load_jsonl, load_reasoning_gym, load_tiny_arith
+from realcore.data.datasets import dataset_keys as dataset_keys_of_builtins
 
 torch.set_num_threads(1)
 
@@ -53,7 +54,8 @@ def test_tiny_arith_rl(tokenizer):
     ds = _load(load_tiny_arith, tokenizer, size=20, seed=3)
     assert (ds.n_rows, ds.n_skipped, len(ds.samples)) == (20, 0, 20)
     for s in ds.samples:
-        assert set(s) == {"prompt_ids", "answer", "question"}
+        assert set(s) == {"prompt_ids", "answer", "question", "fields"}
+        assert tensor_to_text(s["fields"][0]) == "{}"
         (ids,) = s["prompt_ids"]
         assert ids.dtype == torch.int64 and ids.dim() == 1
         prompt = tokenizer.decode(ids.tolist())
@@ -161,5 +163,7 @@ def test_registered_with_keys():
     assert lookup("dataset", "jsonl") is load_jsonl
     assert lookup("dataset", "tiny-arith") is load_tiny_arith
     assert lookup("dataset", "reasoning-gym") is load_reasoning_gym
-    assert dataset_keys(DatasetConfig()) == ("prompt_ids", "answer", "question")
+    assert dataset_keys(DatasetConfig()) == ("prompt_ids", "answer", "question", "fields")
+    assert lookup("dataset", "parquet").dataset_keys is dataset_keys_of_builtins
+    assert lookup("dataset", "hf").dataset_keys is dataset_keys_of_builtins
     assert dataset_keys(DatasetConfig(type="jsonl", format="sft")) == ("input_ids", "loss_mask")

@@ -144,8 +144,18 @@ class RoleConfig(StrictModel):
 class DatasetConfig(StrictModel):
     """Prompts and reference answers. `type` names a registered dataset."""
 
-    type: str = Field("tiny-arith", description="tiny-arith | jsonl | reasoning-gym | a registered name")
-    path: str | None = Field(None, description="jsonl file with `question` and `answer` (type=jsonl)")
+    type: str = Field("tiny-arith", description="tiny-arith | jsonl | parquet | hf | reasoning-gym | a registered "
+                      "name (docs/datasets.md)")
+    path: str | None = Field(None, description="local data: a jsonl or parquet file (type=jsonl, parquet), or the folder "
+                             "datasets' save_to_disk wrote (type=hf)")
+    split: str | None = Field(None, description="type=hf: the split of a DatasetDict folder (e.g. train); none: the "
+                              "folder's only split")
+    prompt_key: str = Field(
+        "question", description="the row's key holding the prompt: text (through prompt_template, then the chat template "
+        "when model.use_chat_template) or a list of chat messages {role, content} (through the chat template). A "
+        "dotted key reaches into nested fields (a.b)")
+    answer_key: str = Field(
+        "answer", description="the row's key holding the reference answer (the reward's `answer`); dotted as prompt_key")
     task: str = Field("basic_arithmetic", description="reasoning-gym task name (type=reasoning-gym)")
     task_kwargs: dict[str, Any] = Field(default_factory=dict, description="reasoning-gym task options")
     size: int = Field(256, gt=0, description="number of generated problems (generated datasets)")
@@ -153,9 +163,10 @@ class DatasetConfig(StrictModel):
                       "every epoch's order")
     format: Literal["rl", "sft"] = Field("rl", description="rl: prompt_ids + answer; sft: input_ids + loss_mask")
     prompt_template: str = Field(
-        "Question: {question}\nAnswer:", description="`{question}` is replaced (str.format: write other braces "
-        "as {{ and }})")
-    system_prompt: str | None = Field(None, description="with a chat template: replaces its default system message")
+        "Question: {question}\nAnswer:", description="for a text prompt: `{question}` is replaced by it (str.format: "
+        "write other braces as {{ and }})")
+    system_prompt: str | None = Field(None, description="with a chat template: replaces its default system message "
+                                      "(chat messages: put first unless they start with a system message)")
     max_prompt_len: int = Field(
         256, gt=0, description="prompts of more tokens (after the template) are skipped and counted")
     kwargs: dict[str, Any] = Field(

@@ -12,6 +12,7 @@ generated (response) tokens.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -59,6 +60,20 @@ class SequenceSample:
                 s[key] = list(seqs[pos : pos + g])
                 pos += g
         return SequenceSample(list(ids), samples)
+
+
+# The buffer key of a dataset row's other fields (besides its prompt and answer), as JSON text: they
+# reach the reward and the workflow by name (`merge_row_fields`), whatever their types.
+ROW_FIELDS = "fields"
+
+
+def merge_row_fields(data: dict) -> dict:
+    """`data` with its ROW_FIELDS text (if any) replaced by the fields it holds; a field never
+    replaces a key `data` already has."""
+    text = data.pop(ROW_FIELDS, None)
+    for k, v in (json.loads(text) if text else {}).items():
+        data.setdefault(k, v)
+    return data
 
 
 def text_to_tensor(text: str) -> torch.Tensor:

@@ -91,8 +91,9 @@ def register_mfc(name: str) -> Callable:
 def register_reward(name: str) -> Callable:
     """Function decorator: `fn(prompt, completion, prompt_ids, completion_ids, **data) -> float`, or
     an `async def` of the same shape (AReaL's signature). `prompt`/`completion` are text, the ids
-    lists of ints, `data` the dataset row's text fields (`answer`, `question`, ...); accept `**data`
-    to ignore the fields you do not use. It runs in a child process with a deadline (`reward.timeout_s`)."""
+    lists of ints, `data` the dataset row: `answer`, `question` and its other fields by their names
+    (JSON values: a built-in dataset's `fields`; in sync mode the `generate` MFC reads those it lists
+    in its inputs); accept `**data` to ignore the fields you do not use. It runs in a child process with a deadline (`reward.timeout_s`)."""
     return lambda fn: _register("reward", name, fn)
 
 

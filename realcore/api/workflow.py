@@ -23,7 +23,8 @@ run's reward function and the tokenizer. The same workflow runs in async mode (r
 generation servers) and in sync mode (the `generate` MFC), unchanged.
 
 `data` is the dataset row: `prompt_ids` as `list[int]`, text keys (`answer`, `question`, ...) as
-`str`, any other key as its tensor.
+`str`, the row's other fields by their own names (a built-in dataset's `fields` key, unpacked),
+any other key as its tensor.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from realcore.api.data import merge_row_fields
 
 if TYPE_CHECKING:  # imported where a tensor is made: the master loads the workflows and starts without torch
     import torch
@@ -180,7 +183,7 @@ def workflow_data(sample: dict[str, list[torch.Tensor]]) -> dict[str, Any]:
             out[k] = bytes(t.tolist()).decode("utf-8", errors="replace")
         else:
             out[k] = t
-    return out
+    return merge_row_fields(out)
 
 
 class Env(ABC):

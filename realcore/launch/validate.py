@@ -194,7 +194,7 @@ def check_dataset(cfg: ExperimentConfig, alloc: AllocationMode, tokenizer) -> Lo
     skipped = sum((Counter(s.skipped) for s in shards), Counter())
     whole = LoadedDataset([x for s in shards for x in s.samples], sum(s.n_rows for s in shards),
                           sum(skipped.values()), dict(skipped))
-    where = f"dataset.path: {ds.path}" if ds.type == "jsonl" else f"dataset.type={ds.type}"
+    where = f"dataset.path: {ds.path}" if ds.type in ("jsonl", "parquet", "hf") else f"dataset.type={ds.type}"
     hint = "; raise dataset.max_prompt_len?" if SKIP_TOO_LONG in skipped else ""
     if not whole.samples:
         raise ConfigError(f"{where}: no usable row ({_rows(whole.n_rows)}; skipped {describe_skips(skipped)}){hint}")

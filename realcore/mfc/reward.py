@@ -7,15 +7,15 @@ counted in `reward/timeouts`, and is killed.
 
 from __future__ import annotations
 
-from realcore.api.data import SequenceSample, tensor_to_text
+from realcore.api.data import SequenceSample, merge_row_fields, tensor_to_text
 from realcore.api.registry import MFCSpec, register_mfc
 from realcore.workflows.reward_runner import RewardCall, RewardRunner, reward_runner_for
 
 
 @register_mfc("reward")
 class Reward:
-    """input_ids, loss_mask and the row's text fields it is given (answer, ...) -> rewards (one float
-    per sequence): `fn(prompt, completion, prompt_ids, completion_ids, **row)`; the prompt is what
+    """input_ids, loss_mask and the row's fields it is given (answer, question, and the row's others
+    when it reads `fields`) -> rewards (one float per sequence): `fn(prompt, completion, prompt_ids, completion_ids, **row)`; the prompt is what
     precedes the first trained token, the completion the trained tokens."""
 
     spec = MFCSpec(needs_model=False)
@@ -32,7 +32,8 @@ class Reward:
         tok = model.tokenizer
         items = []
         for sample in batch.samples:
-            row = {k: tensor_to_text(v[0]) for k, v in sample.items() if k not in ("input_ids", "loss_mask")}
+            row = merge_row_fields({k: tensor_to_text(v[0]) for k, v in sample.items()
+                                    if k not in ("input_ids", "loss_mask")})
             for ids, mask in zip(sample["input_ids"], sample["loss_mask"]):
                 first = int(mask.nonzero()[0]) if mask.any() else len(ids)
                 prompt_ids, completion_ids = ids[:first].tolist(), ids[mask.bool()].tolist()

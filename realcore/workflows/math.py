@@ -56,9 +56,14 @@ async def _group(one, engine, data) -> list[dict]:
     return list(await asyncio.gather(*(one(engine, data) for _ in range(engine.gconfig.n_samples))))
 
 
-def _row(data: dict) -> dict[str, str]:
-    """The row's text fields, for the reward's `**data` (not `prompt`: the reward's first argument)."""
-    return {k: v for k, v in data.items() if isinstance(v, str) and k != "prompt"}
+JSON_TYPES = (str, int, float, bool, list, dict, type(None))
+
+
+def _row(data: dict) -> dict:
+    """The row's fields, for the reward's `**data`: its text (answer, question) and its other fields
+    (JSON values); not `prompt`/`prompt_ids` (the reward's own arguments) nor tensors (the reward
+    runs in a child process that gets JSON)."""
+    return {k: v for k, v in data.items() if isinstance(v, JSON_TYPES) and k not in ("prompt", "prompt_ids")}
 
 
 @register_workflow("math-single-step")
