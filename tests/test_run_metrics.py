@@ -61,3 +61,11 @@ def test_async_run_reports_lengths_and_throughput_every_step(tmp_path):
     metrics = [json.loads(x) for x in open(out / "metrics.jsonl")]
     assert [m["step"] for m in metrics] == [1, 2, 3]
     assert_lengths_agree(metrics, max_new_tokens=8, n_seqs=4 * 2)
+
+
+def test_a_maximum_merges_as_the_largest_worker_value():
+    from realcore.transport.columns import merged_stats
+
+    merged = merged_stats([({"gen/response_len_max": 3.0, "gen/response_len": 2.0}, 1),
+                           ({"gen/response_len_max": 7.0, "gen/response_len": 4.0}, 1)])
+    assert merged == {"gen/response_len_max": 7.0, "gen/response_len": 3.0}

@@ -209,7 +209,8 @@ class PPOConfig(StrictModel):
     eps_clip: float = Field(0.2, gt=0, description="the ratio is clipped to [1 - eps_clip, 1 + eps_clip] (PPO's epsilon)")
     c_clip: float | None = Field(None, gt=1, description="dual-clip constant (Ye et al. 2020); None disables")
     kl_coef: float = Field(
-        0.0, ge=0, description="weight of KL(actor || ref) in the loss; 0 = off, > 0 needs the ref_logprobs input")
+        0.0, ge=0, description="weight of KL(actor || ref) in the loss; > 0 needs the ref_logprobs input; 0 = off: "
+        "then, unless a kl_in_reward reads them, the MFC computing ref_logprobs is not run and the ref role not built")
     kl_estimator: Literal["k1", "k2", "k3"] = Field(
         "k3", description="per-token KL estimator (Schulman 2020), with log r = ref - actor log-prob: k1 = -log r, "
         "k2 = (log r)^2 / 2, k3 = (r - 1) - log r; used when kl_coef > 0")
@@ -445,7 +446,10 @@ class ExperimentConfig(StrictModel):
     model: ModelConfig = Field(ModelConfig(), description="the weights every model role starts from")
     dataset: DatasetConfig = Field(DatasetConfig(), description="the training prompts")
     actor: RoleConfig = Field(RoleConfig(trainable=True), description="the policy role (trainable unless set otherwise)")
-    ref: RoleConfig | None = Field(None, description="the reference role (ref_logprobs for the KL term); None: no ref")
+    ref: RoleConfig | None = Field(
+        None, description="the reference role (ref_logprobs for the KL term); None: no ref (valid when nothing reads "
+        "ref_logprobs: ppo.kl_coef=0 and no kl_in_reward). A ref that no MFC needs is not built: the launcher drops "
+        "an MFC whose outputs nobody reads (e.g. ref_inf at kl_coef=0), then the roles left with nothing to run")
     roles_: dict[str, RoleConfig] = Field(
         default_factory=dict, alias="roles", description="the other model roles by name (critic, reward, a user's), "
         "each with its head, weights and backend; MFCs name them in `model`. actor and ref are given above")
