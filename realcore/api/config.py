@@ -39,7 +39,11 @@ class ModelConfig(StrictModel):
     name: str = Field("tiny", description="'tiny', 'smollm2-135m', or a label for `path`")
     path: str | None = Field(None, description="any HF model directory; overrides `name`")
     tiny: TinyModelConfig = Field(TinyModelConfig(), description="shape of the random model built for name=tiny (path unset)")
-    use_chat_template: bool = Field(False, description="wrap prompts with the tokenizer's chat template")
+    use_chat_template: bool | None = Field(
+        None, description="wrap prompts with the tokenizer's chat template. None: auto, decided once by the launcher "
+        "and printed in the run's first lines: on when the tokenizer has a chat template and the model is an instruct "
+        "or chat model (a word instruct..., chat or it in model.name or the model folder's name, e.g. "
+        "Qwen2.5-0.5B-Instruct, gemma-2-2b-it); off for a base model, even one whose tokenizer ships a template")
     cache_dir: str = Field("~/.cache/realcore", description="where converted models are cached")
 
 
