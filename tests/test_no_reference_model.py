@@ -72,7 +72,10 @@ def test_ppo_math_with_kl_coef_0_builds_and_runs_no_reference(tmp_path):
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "realcore: ref_inf is not run" in r.stdout and "realcore: model role ref is not built" in r.stdout
+    # The tiny model is a base model: the launcher's auto rule keeps plain prompts, says so, and records it.
+    assert "realcore: model.use_chat_template: false (auto: a base model" in r.stdout
     saved = json.load(open(out / "config.json"))
+    assert saved["model"]["use_chat_template"] is False
     assert saved["ref"] is None and [m["name"] for m in saved["mfcs"]] == ["actor_gen", "actor_train"]
     metrics = [json.loads(x) for x in open(out / "metrics.jsonl")]
     assert [m["step"] for m in metrics] == [1, 2]
