@@ -26,6 +26,7 @@ import realcore.workflows  # noqa: F401  (the built-in workflows register on imp
 from realcore.backends.generation import GenerationEngine
 from realcore.backends.models import check_model_dir, load_model, load_tokenizer, prepare_model
 from realcore.backends.onednn_linear import use_onednn
+from realcore.launch.chat_template import resolve_chat_template
 from realcore.launch.config_loader import import_user_modules, load_config
 from realcore.workflows.engines import BatchingEngine
 from realcore.workflows.episode import reward_fn, workflow_of
@@ -53,6 +54,7 @@ def load(argv: list[str]):
     cfg.model.path = prepare_model(cfg.model, cfg.seed)
     check_model_dir(cfg.model.path)
     tokenizer = load_tokenizer(cfg.model.path)
+    resolve_chat_template(cfg, tokenizer)  # model.use_chat_template auto -> true/false, as the launcher decides it
     rows = eval_rows(cfg, tokenizer)
     # The built-in engine alone (no optimizer, no process group): what the generate MFC's
     # TorchEngine.generate runs, seeded as the actor's, its linears routed as the trainer's.

@@ -101,7 +101,8 @@ def test_stream_source_resolves_with_the_manager_and_clears_duplicates():
         k = len(uids)
         return Fetched(list(range(msg.first_id, msg.first_id + k)), {"x": [1] * k}, {"x": [1] * k}, uids,
                        grants=[len(asked) * 10 + j for j in range(k)], version_start=[[2]] * k,
-                       version_end=[[3]] * k, rewards=[[1.0]] * k)
+                       version_end=[[3]] * k, rewards=[[1.0]] * k, prompt_lens=[[5]] * k,
+                       response_lens=[[len(asked)]] * k)
 
     buffer = _Buffer()
     ports = _source_ports(buffer, call_worker=call_worker, clear=lambda i, ids: cleared.append((i, ids)),
@@ -114,6 +115,9 @@ def test_stream_source_resolves_with_the_manager_and_clears_duplicates():
     assert cleared == [(2, [2])]
     assert [g.uid for g in groups] == ["r0:0", "r0:1", "r1:0", "r0:2"] and source.next_id == 5
     assert metrics["staleness/duplicates"] == 1 and metrics["staleness/head"] == 1
+    # The kept groups' lengths (r0:1 once): responses of 1, 1, 2 and 3 tokens after prompts of 5.
+    assert (metrics["gen/response_len"], metrics["gen/response_len_max"], metrics["gen/prompt_len"],
+            metrics["gen/response_tokens"]) == (7 / 4, 3.0, 5.0, 7)
 
 
 class _Engine:

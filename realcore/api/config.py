@@ -39,7 +39,11 @@ class ModelConfig(StrictModel):
     name: str = Field("tiny", description="'tiny', 'smollm2-135m', or a label for `path`")
     path: str | None = Field(None, description="any HF model directory; overrides `name`")
     tiny: TinyModelConfig = Field(TinyModelConfig(), description="shape of the random model built for name=tiny (path unset)")
-    use_chat_template: bool = Field(False, description="wrap prompts with the tokenizer's chat template")
+    use_chat_template: bool | None = Field(
+        None, description="wrap prompts with the tokenizer's chat template. None: auto, decided once by the launcher "
+        "and printed in the run's first lines: on when the tokenizer has a chat template and the model is an instruct "
+        "or chat model (a word instruct..., chat or it in model.name or the model folder's name, e.g. "
+        "Qwen2.5-0.5B-Instruct, gemma-2-2b-it); off for a base model, even one whose tokenizer ships a template")
     cache_dir: str = Field("~/.cache/realcore", description="where converted models are cached")
 
 
@@ -220,7 +224,8 @@ class PPOConfig(StrictModel):
     eps_clip: float = Field(0.2, gt=0, description="the ratio is clipped to [1 - eps_clip, 1 + eps_clip] (PPO's epsilon)")
     c_clip: float | None = Field(None, gt=1, description="dual-clip constant (Ye et al. 2020); None disables")
     kl_coef: float = Field(
-        0.0, ge=0, description="weight of KL(actor || ref) in the loss; 0 = off, > 0 needs the ref_logprobs input")
+        0.0, ge=0, description="weight of KL(actor || ref) in the loss; > 0 needs the ref_logprobs input; 0 = off: "
+        "then, unless a kl_in_reward reads them, the MFC computing ref_logprobs is not run and the ref role not built")
     kl_estimator: Literal["k1", "k2", "k3"] = Field(
         "k3", description="per-token KL estimator (Schulman 2020), with log r = ref - actor log-prob: k1 = -log r, "
         "k2 = (log r)^2 / 2, k3 = (r - 1) - log r; used when kl_coef > 0")
@@ -456,7 +461,10 @@ class ExperimentConfig(StrictModel):
     model: ModelConfig = Field(ModelConfig(), description="the weights every model role starts from")
     dataset: DatasetConfig = Field(DatasetConfig(), description="the training prompts")
     actor: RoleConfig = Field(RoleConfig(trainable=True), description="the policy role (trainable unless set otherwise)")
-    ref: RoleConfig | None = Field(None, description="the reference role (ref_logprobs for the KL term); None: no ref")
+    ref: RoleConfig | None = Field(
+        None, description="the reference role (ref_logprobs for the KL term); None: no ref (valid when nothing reads "
+        "ref_logprobs: ppo.kl_coef=0 and no kl_in_reward). A ref that no MFC needs is not built: the launcher drops "
+        "an MFC whose outputs nobody reads (e.g. ref_inf at kl_coef=0), then the roles left with nothing to run")
     roles_: dict[str, RoleConfig] = Field(
         default_factory=dict, alias="roles", description="the other model roles by name (critic, reward, a user's), "
         "each with its head, weights and backend; MFCs name them in `model`. actor and ref are given above")

@@ -6,6 +6,7 @@ import sys
 
 from realcore.dfg.draw import draw
 from realcore.dfg.graph import GraphError, build_graph
+from realcore.dfg.prune import drop_unread_mfcs
 from realcore.launch.config_loader import ConfigError, import_user_modules, load_config
 from realcore.api.registry import source_keys
 
@@ -24,6 +25,8 @@ def main(argv: list[str]) -> int:
     try:
         cfg = load_config(overrides)
         import_user_modules(cfg)
+        for line in drop_unread_mfcs(cfg):
+            print(line)
         dfg = build_graph(cfg, source_keys(cfg))
     except (ConfigError, GraphError, KeyError) as e:
         print(f"realcore: config error: {e}", file=sys.stderr)

@@ -15,6 +15,8 @@ from realcore.api.registry import MFCSpec, lookup, make_workflow, mfc_spec
 from realcore.backends.clients import registry as clients
 from realcore.data.datasets import SKIP_TOO_LONG, LoadedDataset, describe_skips
 from realcore.dfg.graph import DataFlowGraph, build_graph
+from realcore.dfg.prune import drop_unread_mfcs
+from realcore.launch.chat_template import resolve_chat_template
 from realcore.launch.config_loader import ConfigError, import_user_modules
 from realcore.launch.placement import Plan, check_nccl, node_gpus, plan_local
 from realcore.launch.ray_scheduler import check_ray_gpus, worker_specs
@@ -31,6 +33,8 @@ def validate(cfg: ExperimentConfig) -> tuple[DataFlowGraph, AllocationMode]:
         raise ConfigError("logging.wandb.project is set but the wandb package is not installed: pip install wandb")
     import_user_modules(cfg)
     check_registered(cfg)
+    for line in drop_unread_mfcs(cfg):  # before anything reads cfg.roles(): a dropped role is never built
+        print(f"realcore: {line}", flush=True)
     try:
         alloc = parse_allocation_mode(cfg.allocation_mode)
     except ValueError as e:
@@ -152,6 +156,7 @@ def check_inputs(cfg: ExperimentConfig, alloc: AllocationMode) -> LoadedDataset:
     except Exception as e:  # transformers raises many types for a tokenizer it cannot load
         why = " ".join(str(e).split())
         raise ConfigError(f"model.path: cannot load the tokenizer of {cfg.model.path}: {why}") from None
+    print(f"realcore: {resolve_chat_template(cfg, tokenizer)}", flush=True)  # before the dataset's prompts are made
     loaded = quietly(check_dataset, cfg, alloc, tokenizer)
     if any(_spec(m.type).generates for m in cfg.mfcs) or cfg.mode == "async":
         check_context(cfg, context_length(hf_config), loaded)

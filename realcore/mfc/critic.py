@@ -118,6 +118,11 @@ class CriticTrain:
             raise ValueError(f"inputs: critic_train reads {missing}"
                              f"{' (args.kl_in_reward > 0)' if set(missing) & {'behav_logprobs', 'ref_logprobs'} else ''}")
 
+    @classmethod
+    def unread_inputs(cls, cfg, mfc) -> set[str]:
+        """Inputs this config leaves unread (realcore.dfg.prune drops an MFC that only feeds them)."""
+        return set() if cls.Args(**mfc.args).kl_in_reward > 0 else {"behav_logprobs", "ref_logprobs"}
+
     def __init__(self, cfg, mfc):
         self.args = self.Args(**mfc.args)
         self.max_tokens_per_mb = mfc.max_tokens_per_mb  # None: the role's budget

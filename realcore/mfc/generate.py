@@ -21,6 +21,30 @@ from realcore.workflows.episode import reward_fn, run_episodes, workflow_of
 from realcore.workflows.reward_runner import RewardRunner, reward_runner_for
 
 
+def sequence_lengths(loss_masks) -> tuple[list[int], list[int]]:
+    """(prompt lengths, response lengths) of sequences given by their loss masks: the prompt is what
+    comes before the first trained token, the response the trained tokens (a multi-turn episode's
+    tool and feedback tokens, untrained, count in neither)."""
+    prompts, responses = [], []
+    for m in loss_masks:
+        on = m.nonzero()
+        prompts.append(int(on[0, 0]) if len(on) else len(m))
+        responses.append(int(m.sum()))
+    return prompts, responses
+
+
+def length_stats(prompt_lens: list[int], response_lens: list[int]) -> dict[str, int | float]:
+    """A step's length metrics (sync: the generate MFC's; async: the master's, over the streamed
+    batch). gen/response_tokens is an int: summed over workers, it makes perf/gen_tokens_per_s."""
+    n = max(len(response_lens), 1)
+    return {
+        "gen/response_len": sum(response_lens) / n,
+        "gen/response_len_max": float(max(response_lens, default=0)),
+        "gen/prompt_len": sum(prompt_lens) / max(len(prompt_lens), 1),
+        "gen/response_tokens": int(sum(response_lens)),
+    }
+
+
 @register_mfc("generate")
 class Generate:
     """dataset keys (prompt_ids, answer, ...) -> the workflow's keys named in `outputs`."""
@@ -75,10 +99,10 @@ class Generate:
                                    "a sync batch cannot drop a sample (async mode can)")
             groups.append(r.group)
         out = SequenceSample(list(batch.ids), [{k: g[k] for k in self.outputs} for g in groups])
-        mask_lens = [int(m.sum()) for g in groups for m in g["loss_mask"]]
+        prompt_lens, response_lens = sequence_lengths([m for g in groups for m in g["loss_mask"]])
         rewards = torch.cat([t for g in groups for t in g["rewards"]])
         stats = {
-            "gen/response_len": sum(mask_lens) / max(len(mask_lens), 1),
+            **length_stats(prompt_lens, response_lens),
             "gen/no_eos_frac": engine.n_length / max(engine.n_completions, 1),
             "reward/mean": rewards.mean().item(),
             **counters,

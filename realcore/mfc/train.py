@@ -18,6 +18,12 @@ if TYPE_CHECKING:  # torch and the losses are imported on first use (see realcor
     from realcore.api.engine import HeadOutput
 
 
+def trained_tokens(input_ids: list, epochs: int) -> int:
+    """Tokens the call ran forward and backward (every position of every sequence, each epoch): an
+    int, summed over workers; the master divides it by the MFC's time (perf/train_tokens_per_s)."""
+    return epochs * sum(len(x) for x in input_ids)
+
+
 def _n_tokens(data: dict[str, torch.Tensor]) -> float:
     return float(data["loss_mask"].sum())
 
@@ -103,6 +109,11 @@ class PPOUpdate:
         missing = sorted(need - reads) or sorted(set(why) - reads)
         if missing:
             raise ValueError(f"inputs: ppo_update reads {missing}{why.get(missing[0], '') if len(missing) == 1 else ''}")
+
+    @classmethod
+    def unread_inputs(cls, cfg, mfc) -> set[str]:
+        """Inputs this config leaves unread (realcore.dfg.prune drops an MFC that only feeds them)."""
+        return set() if cfg.ppo.kl_coef > 0 or PPOArgs(**mfc.args).kl_in_reward > 0 else {"ref_logprobs"}
 
     def __init__(self, cfg, mfc):
         self.ppo = cfg.ppo
@@ -242,6 +253,7 @@ class PPOUpdate:
         versions = {k: batch.flat(k) for k in ("version_start", "version_end") if k in batch.keys()}
         stats.update(adv_stats)
         stats.update(consistency_stats(gaps, versions, model))
+        stats["train/tokens"] = trained_tokens(data["input_ids"], self.ppo.ppo_epochs)
         return stats
 
 
@@ -265,4 +277,5 @@ class SFTUpdate:
 
     def run(self, model, batch: SequenceSample):
         data = {k: batch.flat(k) for k in ("input_ids", "loss_mask")}
-        return model.train_batch(data, self.loss_fn, _n_tokens, max_tokens_per_mb=self.max_tokens_per_mb)
+        stats = model.train_batch(data, self.loss_fn, _n_tokens, max_tokens_per_mb=self.max_tokens_per_mb)
+        return {**stats, "train/tokens": trained_tokens(data["input_ids"], 1)}

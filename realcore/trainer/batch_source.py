@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from realcore.mfc.generate import length_stats
 from realcore.trainer.buffer import SampleBuffer
 from realcore.transport.protocol import Fetch, Fetched, Resolve
 
@@ -164,6 +165,8 @@ class StreamSource:
         p, n = self.ports, self.ports.batch_size
         groups: list[Group] = []
         rewards: list[float] = []
+        prompt_lens: list[int] = []
+        response_lens: list[int] = []
         t0 = time.monotonic()
         deadline, dropped, duplicates = t0 + p.timeout_s, 0, 0
         while len(groups) < n:
@@ -182,6 +185,8 @@ class StreamSource:
                     self.trained.add(r.uids[k])
                     groups.append(Group(r.ids[k], r.uids[k], r.version_start[k], r.version_end[k]))
                     rewards += r.rewards[k]
+                    prompt_lens += r.prompt_lens[k]
+                    response_lens += r.response_lens[k]
                 if len(groups) == n:
                     break
             if len(groups) < n:
@@ -194,6 +199,7 @@ class StreamSource:
         metrics["staleness/dropped"] = dropped
         metrics["staleness/duplicates"] = duplicates
         metrics["reward/mean"] = sum(rewards) / len(rewards)
+        metrics.update(length_stats(prompt_lens, response_lens))  # the names sync runs' generate MFC logs
         # Staleness of this batch against the policy that trains on it (AReaL's head/tail offpolicyness).
         starts, version = [min(g.version_start) for g in groups], p.version()
         metrics["staleness/head"] = version - min(starts)

@@ -39,7 +39,7 @@ from realcore.transport.pool import Columns, Gathered, WorkerPool
 from realcore.transport.relay_tree import relay_groups, relay_tops, replica_groups
 from realcore.transport.reply import Reply, wait_all, when_all_done
 from realcore.trainer.ledger import Ledger
-from realcore.trainer.metrics import MetricsWriter, print_reward_summary, wandb_init_kwargs
+from realcore.trainer.metrics import MetricsWriter, add_throughput, print_reward_summary, wandb_init_kwargs
 from realcore.transport.name_resolve import make_name_resolver
 from realcore.transport.protocol import (Clear, Configure, Evaluate, Exit, Fetch, ManagerState, RemoteError, Restore, RunMFC, Save,
                                       SaveState, Snapshot, WorkerLost, parse)
@@ -545,6 +545,7 @@ class Master:
             self.log_drops(metrics)
             metrics["version"] = self.version
             metrics["time/step_s"] = time.perf_counter() - t0
+            self.add_throughput(metrics)
             writer.write(metrics)
             self.step = step
             freq = cfg.trainer.save_freq_steps
@@ -556,6 +557,14 @@ class Master:
                 self.save_recover(step)
             if self.preempt_requested and not last:
                 raise Preempted(f"preempted after step {step}")
+
+    def add_throughput(self, metrics: dict) -> None:
+        """Tokens per second of generation and of the policy's training this step."""
+        def took(nodes) -> float:
+            return sum(metrics.get(f"time/{n.name}_s", 0.0) for n in nodes)
+
+        gen_s = metrics["time/step_s"] if self.async_mode else took(n for n in self.nodes if mfc_spec(n.type).generates)
+        add_throughput(metrics, gen_s, took(n for n in self.nodes if n.trains and n.model == self.policy))
 
     def evaluate(self) -> dict[str, float]:
         """eval/* of the policy just published (realcore.trainer.evaluation), by model worker 0."""

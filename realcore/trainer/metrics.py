@@ -64,6 +64,16 @@ def start_wandb(output_dir: str, resume_step: int, init: dict):
         return None
 
 
+def add_throughput(metrics: dict, gen_s: float, train_s: float) -> None:
+    """perf/gen_tokens_per_s: the step's response tokens (gen/response_tokens) over `gen_s`, the time
+    generation had (sync: its MFC's; async: the step's, generation running beside training);
+    perf/train_tokens_per_s: the tokens the policy's update ran (train/tokens) over its time."""
+    if "gen/response_tokens" in metrics and gen_s > 0:
+        metrics["perf/gen_tokens_per_s"] = metrics["gen/response_tokens"] / gen_s
+    if "train/tokens" in metrics and train_s > 0:
+        metrics["perf/train_tokens_per_s"] = metrics["train/tokens"] / train_s
+
+
 class TensorBoardScalars:
     """Scalars in TensorBoard's event files, through tensorboard's own writer: torch's SummaryWriter
     writes the same events around it, but importing it costs a process that needs no torch (the

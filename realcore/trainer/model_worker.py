@@ -33,6 +33,7 @@ from realcore.backends import lora
 from realcore.backends.clients.registry import client_for
 from realcore.backends.models import load_tokenizer
 from realcore.dfg.graph import build_graph
+from realcore.mfc.generate import sequence_lengths
 from realcore.transport import addresses, drops, wire
 from realcore.api.registry import source_keys
 from realcore.transport.control import ControlServer
@@ -195,6 +196,9 @@ class ModelWorker:
             out.version_start.append([int(t) for t in sample["version_start"]])
             out.version_end.append([int(t) for t in sample["version_end"]])
             out.rewards.append([float(r) for r in sample["rewards"]])
+            prompt_lens, response_lens = sequence_lengths(sample["loss_mask"])
+            out.prompt_lens.append(prompt_lens)
+            out.response_lens.append(response_lens)
         return out
 
     def evaluate(self, msg: Evaluate) -> Evaluated:

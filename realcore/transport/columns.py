@@ -19,15 +19,18 @@ from realcore.transport.protocol import Cmd, Fetch, RunMFC
 
 
 def merged_stats(parts: list[tuple[dict[str, Any], int]]) -> dict[str, Any]:
-    """Stats of several workers' replies as one, from (stats, n) pairs: counts (ints) summed, means
-    (floats) weighted by the sequences each worker processed (a worker without the key counts as 0).
-    Merging merged groups gives what merging all workers at once gives."""
+    """Stats of several workers' replies as one, from (stats, n) pairs: counts (ints) summed, maxima
+    (keys ending in _max) the largest, means (other floats) weighted by the sequences each worker
+    processed (a worker without the key counts as 0). Merging merged groups gives what merging all
+    workers at once gives."""
     total = sum(n for _, n in parts) or 1
     out: dict[str, Any] = {}
     for k in {k for stats, _ in parts for k in stats}:
         values = [stats[k] for stats, _ in parts if k in stats]
         if all(type(v) is int for v in values):
             out[k] = sum(values)
+        elif k.endswith("_max"):  # a maximum (gen/response_len_max, ppo/ratio_max): the largest worker's
+            out[k] = max(values)
         else:
             out[k] = sum(stats.get(k, 0.0) * n for stats, n in parts) / total
     return out

@@ -173,8 +173,8 @@ class Configure:
 class Fetched:
     """New samples now stored on the worker: one id per sample (a prompt's group), with what the
     master needs: the size of each key per sample (`tokens`, `seqs`: see MFCDone), a stable name
-    per sample (`uids`), and in async mode the versions that generated it and its rewards
-    (scalars: metadata, like sizes)."""
+    per sample (`uids`), and in async mode the versions that generated it, its rewards and its
+    sequences' prompt and response lengths (scalars: metadata, like sizes)."""
 
     ids: list[int]
     tokens: dict[str, list[int]]
@@ -184,6 +184,8 @@ class Fetched:
     version_start: list[list[int]] = field(default_factory=list)  # per sample, per sequence (async)
     version_end: list[list[int]] = field(default_factory=list)
     rewards: list[list[float]] = field(default_factory=list)  # per sample, per sequence (async)
+    prompt_lens: list[list[int]] = field(default_factory=list)  # per sample, per sequence (async)
+    response_lens: list[list[int]] = field(default_factory=list)  # trained tokens, per sample, per sequence (async)
     dropped: list[int] = field(default_factory=list)  # grants of samples that arrived too stale to train on
 
 
