@@ -1,8 +1,10 @@
 """`python -m realcore.launch key=value ...`: validate, prepare, start the workers, watch them.
 
 scheduler=local places every process on GPUs of its own (placement.py: its CUDA_VISIBLE_DEVICES)
-and prints the plan when the node has GPUs; `--dry-run` prints it (under every scheduler) and
-starts nothing.
+and prints the plan when the node has GPUs. `--dry-run` prints what would run (local: that plan;
+ray: the placement groups; slurm: the batch script) and starts nothing, writing nothing into
+output_dir; `--print-config` prints the composed, validated configuration as YAML; `--help [PREFIX]`
+the keys with their defaults (cli_help.py, the usage text too).
 
 Exit codes: 0 done; 1 a worker failed (recover_mode=auto: once the restarts are used up); 2 bad
 config or input, a node with too few GPUs for the allocation, or the output_dir is in use by
