@@ -75,6 +75,23 @@ def test_print_config_prints_the_resolved_configuration(tmp_path):
     assert not os.path.exists(out)
 
 
+def test_print_config_loads_the_users_imports(tmp_path):
+    """A reward registered by a module of `imports:` is valid only once that module is imported."""
+    (tmp_path / "cli_user_reward.py").write_text(
+        "from realcore.api.registry import register_reward\n\n"
+        "@register_reward('cli-user-reward')\n"
+        "def reward(prompt, completion, prompt_ids, completion_ids, **data):\n    return 0.0\n")
+    argv = ["--print-config", "reward.type=cli-user-reward", f"output_dir={tmp_path}/run"]
+    r = subprocess.run([sys.executable, "-m", "realcore.launch", *argv, "imports=[cli_user_reward]"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    printed = yaml.safe_load(r.stdout)
+    assert printed["imports"] == ["cli_user_reward"] and printed["reward"]["type"] == "cli-user-reward"
+    r = subprocess.run([sys.executable, "-m", "realcore.launch", *argv], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "cli-user-reward" in r.stderr, r.stderr
+
+
 def test_print_config_errors_are_one_line(tmp_path):
     r = launch("--print-config", "trainer.total_stepz=3", f"output_dir={tmp_path}/run")
     assert r.returncode == 2 and r.stdout == ""
