@@ -64,11 +64,14 @@ def test_the_configuration_reference_is_current():
 
 def test_print_config_prints_the_resolved_configuration(tmp_path):
     out = str(tmp_path / "run")
-    argv = ["experiment=ppo-math", "trainer.total_steps=3", "ppo.eps_clip=0.3", f"output_dir={out}"]
+    argv = ["experiment=ppo-math", "trainer.total_steps=3", "ppo.eps_clip=0.3", f"output_dir={out}",
+            "rollout.server_token=cli-secret-token"]
     r = launch("--print-config", *argv)
     assert r.returncode == 0, r.stderr
     printed = yaml.safe_load(r.stdout)
-    assert printed == load_config(argv).model_dump(mode="json")
+    expected = load_config(argv).model_dump(mode="json")
+    expected["rollout"]["server_token"] = "<hidden>"  # a secret is not printed
+    assert printed == expected and "cli-secret-token" not in r.stdout
     assert printed == ExperimentConfig.model_validate(printed).model_dump(mode="json")
     assert printed["trainer"]["total_steps"] == 3 and printed["ppo"]["eps_clip"] == 0.3
     assert printed["experiment_name"] == "ppo-math" and printed["mfcs"]

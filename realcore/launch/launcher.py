@@ -23,6 +23,8 @@ import sys
 import threading
 import time
 
+import yaml
+
 from realcore.api.alloc import AllocationMode
 from realcore.api.config import ExperimentConfig
 from realcore.backends.clients.registry import capabilities, server_command
@@ -293,8 +295,6 @@ def print_config(argv: list[str]) -> int:
     """`--print-config`: the configuration a launch with these arguments would run, composed and
     validated as check_all does (before it looks at the machine, the model or the dataset), as YAML;
     nothing is started or written. rollout.server_token, if set, is shown as <hidden>."""
-    import yaml  # only this option prints YAML
-
     try:
         cfg = load_config(argv)
         resolve_server_token(cfg)
