@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import typing
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -376,7 +377,7 @@ class MFCConfig(StrictModel):
         "ppo_update, sft_update): on others it is an error")
     args: dict[str, Any] = Field(
         default_factory=dict, description="this MFC's own settings, validated when the graph is built by the "
-        "pydantic model its class declares as `Args` (`self.args = self.Args(**mfc.args)` in its __init__); an "
+        "pydantic model its class declares as `Args` (`self.args = self.Args(**mfc.args)` in its `__init__`); an "
         "error on a class that declares none")
 
 
@@ -424,7 +425,7 @@ class ExperimentConfig(StrictModel):
     trial_name: str = Field("trial0", description="one run of the experiment, kept apart from its other trials")
     output_dir: str = Field(
         description="folder of everything the run writes: resolved config, metrics.jsonl, ledger.jsonl, logs/, "
-        "checkpoints/, recover/")
+        "checkpoints/, recover/; the launcher's default: outputs/EXPERIMENT/TRIAL under the current directory")
     seed: int = Field(
         1, description="seeds the tiny model's weights, sampling (generation server i: seed + 1000 i) and Megatron's "
         "RNGs; the dataset's generation and order use dataset.seed")
@@ -531,16 +532,40 @@ def _models(annotation) -> list[type[BaseModel]]:
     return [m for arg in typing.get_args(annotation) for m in _models(arg)]
 
 
-def config_keys(model: type[BaseModel] = ExperimentConfig, prefix: str = "") -> dict[str, str | None]:
-    """Dotted key -> its description, recursively (`mfcs.name` for the items of a list); what
-    `python -m realcore.launch --help` prints."""
-    out = {}
+REQUIRED = object()  # ConfigKey.default of a key that has none
+
+
+@dataclass(frozen=True)
+class ConfigKey:
+    """One key as `--help` and docs/configuration.md show it."""
+
+    key: str  # dotted: `actor.optimizer.lr`; `mfcs.name` for the items of a list, `roles.head` of a dict
+    description: str | None
+    default: Any  # REQUIRED when it has none
+    section: type[BaseModel] | None  # the config model under this key (its keys follow it), or None
+
+
+def config_entries(model: type[BaseModel] = ExperimentConfig, prefix: str = "",
+                   section: BaseModel | None = None) -> list[ConfigKey]:
+    """Every key, depth first in field order. A section's keys take their defaults from the
+    section's own default (`actor.trainable` is true: the actor's default is
+    RoleConfig(trainable=True)), else from its model (`ref.trainable` is false)."""
+    out = []
     for name, field in model.model_fields.items():
-        key = prefix + (field.alias or name)
-        out[key] = field.description
-        for sub in _models(field.annotation):
-            out.update(config_keys(sub, key + "."))
+        if section is not None:
+            value = getattr(section, name)
+        else:
+            value = REQUIRED if field.is_required() else field.get_default(call_default_factory=True)
+        subs = _models(field.annotation)
+        out.append(ConfigKey(prefix + (field.alias or name), field.description, value, subs[0] if subs else None))
+        for sub in subs:
+            out += config_entries(sub, out[-1].key + ".", value if isinstance(value, sub) else None)
     return out
+
+
+def config_keys() -> dict[str, str | None]:
+    """Dotted key -> its description (config_entries)."""
+    return {e.key: e.description for e in config_entries()}
 
 
 def config_sections(model: type[BaseModel] = ExperimentConfig) -> list[type[BaseModel]]:

@@ -1,8 +1,10 @@
 """`python -m realcore.launch key=value ...`: validate, prepare, start the workers, watch them.
 
 scheduler=local places every process on GPUs of its own (placement.py: its CUDA_VISIBLE_DEVICES)
-and prints the plan when the node has GPUs; `--dry-run` prints it (under every scheduler) and
-starts nothing.
+and prints the plan when the node has GPUs. `--dry-run` prints what would run (local: that plan;
+ray: the placement groups; slurm: the batch script) and starts nothing, writing nothing into
+output_dir; `--print-config` prints the composed, validated configuration as YAML; `--help [PREFIX]`
+the keys with their defaults (cli_help.py, the usage text too).
 
 Exit codes: 0 done; 1 a worker failed (recover_mode=auto: once the restarts are used up); 2 bad
 config or input, a node with too few GPUs for the allocation, or the output_dir is in use by
@@ -21,20 +23,23 @@ import sys
 import threading
 import time
 
+import yaml
+
 from realcore.api.alloc import AllocationMode
-from realcore.api.config import ExperimentConfig, config_keys
+from realcore.api.config import ExperimentConfig
 from realcore.backends.clients.registry import capabilities, server_command
 from realcore.backends.server_launch import server_token, wait_http_ready, wait_own_listener
 from realcore.data.datasets import describe_skips
 from realcore.dfg.graph import DataFlowGraph, GraphError
 from realcore.launch.config_loader import ConfigError, load_config
 from realcore.launch.engine_server import free_port
+from realcore.launch.cli_help import help_text
 from realcore.launch.local import Proc, open_log, private_logs_dir, spawn, spawn_command, tail
 from realcore.launch.placement import Plan, describe, describe_meshes
 from realcore.launch.process import PREEMPTED_EXIT, node_address
 from realcore.launch.ray_scheduler import describe_bundles, run_ray
 from realcore.launch.run_lock import claim_output, hold_run
-from realcore.launch.slurm import steps, submit_and_watch
+from realcore.launch.slurm import sbatch_script, steps, submit_and_watch
 from realcore.launch.supervise import Supervisor, begin_attempt, record, write_pids
 from realcore.launch.validate import (check_inputs, check_model_layout, check_placement, check_ray, check_slurm,
                                       validate)
@@ -43,19 +48,18 @@ from realcore.transport.name_resolve import make_name_resolver
 from realcore.transport.wire import load_secret, write_secret
 
 
-def run_on_cluster(cfg: ExperimentConfig, dfg: DataFlowGraph, alloc: AllocationMode, dry_run: bool) -> int:
+def run_on_cluster(cfg: ExperimentConfig, dfg: DataFlowGraph, alloc: AllocationMode) -> int:
     """Submit the run as one Slurm job (realcore/launch/slurm.py) or as Ray tasks
     (realcore/launch/ray_scheduler.py) and follow it."""
-    if not dry_run:
-        make_name_resolver(cfg.system.name_resolve).clear(keys.scope(cfg))
+    make_name_resolver(cfg.system.name_resolve).clear(keys.scope(cfg))
     config_path, secret_path = prepare_output(cfg, dfg)
-    if cfg.scheduler == "slurm" and not dry_run:
+    if cfg.scheduler == "slurm":
         precreate_slurm_logs(cfg, alloc)
     if cfg.scheduler == "ray":
         rc = run_ray(cfg, alloc, config_path, secret_path, child_env(cfg))
     else:
-        rc = submit_and_watch(cfg, alloc, config_path, secret_path, child_env(cfg), dry_run=dry_run)
-    if rc == 0 and not dry_run:
+        rc = submit_and_watch(cfg, alloc, config_path, secret_path, child_env(cfg))
+    if rc == 0:
         print(f"realcore: done; metrics in {os.path.join(cfg.output_dir, 'metrics.jsonl')}", flush=True)
     return rc
 
@@ -83,13 +87,12 @@ def prepare_output(cfg: ExperimentConfig, dfg: DataFlowGraph) -> tuple[str, str]
     """Output folders, the resolved config for workers, a fresh per-run secret, dfg.png (drawn by
     a thread while the workers start: ~1 s of matplotlib that need not delay them)."""
     out = os.path.abspath(cfg.output_dir)
+    config_path, secret_path = output_files(cfg)
     private_logs_dir(os.path.join(out, "logs"))  # 0700, files 0600: engines log their arguments
     open_log(os.path.join(out, "logs", "master.log")).close()  # the master's logging appends to it: 0600 first
-    secret_path = os.path.join(out, ".secret")
     if os.path.exists(secret_path):
         os.remove(secret_path)
     write_secret(secret_path)
-    config_path = os.path.join(out, "config.json")
     # 0600: it may hold rollout.server_token. O_CREAT's mode applies to a new file only: fchmod an old one.
     fd = os.open(config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.fchmod(fd, 0o600)
@@ -98,6 +101,12 @@ def prepare_output(cfg: ExperimentConfig, dfg: DataFlowGraph) -> tuple[str, str]
     # Not a daemon: the launcher's exit waits for it, so the picture is whole whenever it ends.
     threading.Thread(target=draw_dfg, args=(dfg, os.path.join(out, "dfg.png")), name="dfg.png").start()
     return config_path, secret_path
+
+
+def output_files(cfg: ExperimentConfig) -> tuple[str, str]:
+    """Where the resolved config (for the workers) and the run's secret are written."""
+    out = os.path.abspath(cfg.output_dir)
+    return os.path.join(out, "config.json"), os.path.join(out, ".secret")
 
 
 def draw_dfg(dfg: DataFlowGraph, path: str) -> None:
@@ -277,22 +286,39 @@ def start_processes(cfg: ExperimentConfig, alloc: AllocationMode, config_path: s
 
 
 def print_help(argv: list[str]) -> None:
-    """`--help [PREFIX]`: every config key (under PREFIX) with what it does."""
+    """`--help [PREFIX]`: the usage, then every config key (under PREFIX) with its default and what it does."""
     prefix = next((a for a in argv if not a.startswith("-")), "")
-    print("usage: python -m realcore.launch [--dry-run] experiment=NAME [key=value ...]\n"
-          "  --dry-run: check the config, model and dataset, print where each process would run (local: its\n"
-          "  GPUs, and each SGLang/vLLM server's command line; ray: the placement groups' bundles; slurm: the\n"
-          "  batch script), and exit without starting anything\n"
-          "config keys (python -m realcore.launch --help PREFIX shows those under PREFIX):")
-    for key, text in config_keys().items():
-        if key.startswith(prefix):
-            print(f"  {key}\n      {text}")
+    print(help_text(prefix))
+
+
+def print_config(argv: list[str]) -> int:
+    """`--print-config`: the configuration a launch with these arguments would run, composed and
+    validated as check_all does (before it looks at the machine, the model or the dataset), as YAML;
+    nothing is started or written. rollout.server_token, if set, is shown as <hidden>."""
+    try:
+        cfg = load_config(argv)
+        resolve_server_token(cfg)
+        validate(cfg)
+    except (ConfigError, GraphError) as e:
+        print(f"realcore: config error: {e}", file=sys.stderr)
+        return 2
+    cfg.output_dir = os.path.abspath(cfg.output_dir)
+    dump = cfg.model_dump(mode="json")
+    if dump["rollout"]["server_token"]:
+        dump["rollout"]["server_token"] = "<hidden>"
+    print(yaml.safe_dump(dump, sort_keys=False, width=120), end="", flush=True)
+    return 0
 
 
 def main(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
         print_help([a for a in argv if a not in ("--help", "-h")])
         return 0
+    if "--print-config" in argv:
+        if "--dry-run" in argv:
+            print("realcore: config error: --print-config and --dry-run: give one", file=sys.stderr)
+            return 2
+        return print_config([a for a in argv if a != "--print-config"])
     dry_run = "--dry-run" in argv
     argv = [a for a in argv if a != "--dry-run"]
     with contextlib.ExitStack() as held:  # the run's locks, released when the launcher ends (or dies)
@@ -303,10 +329,10 @@ def main(argv: list[str]) -> int:
         except (ConfigError, GraphError) as e:
             print(f"realcore: config error: {e}", file=sys.stderr)
             return 2
-        if cfg.scheduler == "slurm" or (cfg.scheduler == "ray" and not dry_run):
-            rc = run_on_cluster(cfg, dfg, alloc, dry_run)
-        elif dry_run:
+        if dry_run:
             rc = print_plan(cfg, alloc, plan)
+        elif cfg.scheduler in ("slurm", "ray"):
+            rc = run_on_cluster(cfg, dfg, alloc)
         else:
             return run_local(cfg, dfg, alloc, plan)
         for e in layout_errors:
@@ -315,8 +341,16 @@ def main(argv: list[str]) -> int:
 
 
 def print_plan(cfg: ExperimentConfig, alloc: AllocationMode, plan: Plan | None) -> int:
-    """`--dry-run` under scheduler=local (each process, its GPUs, each SGLang/vLLM server's command
-    line; the port is picked again when the run starts) or ray (the placement groups). Writes nothing."""
+    """`--dry-run`: under scheduler=local each process, its GPUs, each SGLang/vLLM server's command
+    line (the port is picked again when the run starts); ray: the placement groups; slurm: the batch
+    script (on stdout, as sbatch would get it) and the files the run would write first. Writes nothing."""
+    if cfg.scheduler == "slurm":
+        config_path, secret_path = output_files(cfg)
+        print(sbatch_script(cfg, alloc, config_path, secret_path), end="")
+        print(f"realcore: dry run: nothing was written; a run would first write {config_path}, {secret_path}, "
+              f"{os.path.join(cfg.output_dir, 'slurm', 'job.sbatch')} (the script above) and the logs in "
+              f"{os.path.join(cfg.output_dir, 'logs')}, then submit it with sbatch", file=sys.stderr, flush=True)
+        return 0
     if cfg.scheduler == "ray":
         print(describe_bundles(cfg, alloc))
     else:
@@ -337,8 +371,8 @@ def check_all(argv: list[str], dry_run: bool, held: contextlib.ExitStack,
               on_layout_error=None) -> tuple[ExperimentConfig, DataFlowGraph, AllocationMode, Plan | None]:
     """Every check that needs no worker, config first (the local GPU placement among them), then the
     model and the dataset. The run's locks are taken (into `held`) before the model is built, so a
-    second launch stops at once; a local or Ray dry run writes nothing into output_dir and takes no
-    lock (a Slurm dry run writes its batch script there). `on_layout_error`: takes the model-layout
+    second launch stops at once; a dry run (any scheduler) takes no lock and writes nothing into
+    output_dir. `on_layout_error`: takes the model-layout
     check's error instead of raising it (a dry run). The plan: scheduler=local only (else None)."""
     cfg = load_config(argv)
     resolve_server_token(cfg)
@@ -353,7 +387,7 @@ def check_all(argv: list[str], dry_run: bool, held: contextlib.ExitStack,
     cfg.output_dir = os.path.abspath(cfg.output_dir)
     if cfg.scheduler == "local":
         resolve_local_host(cfg)
-    if not dry_run or cfg.scheduler == "slurm":
+    if not dry_run:
         held.enter_context(hold_run(cfg))
     if not dry_run:  # under the run's lock (the default root is in output_dir); a dry run creates no folder
         check_name_store(cfg)

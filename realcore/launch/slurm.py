@@ -9,9 +9,9 @@ servers and rollout workers it has (no srun per process on the batch node, no st
 restart), keeps a restarted worker on its node and GPU, and needs no launcher: a requeued job, or
 one whose login node went away, still recovers.
 
-The batch script (OUTPUT_DIR/slurm/job.sbatch, printed by `--dry-run`) first runs a `begin` step
-(a whole-run start: name-resolution scope, `.heartbeat`, `.manager` cleared), then starts every
-step in the background and waits:
+The batch script (OUTPUT_DIR/slurm/job.sbatch; `--dry-run` prints it and writes nothing) first
+runs a `begin` step (a whole-run start: name-resolution scope, `.heartbeat`, `.manager` cleared),
+then starts every step in the background and waits:
 - the master's step ending cleanly ends the job (COMPLETED; `OUTPUT_DIR/slurm/status`: `done`);
 - the master exiting 75 (preempted, a recover checkpoint written) ends the job FAILED with exit
   code 75 (status `preempted`), or with `slurm.requeue=true` requeues it (status `requeued`):
@@ -326,8 +326,8 @@ def failed_worker(slurm_dir: str) -> str | None:
     return f"{name} {whys.get(name, f'died (srun: {message.strip()})')} (on {node})"
 
 
-def submit_and_watch(cfg: ExperimentConfig, alloc: AllocationMode, config_path: str, secret_path: str, env: dict,
-                     *, dry_run: bool = False) -> int:
+def submit_and_watch(cfg: ExperimentConfig, alloc: AllocationMode, config_path: str, secret_path: str,
+                     env: dict) -> int:
     """Exit codes like the local scheduler: 0 done, 1 a worker failed (recover_mode=auto: once the
     resubmissions are used up), 75 preempted, 130 interrupted."""
     slurm_dir = os.path.join(cfg.output_dir, "slurm")
@@ -336,9 +336,6 @@ def submit_and_watch(cfg: ExperimentConfig, alloc: AllocationMode, config_path: 
     path = os.path.join(slurm_dir, "job.sbatch")
     with open(path, "w") as f:
         f.write(script)
-    if dry_run:
-        print(script, end="")
-        return 0
     signals: list[int] = []
     old = {s: signal.signal(s, lambda signum, frame: signals.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
     follow = Follow(os.path.join(cfg.output_dir, "logs", "master.out"))
