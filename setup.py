@@ -35,7 +35,12 @@ setup(
     name="realcore",
     version="0.1.0",
     description="Reinforcement learning for LLMs: a master/worker system driven by a dataflow graph",
-    packages=find_packages(include=["realcore", "realcore.*"]),
+    # experiments/ (the hydra config tree) is installed as realcore/experiments, so that a plain
+    # `pip install .` or a wheel composes configs from anywhere; it stays at the repository root,
+    # where the docs, tests and bench/ name its files.
+    packages=find_packages(include=["realcore", "realcore.*"]) + ["realcore.experiments"],
+    package_dir={"realcore.experiments": "experiments"},
+    package_data={"realcore.experiments": ["*.yaml", "*/*.yaml"]},
     python_requires=">=3.10",
     install_requires=install_requires,
     extras_require={

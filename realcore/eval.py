@@ -1,15 +1,26 @@
-"""`python -m realcore.eval model.path=DIR dataset=gsm8k eval.n_prompts=64`: evaluate a policy on
-held-out prompts, in one process, without a cluster (docs/evaluation.md).
+"""Evaluate a policy on held-out prompts, in one process, without a cluster (docs/evaluation.md).
 
-The config is composed as `python -m realcore.launch` composes it (the same hydra tree and
-overrides; experiment ppo-math by default), so `rollout.workflow`, `reward.type`, `generation.*`,
-`eval.*` and `imports=[...]` mean what they mean in a run. The policy is `model.path` (any HF
-directory, e.g. a run's checkpoints/step_N) or `model.name` (tiny, smollm2-135m), decoded by the
-built-in generation engine; rewards run in the reward runner's child processes, as in a run.
+    python -m realcore.eval OUTPUT_DIR [key=value ...]
+    python -m realcore.eval model=tiny dataset=tiny-arith eval.n_prompts=8
+    python -m realcore.eval experiment=async-ppo-math model.path=OUTPUT_DIR/checkpoints/step_N
+
+OUTPUT_DIR: a run's folder. Its last checkpoint (checkpoints/step_N, the largest N) is evaluated
+with the run's own settings, read from the config.json the run saved there (model, dataset and its
+holdout, generation, eval, chat template, seed, imports), so it prints the figures the run's own
+evaluation would print after that step. `key=value` after it changes that config (a dotted key and
+a YAML value, e.g. eval.n_prompts=64).
+
+Otherwise the arguments are `key=value` overrides, composed as `python -m realcore.launch` composes
+them (the same hydra tree; experiment ppo-math by default), so `rollout.workflow`, `reward.type`,
+`generation.*`, `eval.*` and `imports=[...]` mean what they mean in a run. The policy is
+`model.path` (any HF directory, e.g. a run's checkpoints/step_N) or `model.name` (tiny,
+smollm2-135m), decoded by the built-in generation engine; rewards run in the reward runner's child
+processes, as in a run. The held-out prompts are a new draw of the training dataset (seed + size)
+unless `eval.dataset` names others: a jsonl training file needs `eval.dataset` (a held-out file).
 
 Prints the metrics as a table, then one JSON line. Exit codes: 0 done (episodes that failed are
 counted in eval/failed, not fatal); 1 the evaluation itself broke (a traceback); 2 bad config,
-model, dataset, workflow or reward (one line, no traceback); 130 interrupted.
+run folder, model, dataset, workflow or reward (one line, no traceback); 130 interrupted.
 """
 
 from __future__ import annotations
@@ -20,14 +31,17 @@ import logging
 import os
 import sys
 
+import pydantic
+import yaml
 from transformers.utils import logging as hf_logging
 
 import realcore.workflows  # noqa: F401  (the built-in workflows register on import)
 from realcore.backends.generation import GenerationEngine
 from realcore.backends.models import check_model_dir, load_model, load_tokenizer, prepare_model
 from realcore.backends.onednn_linear import use_onednn
+from realcore.api.config import ExperimentConfig
 from realcore.launch.chat_template import resolve_chat_template
-from realcore.launch.config_loader import import_user_modules, load_config
+from realcore.launch.config_loader import ConfigError, format_validation_error, import_user_modules, load_config
 from realcore.workflows.engines import BatchingEngine
 from realcore.workflows.episode import reward_fn, workflow_of
 from realcore.workflows.evaluate import eval_dataset, eval_rows, evaluate
@@ -39,10 +53,64 @@ def _table(metrics: dict[str, float]) -> str:
     return "\n".join(f"{k:<{width}}  {v:.4g}" for k, v in metrics.items())
 
 
+def last_checkpoint(output_dir: str) -> str:
+    """OUTPUT_DIR/checkpoints/step_N with the largest N (the policy's HF folder; with LoRA its
+    `merged/` export); ValueError when there is none."""
+    root = os.path.join(output_dir, "checkpoints")
+    steps = sorted(int(name[5:]) for name in (os.listdir(root) if os.path.isdir(root) else [])
+                   if name.startswith("step_") and name[5:].isdigit())
+    if not steps:
+        raise ValueError(f"{output_dir}: no checkpoint (checkpoints/step_N) in this run folder")
+    path = os.path.join(root, f"step_{steps[-1]}")
+    if os.path.isfile(os.path.join(path, "adapter_config.json")):  # a LoRA adapter: its merged export, if any
+        if not os.path.isfile(os.path.join(path, "merged", "config.json")):
+            raise ValueError(f"{path} is a LoRA adapter without merged/ (actor.lora.export_merged=true writes it)")
+        path = os.path.join(path, "merged")
+    return path
+
+
+def run_config(output_dir: str, overrides: list[str]) -> ExperimentConfig:
+    """The config a run saved in OUTPUT_DIR/config.json, `overrides` (dotted key=YAML value)
+    applied, its policy the run's last checkpoint; ValueError for a folder that is not a run's."""
+    path = os.path.join(output_dir, "config.json")
+    if not os.path.isdir(output_dir):
+        raise ValueError(f"{output_dir}: no such run folder (give OUTPUT_DIR, or key=value overrides)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"{output_dir}: no config.json (not a run's output folder)") from None
+    except ValueError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    for item in overrides:
+        key, eq, value = item.partition("=")
+        *parents, last = key.split(".")
+        node = raw
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not eq or not isinstance(node, dict) or last not in node:
+            raise ConfigError(f"{key}: {'expected key=value' if not eq else 'not a key of the run config'}")
+        try:
+            node[last] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise ConfigError(f"{key}: {value!r} is not a YAML value") from None
+    try:
+        cfg = ExperimentConfig.model_validate(raw)
+    except pydantic.ValidationError as e:
+        raise ConfigError(f"{path}: {format_validation_error(e)}") from None
+    # The run's own output folder (config.json may hold it relative to where the run started).
+    cfg.output_dir = os.path.abspath(output_dir)
+    cfg.model.path = last_checkpoint(output_dir)
+    return cfg
+
+
 def load(argv: list[str]):
     """(config, policy with .generate and .tokenizer, workflow episode, rows); ValueError for the
     user's mistakes."""
-    cfg = load_config(argv)  # ConfigError is a ValueError
+    if argv and "=" not in argv[0]:  # OUTPUT_DIR [key=value ...]
+        cfg = run_config(argv[0], argv[1:])
+    else:
+        cfg = load_config(argv)  # ConfigError is a ValueError
     import_user_modules(cfg)
     try:
         episode, _ = workflow_of(cfg)
@@ -85,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     bad = [a for a in argv if a.startswith("-")]
     if bad:
-        print(f"realcore.eval: {bad[0]}: arguments are key=value config overrides (see docs/evaluation.md)", file=sys.stderr)
+        print(f"realcore.eval: {bad[0]}: arguments are OUTPUT_DIR and/or key=value config overrides (see --help)", file=sys.stderr)
         return 2
     try:
         cfg, policy, episode, rows = load(argv)

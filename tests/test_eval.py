@@ -1,5 +1,6 @@
 """Evaluation on held-out prompts: the metric arithmetic (a scripted engine), greedy determinism
-on the built-in engine, and `python -m realcore.eval` end to end on the tiny model."""
+on the built-in engine, and `python -m realcore.eval` end to end on the tiny model (also on a
+run's folder: its last checkpoint with the run's settings)."""
 
 import asyncio
 import json
@@ -229,7 +230,7 @@ def test_cli_prints_every_metric(cache, tmp_path):
     (["model.path=/nonexistent/model"], "model.path: '/nonexistent/model' is not a directory holding config.json"),
     (["rollout.workflow=no-such-workflow"], "rollout.workflow: unknown workflow 'no-such-workflow'"),
     (["eval.n_prompts=0"], "eval.n_prompts: Input should be greater than 0"),
-    (["--model", "x"], "--model: arguments are key=value config overrides"),
+    (["--model", "x"], "--model: arguments are OUTPUT_DIR and/or key=value config overrides"),
 ])
 def test_cli_bad_input_is_one_line_exit_2(args, message, capsys):
     from realcore.eval import main
@@ -237,3 +238,65 @@ def test_cli_bad_input_is_one_line_exit_2(args, message, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
+
+
+# --- a run's folder -------------------------------------------------------------------------------
+
+# Settings that differ from ppo-math's defaults, so that the run's own must be read from its config.json.
+RUN_SETTINGS = ["dataset.holdout=0.5", "seed=5", "generation.max_new_tokens=6", "eval.n_prompts=5", "eval.n_samples=2"]
+
+
+def _figures(stdout: str) -> tuple[str, dict[str, float]]:
+    """(header line, every metric but the wall time) of realcore.eval's output."""
+    lines = stdout.strip().splitlines()
+    return lines[0], {k: v for k, v in json.loads(lines[-1]).items() if k != "eval/time_s"}
+
+
+def test_cli_on_a_run_folder_evaluates_its_last_checkpoint_with_its_settings(cache, tmp_path, capsys):
+    from realcore.eval import main
+
+    out = tmp_path / "run"
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "realcore.launch", "experiment=ppo-math", "model=tiny", "trainer.total_steps=2",
+                        "trainer.batch_size=4", "generation.n_samples=2", "eval.freq_steps=2", *RUN_SETTINGS,
+                        f"model.cache_dir={cache}", f"output_dir={out}", f"system.name_resolve.root={out}/nr",
+                        "trial_name=eval-run-folder"], cwd=repo, capture_output=True, text=True, timeout=600, check=False)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert sorted(os.listdir(out / "checkpoints")) == ["step_2"]  # saved at the last step only
+    p = subprocess.run([sys.executable, "-m", "realcore.eval", str(out)], capture_output=True, text=True, cwd=tmp_path,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600, check=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    header, by_folder = _figures(p.stdout)
+    assert str(out / "checkpoints" / "step_2") in header, header
+    assert by_folder["eval/n_prompts"] == 5 and "eval/pass@2" in by_folder
+    assert 0 < by_folder["eval/response_len"] <= 6
+    # the run's own evaluation after its last step
+    (in_run,) = [m for m in map(json.loads, open(out / "metrics.jsonl")) if m["step"] == 2 and "eval/accuracy" in m]
+    assert {k: in_run[k] for k in by_folder if k.startswith("eval/")} == {k: v for k, v in by_folder.items() if k.startswith("eval/")}
+    # the key=value form, given the run's settings by hand, prints the same figures
+    assert main(["experiment=ppo-math", "model=tiny", f"model.path={out}/checkpoints/step_2", *RUN_SETTINGS,
+                 f"model.cache_dir={cache}"]) == 0
+    assert _figures(capsys.readouterr().out) == (header, by_folder)
+    # overrides after the folder change the run's settings
+    assert main([str(out), "eval.n_prompts=3", "eval.n_samples=0"]) == 0
+    _, fewer = _figures(capsys.readouterr().out)
+    assert fewer["eval/n_prompts"] == 3 and "eval/pass@2" not in fewer
+
+
+def test_cli_bad_run_folder_is_one_line_exit_2(tmp_path, capsys):
+    from realcore.eval import main
+    from realcore.launch.config_loader import load_config
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    untrained = tmp_path / "untrained"  # a run's config, no checkpoint yet
+    untrained.mkdir()
+    (untrained / "config.json").write_text(load_config(["experiment=ppo-math", f"output_dir={untrained}"]).model_dump_json())
+    for args, message in [([str(tmp_path / "nowhere")], "no such run folder"),
+                          ([str(empty)], "no config.json (not a run's output folder)"),
+                          ([str(untrained)], "no checkpoint (checkpoints/step_N) in this run folder"),
+                          ([str(untrained), "eval.no_such_key=1"], "eval.no_such_key: not a key of the run config"),
+                          ([str(untrained), "eval.n_prompts=0"], "eval.n_prompts: Input should be greater than 0")]:
+        assert main(args) == 2, args
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err

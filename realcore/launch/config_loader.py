@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+from importlib import resources
 from pathlib import Path
 
 import pydantic
@@ -21,8 +22,17 @@ class ConfigError(ValueError):
 
 
 def experiments_dir() -> Path:
+    """The hydra config tree: $REALCORE_EXPERIMENTS, else the one installed with the package
+    (setup.py installs experiments/ as realcore/experiments), else a source checkout's
+    experiments/ (realcore imported from the checkout: PYTHONPATH or an editable install)."""
     env = os.environ.get("REALCORE_EXPERIMENTS")
-    path = Path(env) if env else Path(__file__).resolve().parents[2] / "experiments"
+    installed = Path(str(resources.files("realcore") / "experiments"))
+    if env:
+        path = Path(env)
+    elif (installed / "config.yaml").exists():
+        path = installed
+    else:
+        path = Path(__file__).resolve().parents[2] / "experiments"
     if not (path / "config.yaml").exists():
         raise ConfigError(f"experiment configs not found at {path} (set REALCORE_EXPERIMENTS)")
     return path
