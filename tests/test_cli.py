@@ -78,6 +78,17 @@ def test_print_config_prints_the_resolved_configuration(tmp_path):
     assert not os.path.exists(out)
 
 
+def test_print_config_shows_the_graph_a_run_gets_and_stdout_stays_yaml(tmp_path):
+    """At ppo.kl_coef=0 nothing reads the reference log-probs: the printed config has no ref_inf and
+    no ref role (what the run builds), and the launcher's note about it goes to stderr, not into the YAML."""
+    r = launch("--print-config", "experiment=ppo-math", "ppo.kl_coef=0", f"output_dir={tmp_path}/run")
+    assert r.returncode == 0, r.stderr
+    printed = yaml.safe_load(r.stdout)
+    assert "realcore" not in printed and printed["ref"] is None, r.stdout[:300]
+    assert [m["name"] for m in printed["mfcs"]] == ["actor_gen", "actor_train"]
+    assert "ref_inf" in r.stderr
+
+
 def test_print_config_loads_the_users_imports(tmp_path):
     """A reward registered by a module of `imports:` is valid only once that module is imported."""
     (tmp_path / "cli_user_reward.py").write_text(

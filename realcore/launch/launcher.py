@@ -296,9 +296,10 @@ def print_config(argv: list[str]) -> int:
     validated as check_all does (before it looks at the machine, the model or the dataset), as YAML;
     nothing is started or written. rollout.server_token, if set, is shown as <hidden>."""
     try:
-        cfg = load_config(argv)
-        resolve_server_token(cfg)
-        validate(cfg)
+        with contextlib.redirect_stdout(sys.stderr):  # stdout is the YAML alone; validate's notes go to stderr
+            cfg = load_config(argv)
+            resolve_server_token(cfg)
+            validate(cfg)
     except (ConfigError, GraphError) as e:
         print(f"realcore: config error: {e}", file=sys.stderr)
         return 2
@@ -325,7 +326,9 @@ def main(argv: list[str]) -> int:
         # A dry run shows its plan even when the model does not fit the layout; the error follows it.
         layout_errors: list[ConfigError] = []
         try:
-            cfg, dfg, alloc, plan = check_all(argv, dry_run, held, layout_errors.append if dry_run else None)
+            # A dry run's stdout is the plan (or the batch script) alone; what the checks say goes to stderr.
+            with contextlib.redirect_stdout(sys.stderr) if dry_run else contextlib.nullcontext():
+                cfg, dfg, alloc, plan = check_all(argv, dry_run, held, layout_errors.append if dry_run else None)
         except (ConfigError, GraphError) as e:
             print(f"realcore: config error: {e}", file=sys.stderr)
             return 2
