@@ -50,6 +50,9 @@ class MFCSpec:
     head            the head its role must have (policy, value, score); None: any
     optimizer_steps optimizer steps one call makes (int, or fn(cfg, mfc) -> int): sizes the
                     role's LR schedule to the run (total_steps x the largest of its training MFCs)
+    optional_inputs inputs it reads only when something provides them: listed in the experiment and
+                    provided by neither the data source nor an MFC, they are dropped from its inputs
+                    (generate's `question` and `fields`: a user's dataset may have neither)
     """
 
     needs_model: bool = True
@@ -58,6 +61,7 @@ class MFCSpec:
     micro_batches: bool = False
     head: str | None = None
     optimizer_steps: int | Callable[[Any, Any], int] = 1
+    optional_inputs: tuple[str, ...] = ()
 
     def steps_per_call(self, cfg: Any, mfc: Any) -> int:
         n = self.optimizer_steps(cfg, mfc) if callable(self.optimizer_steps) else self.optimizer_steps

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from realcore.api.alloc import parse_allocation_mode
 from realcore.api.config import ExperimentConfig, MFCConfig
-from realcore.api.registry import lookup, mfc_spec, registered
+from realcore.api.registry import lookup, mfc_spec, registered, source_keys
 from realcore.dfg.graph import GraphError
 
 
@@ -39,10 +39,22 @@ def _droppable(m: MFCConfig) -> bool:
     return not (spec.trains or spec.generates)
 
 
+def drop_unprovided_optional_inputs(cfg: ExperimentConfig) -> None:
+    """An MFC's optional inputs (MFCSpec.optional_inputs) that neither the data source nor any MFC
+    provides leave its input list, in place: the graph then asks nobody for them."""
+    provided = set(source_keys(cfg)) | {k for m in cfg.mfcs for k in _outputs(m)}
+    for m in cfg.mfcs:
+        if m.type not in registered("mfc"):
+            continue  # build_graph reports the unknown type
+        optional = set(mfc_spec(m.type).optional_inputs)
+        m.inputs = [k for k in m.inputs if k in provided or m.input_remap.get(k, k) not in optional]
+
+
 def drop_unread_mfcs(cfg: ExperimentConfig) -> list[str]:
     """Prune `cfg` in place (its mfcs, consumers' inputs, `ref` and `roles`); returns one line per
     MFC or role dropped, for the run's first lines. GraphError when a kept MFC needs a role that is
     not declared (e.g. ref=null while the KL term reads the reference's log-probs)."""
+    drop_unprovided_optional_inputs(cfg)
     unread = {m.name: _unread(cfg, m) for m in cfg.mfcs}
     kept, dropped = list(cfg.mfcs), []
     while True:

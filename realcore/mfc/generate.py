@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 
-from realcore.api.data import SequenceSample
+from realcore.api.data import ROW_FIELDS, SequenceSample
 from realcore.api.registry import MFCSpec, register_mfc, workflow_keys
 from realcore.api.workflow import BadTrajectory, EpisodeOutcome, workflow_data
 from realcore.workflows import sandbox
@@ -49,7 +49,7 @@ def length_stats(prompt_lens: list[int], response_lens: list[int]) -> dict[str, 
 class Generate:
     """dataset keys (prompt_ids, answer, ...) -> the workflow's keys named in `outputs`."""
 
-    spec = MFCSpec(generates=True, head="policy")  # samples only: runs on generation servers when the experiment has them
+    spec = MFCSpec(generates=True, head="policy", optional_inputs=("question", ROW_FIELDS))  # samples only: runs on generation servers when the experiment has them
 
     def __init__(self, cfg, mfc):
         self.cfg, self.outputs = cfg, list(mfc.outputs)
