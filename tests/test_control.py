@@ -339,7 +339,8 @@ def test_buffer_readiness_and_balanced_split():
     nodes = [dfg.nodes[n] for n in dfg.order()]
     buf = SampleBuffer(nodes)
     n = cfg.trainer.batch_size
-    buf.add([0] * n, list(range(n)), *sizes({"prompt_ids": [[5]] * n, "answer": [[2]] * n}))
+    source = {"prompt_ids": [[5]] * n, "answer": [[2]] * n, "question": [[3]] * n, "fields": [[4]] * n}
+    buf.add([0] * n, list(range(n)), *sizes(source))  # what the built-in datasets' rows hold
     gen, ref = dfg.nodes["actor_gen"], dfg.nodes["ref_inf"]
     assert buf.ready(ref) is None and buf.ready(gen) == list(range(n))
     buf.start(gen, list(range(n)))
