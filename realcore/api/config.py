@@ -459,6 +459,9 @@ class ExperimentConfig(StrictModel):
     imports: list[str] = Field(
         default_factory=list, description="user modules imported by the launcher and every worker before the graph is "
         "built (they register MFCs, workflows, rewards, datasets)")
+    script: str | None = Field(
+        None, description="a Python file whose RL loop (realcore.Controller) the master process runs in place of "
+        "the graph's own step loop; running the file itself (`python FILE key=value ...`) sets it")
     model: ModelConfig = Field(ModelConfig(), description="the weights every model role starts from")
     dataset: DatasetConfig = Field(DatasetConfig(), description="the training prompts")
     actor: RoleConfig = Field(RoleConfig(trainable=True), description="the policy role (trainable unless set otherwise)")

@@ -281,7 +281,9 @@ def start_processes(cfg: ExperimentConfig, alloc: AllocationMode, config_path: s
             log = os.path.join(logs, name.replace("/", "-") + ".log")
             procs.append(spawn(name, ["--type", kind, "--index", str(i), *common], env={**env, **plan.env(name)},
                                log_path=log))
-    procs.insert(0, spawn("master", ["--type", "master", *common], env={**env, **plan.env("master")}, log_path=None))
+    # A script's master (realcore.Controller) reads the console: a breakpoint in its loop can be used.
+    procs.insert(0, spawn("master", ["--type", "master", *common], env={**env, **plan.env("master")}, log_path=None,
+                          stdin=cfg.script is not None))
     return procs
 
 

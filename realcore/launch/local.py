@@ -32,16 +32,18 @@ class Proc:
         self.started = time.monotonic()
 
 
-def spawn(name: str, args: list[str], *, env: dict, log_path: str | None) -> Proc:
+def spawn(name: str, args: list[str], *, env: dict, log_path: str | None, stdin: bool = False) -> Proc:
     """Start `python -m realcore.launch.run_worker ARGS`; output to log_path (None: inherit)."""
-    return spawn_command(name, [sys.executable, "-m", "realcore.launch.run_worker", *args], env=env, log_path=log_path)
+    return spawn_command(name, [sys.executable, "-m", "realcore.launch.run_worker", *args], env=env, log_path=log_path,
+                         stdin=stdin)
 
 
 def spawn_command(name: str, argv: list[str], *, env: dict, log_path: str | None,
-                  redact: tuple[str, ...] = ()) -> Proc:
+                  redact: tuple[str, ...] = (), stdin: bool = False) -> Proc:
     """Start any command (e.g. an SGLang server) under the same rules as realcore's workers.
     `redact`: strings (the run's token and secret) that must not reach the log: the output then
-    goes through a pipe and `copy_redacted` (SGLang logs its api_key at start-up)."""
+    goes through a pipe and `copy_redacted` (SGLang logs its api_key at start-up). `stdin`: it
+    reads the launcher's (a script's master: a breakpoint's debugger); else none."""
 
     def start() -> subprocess.Popen:
         out = open_log(log_path) if log_path else None
@@ -50,7 +52,7 @@ def spawn_command(name: str, argv: list[str], *, env: dict, log_path: str | None
             popen = subprocess.Popen(
                 argv,
                 env=env, stdout=subprocess.PIPE if piped else out, stderr=subprocess.STDOUT if out else None,
-                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent,
+                stdin=None if stdin else subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent,
             )
         except BaseException:
             if out:

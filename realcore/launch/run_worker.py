@@ -15,11 +15,13 @@ from realcore.api.alloc import parse_allocation_mode
 from realcore.api.config import ExperimentConfig
 from realcore.backends.clients.registry import capabilities
 from realcore.backends.server_launch import server_token
+from realcore.launch.controller import run_script
 from realcore.launch.engine_server import serve_engine
 from realcore.launch.plugins import load_plugins
 from realcore.launch.process import PREEMPTED_EXIT, node_address, run_and_exit, setup_worker_process, start_heartbeat
 from realcore.rollout.gserver_manager import GServerManager
-from realcore.trainer.master import Master, Preempted, write_curves
+from realcore.plot import plot_run
+from realcore.trainer.master import Master, Preempted
 from realcore.transport import addresses, wire
 from realcore.transport.name_resolve import make_name_resolver, use_secret
 from realcore.transport.wire import load_secret
@@ -64,6 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     # loopback port): rollout.server_token, or one derived from the run's secret, which every process
     # of the run (the launcher included, for SGLang/vLLM) and nobody else can read.
     cfg.rollout.server_token = server_token(secret, cfg.rollout.server_token)
+    if args.type == "master" and cfg.script is not None:  # the loop of a user's file (realcore.Controller)
+        rc = run_script(cfg, secret, args.world)
+        if rc == 0:
+            write_curves(cfg.output_dir)
+        return rc
     if args.type == "master":
         master = Master(cfg, secret, args.world)
         try:
@@ -111,6 +118,15 @@ def run(args, cfg: ExperimentConfig, secret: bytes) -> int:
 
         asyncio.run(RolloutWorker(cfg, args.index, secret).main())
     return 0
+
+
+def write_curves(output_dir: str) -> None:
+    """A picture of the finished run (realcore.plot); never worth failing a finished run over.
+    main() draws it after shutdown(): the workers end while it draws (~1 s)."""
+    try:
+        plot_run(output_dir)
+    except Exception as e:
+        logging.warning("curves.png not written: %s: %s", type(e).__name__, e)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import shutil
 from collections import Counter
@@ -29,6 +30,10 @@ NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,127}")
 def validate(cfg: ExperimentConfig) -> tuple[DataFlowGraph, AllocationMode]:
     """What the config alone tells (after loading `imports`); check_inputs reads the model and dataset."""
     check_names(cfg)
+    if cfg.script is not None and not os.path.isfile(cfg.script):
+        raise ConfigError(f"script: {cfg.script} is not a file")
+    if cfg.script is not None:  # the master may start in another folder (a Slurm step, a Ray task)
+        cfg.script = os.path.abspath(cfg.script)
     if cfg.logging.wandb.project is not None and importlib.util.find_spec("wandb") is None:
         raise ConfigError("logging.wandb.project is set but the wandb package is not installed: pip install wandb")
     import_user_modules(cfg)

@@ -217,3 +217,19 @@ def split_balanced(ids: list[int], costs: list[int], n_parts: int) -> list[list[
         if count + 1 < cap:
             heapq.heappush(heap, (load + costs[i], count + 1, p))
     return parts
+
+
+def take(col: list, spans: list[tuple[int, int]]) -> list:
+    """The entries of `col` in the index ranges `spans` (one slice when there is one range)."""
+    return col[spans[0][0]:spans[0][1]] if len(spans) == 1 else [x for a, b in spans for x in col[a:b]]
+
+
+def spans_of(starts: list[int], ds: list[int]) -> list[tuple[int, int]]:
+    """Index ranges [starts[d], starts[d + 1]) of replicas `ds`, adjacent ones merged."""
+    spans: list[tuple[int, int]] = []
+    for d in ds:
+        if spans and spans[-1][1] == starts[d]:
+            spans[-1] = (spans[-1][0], starts[d + 1])
+        else:
+            spans.append((starts[d], starts[d + 1]))
+    return spans

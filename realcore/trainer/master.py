@@ -27,13 +27,12 @@ from realcore.api.alloc import Mesh, parse_allocation_mode
 from realcore.api.config import ExperimentConfig
 from realcore.api.registry import mfc_spec
 from realcore.dfg.graph import DataFlowGraph, MFCNode, build_graph
-from realcore.plot import plot_run
 from realcore.transport import addresses, drops, keys, wire
 from realcore.trainer import recover
 from realcore.api.registry import source_keys
-from realcore.trainer.batch_source import DatasetSource, Group, SourcePorts, StreamSource
+from realcore.trainer.batch_source import DatasetSource, Group, SourcePorts, StreamSource, ledger_rows
 from realcore.trainer.consistency import drift_warnings
-from realcore.trainer.buffer import SampleBuffer, split_balanced
+from realcore.trainer.buffer import SampleBuffer, spans_of, split_balanced, take
 from realcore.transport.columns import merged_stats
 from realcore.transport.pool import Columns, Gathered, WorkerPool
 from realcore.transport.relay_tree import relay_groups, relay_tops, replica_groups
@@ -65,22 +64,6 @@ def merge_stats(replies: list, into: dict) -> None:
     """Counts (int stats) are summed over workers; means are averaged, weighted by how many
     sequences each worker processed (columns.merged_stats; a relay's reply is merged already)."""
     into.update(merged_stats([(r.stats, r.n) for r in replies]))
-
-
-def take(col: list, spans: list[tuple[int, int]]) -> list:
-    """The entries of `col` in the index ranges `spans` (one slice when there is one range)."""
-    return col[spans[0][0]:spans[0][1]] if len(spans) == 1 else [x for a, b in spans for x in col[a:b]]
-
-
-def spans_of(starts: list[int], ds: list[int]) -> list[tuple[int, int]]:
-    """Index ranges [starts[d], starts[d + 1]) of replicas `ds`, adjacent ones merged."""
-    spans: list[tuple[int, int]] = []
-    for d in ds:
-        if spans and spans[-1][1] == starts[d]:
-            spans[-1] = (spans[-1][0], starts[d + 1])
-        else:
-            spans.append((starts[d], starts[d + 1]))
-    return spans
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +124,7 @@ class Master:
         self.drop_tally = drops.Tally()
         self.drop_totals: collections.Counter[str] = collections.Counter()  # "process/socket/reason" -> drops this attempt
         self.version = 0
+        self.published = 0  # the version the generation servers hold
         self.step = 0
         manager, gen = (self.call_manager if self.async_mode else None), self.alloc.gen  # the ports hold these, not the master
         self.weights = None if gen is None else make_weight_sync(cfg.rollout.weight_update, WeightPorts(
@@ -266,12 +250,13 @@ class Master:
             made |= set(b.outputs)
         return out
 
-    def dispatch(self, node: MFCNode, ids: list[int], busy) -> tuple[list[MFCNode], dict[str, Reply]]:
-        """Send `node` on `ids` (and the MFCs chained to it) to its workers: (chained MFCs, replies)."""
+    def dispatch(self, node: MFCNode, ids: list[int], busy, chain: bool = True) -> tuple[list[MFCNode], dict[str, Reply]]:
+        """Send `node` on `ids` (and, `chain`, the MFCs chained to it) to its workers: (chained
+        MFCs, replies)."""
         view = self.mesh_of(node)
         costs = self.buffer.costs(ids, node.inputs)
         parts = split_balanced(ids, costs, view.mesh.dims.dp)
-        chained = self.chain(node, ids, parts, busy, costs)
+        chained = self.chain(node, ids, parts, busy, costs) if chain else []
         for n in (node, *chained):
             self.buffer.start(n, ids)
         # Who holds each input, for every id at once (in part order), then cut per part: what the
@@ -340,31 +325,39 @@ class Master:
                 raise error
             nodes, ids, futs, t0 = running.pop(name)
             del meshes_busy[name]
-            wall = time.perf_counter() - t0
-            got = [r if isinstance(r, Gathered) else Gathered([w], [len(r.ids)], r)
-                   for w, r in wait_all(futs, 0, f"MFC {name}").items()
-                   if isinstance(r, Gathered) or self.index_of[w] in self.head_set]  # the rest of a replica echoes its head
-            for g in got:
-                if len(g.reply.then) != len(nodes) - 1:
-                    raise RemoteError(f"{g.workers[0]}: MFC {name} answered {len(g.reply.then)} chained MFCs of {len(nodes) - 1}")
-            owners = [g.owners(self.index_of) for g in got]
-            per_node = [[g.reply for g in got]] + [[g.reply.then[k] for g in got] for k in range(len(nodes) - 1)]
-            # A chain's wall time is shared out by the slowest worker's own time in each MFC.
-            slowest = [max((r.seconds for r in rs), default=0.0) for rs in per_node]
-            total = sum(slowest)
-            began = t0 - step_t0
-            for node, rs, s in zip(nodes, per_node, slowest):
-                self.buffer.add_many([(own, r.ids, r.tokens, r.seqs) for own, r in zip(owners, rs)])
-                self.buffer.finish(node, ids)
-                merge_stats(rs, metrics)
-                share = wall * s / total if total > 0 else wall / len(nodes)
-                metrics[f"time/{node.name}_s"] = metrics.get(f"time/{node.name}_s", 0.0) + share
-                # When it ran, in seconds since the step's MFCs began (which ran at the same time).
-                metrics.setdefault(f"timeline/{node.name}_start_s", began)
-                metrics[f"timeline/{node.name}_end_s"] = began = began + share
-                busy.discard(node.name)
-                if node.trains and node.model == self.policy:  # a critic's training is no new policy
-                    self.version += 1
+            self.collect(nodes, ids, futs, t0, step_t0, metrics)
+            busy.difference_update(n.name for n in nodes)
+
+    def collect(self, nodes: list[MFCNode], ids: list[int], futs: dict[str, Reply], sent: float, step_t0: float,
+                metrics: dict) -> None:
+        """Take in the replies (all arrived) of `nodes`, sent as one request on `ids` at `sent`
+        (perf_counter; the step's MFCs began at `step_t0`): what each stored where, its stats into
+        `metrics`, its time (time/NAME_s) and when it ran (timeline/NAME_*)."""
+        name = nodes[0].name
+        wall = time.perf_counter() - sent
+        began = sent - step_t0
+        got = [r if isinstance(r, Gathered) else Gathered([w], [len(r.ids)], r)
+               for w, r in wait_all(futs, 0, f"MFC {name}").items()
+               if isinstance(r, Gathered) or self.index_of[w] in self.head_set]  # the rest of a replica echoes its head
+        for g in got:
+            if len(g.reply.then) != len(nodes) - 1:
+                raise RemoteError(f"{g.workers[0]}: MFC {name} answered {len(g.reply.then)} chained MFCs of {len(nodes) - 1}")
+        owners = [g.owners(self.index_of) for g in got]
+        per_node = [[g.reply for g in got]] + [[g.reply.then[k] for g in got] for k in range(len(nodes) - 1)]
+        # A chain's wall time is shared out by the slowest worker's own time in each MFC.
+        slowest = [max((r.seconds for r in rs), default=0.0) for rs in per_node]
+        total = sum(slowest)
+        for node, rs, s in zip(nodes, per_node, slowest):
+            self.buffer.add_many([(own, r.ids, r.tokens, r.seqs) for own, r in zip(owners, rs)])
+            self.buffer.finish(node, ids)
+            merge_stats(rs, metrics)
+            share = wall * s / total if total > 0 else wall / len(nodes)
+            metrics[f"time/{node.name}_s"] = metrics.get(f"time/{node.name}_s", 0.0) + share
+            # When it ran, in seconds since the step's MFCs began (which ran at the same time).
+            metrics.setdefault(f"timeline/{node.name}_start_s", began)
+            metrics[f"timeline/{node.name}_end_s"] = began = began + share
+            if node.trains and node.model == self.policy:  # a critic's training is no new policy
+                self.version += 1
 
     def log_drops(self, metrics: dict) -> None:
         """Messages dropped since this run (attempt) started, as dropped/<process>/<socket>/<reason>
@@ -381,27 +374,18 @@ class Master:
                 self.drop_totals[f"{process}/{k}"] += n
         metrics.update({f"dropped/{k}": n for k, n in self.drop_totals.items()})
 
-    def release(self, now: bool = False) -> None:
-        """Forget the samples every MFC has run on. Each worker drops only what it holds (a Clear of
-        every id to every worker was O(workers x batch) bytes per step), with its next Fetch or
-        RunMFC (every head gets one each step): a round trip per worker per step saved. `now`: with
-        a Clear each, waited for (the run's last step, or before stopping)."""
-        ids = self.buffer.completed()
+    def release(self, now: bool = False, ids: list[int] | None = None) -> None:
+        """Forget the samples every MFC has run on (or `ids`). Each worker drops only what it holds
+        (a Clear of every id to every worker was O(workers x batch) bytes per step), with its next
+        Fetch or RunMFC (every head gets one each step): a round trip per worker per step saved.
+        `now`: with a Clear each, waited for (the run's last step, or before stopping)."""
+        ids = self.buffer.completed() if ids is None else ids
         for w, mine in self.buffer.holders(ids).items():
             self.to_clear.setdefault(w, []).extend(mine)
         self.buffer.release(ids)
         if now and self.to_clear:
             held, self.to_clear = self.to_clear, {}
             self.wait(self.pool.request_many({self.names[w]: Clear(mine) for w, mine in held.items()}), "release")
-
-    def ledger_rows(self, groups: list[Group], trained_version: int) -> list[tuple[str, int, list[int], list[int]]]:
-        rows = []
-        for g in groups:
-            n = self.buffer.sequences(g.sid, "input_ids") or 1
-            starts = g.version_start if g.version_start is not None else [trained_version] * n
-            ends = g.version_end if g.version_end is not None else [trained_version] * n
-            rows.append((g.uid, n, starts, ends))
-        return rows
 
     def save(self, step: int) -> None:
         path = os.path.join(self.cfg.output_dir, "checkpoints", f"step_{step}")
@@ -473,7 +457,9 @@ class Master:
             log.info("dataset: %d rows, %d usable, skipped %s", sum(r.n_rows for r in replies.values()),
                      sum(r.n_samples for r in replies.values()), skipped or "none")
 
-    def run(self) -> None:
+    def begin(self) -> tuple[MetricsWriter, Ledger]:
+        """Everything before the first step: signals, resuming from a recover checkpoint, the
+        workers' configuration, the run's records, the base policy's evaluation, generation."""
         cfg = self.cfg
         # Preemption (the launcher got SIGTERM): checkpoint at the end of this step. SIGTERM itself
         # still means "stop now", as for every worker.
@@ -481,8 +467,7 @@ class Master:
         on_term = signal.getsignal(signal.SIGTERM)
         if callable(on_term):  # run_worker's exit_on_sigterm; SIG_IGN under a Slurm task runner stays
             signal.signal(signal.SIGTERM, lambda signum, frame: self._on_term(on_term, signum, frame))
-        resumed = self.resume_from()
-        path = None
+        resumed, path = self.resume_from(), None
         if resumed is not None:
             state, path = resumed
             self.step, self.version, self.source.next_id = state.step, state.version, state.next_id
@@ -491,14 +476,23 @@ class Master:
         writer = MetricsWriter(cfg.output_dir, cfg.trainer.total_steps, resume_step=self.step,
                                wandb_init=wandb_init_kwargs(cfg))
         ledger = Ledger(cfg.output_dir, resume_step=self.step)
-        if resumed is not None:
-            self.source.load_state(resumed[0].source, ledger)
         try:
+            if resumed is not None:
+                self.source.load_state(resumed[0].source, ledger)
             if cfg.eval.freq_steps and self.step == 0:  # the base policy, before anything trains
                 t0 = time.perf_counter()
                 metrics = {"step": 0, "version": 0, **self.evaluate()}
                 writer.write({**metrics, "time/step_s": time.perf_counter() - t0})
             self.start_generation(path)
+        except BaseException:
+            writer.close()
+            ledger.close()
+            raise
+        return writer, ledger
+
+    def run(self) -> None:
+        writer, ledger = self.begin()
+        try:
             self.loop(writer, ledger)
         finally:
             writer.close()
@@ -510,6 +504,7 @@ class Master:
         the manager admit rollouts, from the checkpoint's admission state if resuming."""
         if self.weights is not None and self.version > 0:
             self.weights.publish(self.version)
+        self.published = self.version
         if self.async_mode:
             state = ManagerState()
             if path is not None:
@@ -518,45 +513,64 @@ class Master:
             self.call_manager(Restore(state, getattr(self.weights, "path", None)), "restore")
 
     def loop(self, writer: MetricsWriter, ledger: Ledger) -> None:
-        cfg = self.cfg
-        for step in range(self.step + 1, cfg.trainer.total_steps + 1):
+        for step in range(self.step + 1, self.cfg.trainer.total_steps + 1):
             t0 = time.perf_counter()
             metrics: dict = {"step": step}
             groups = self.source.fetch(metrics)
             version = self.version
             self.run_step(step, metrics, writer)
-            drift = drift_warnings(metrics, cfg)
-            if drift:  # one line per step, naming each figure past its threshold
-                log.warning("step %d: %s", step, "; ".join(drift))
-            ledger.write(step, version, self.ledger_rows(groups, version))
-            self.release(now=step == cfg.trainer.total_steps or self.preempt_requested)
-            if self.weights is not None and self.version != version:
-                t1 = time.perf_counter()
-                reply = self.weights.publish(self.version)
-                metrics["time/weight_update_s"] = time.perf_counter() - t1
-                for k, total in getattr(reply, "counters", {}).items():  # this step's share of the totals
-                    share, self.counters[k] = total - self.counters.get(k, 0), total
-                    if k.startswith("dropped/"):  # a rollout worker's drops: logged as totals
-                        self.drop_totals[k.removeprefix("dropped/")] += share
-                    else:
-                        metrics[k] = share
-            if cfg.eval.freq_steps and (step % cfg.eval.freq_steps == 0 or step == cfg.trainer.total_steps):
+            self.publish(metrics)
+            if self.eval_due(step):
                 metrics.update(self.evaluate())
-            self.log_drops(metrics)
-            metrics["version"] = self.version
-            metrics["time/step_s"] = time.perf_counter() - t0
-            self.add_throughput(metrics)
-            writer.write(metrics)
-            self.step = step
-            freq = cfg.trainer.save_freq_steps
-            last = step == cfg.trainer.total_steps
-            if last or (freq and step % freq == 0):
-                self.save(step)
-            rfreq = cfg.trainer.recover_freq_steps
-            if self.preempt_requested or (rfreq and step % rfreq == 0) or (last and self.recover_on()):
-                self.save_recover(step)
-            if self.preempt_requested and not last:
-                raise Preempted(f"preempted after step {step}")
+            self.end_step(step, metrics, groups, version, t0, writer, ledger)
+
+    def eval_due(self, step: int) -> bool:
+        freq = self.cfg.eval.freq_steps
+        return bool(freq) and (step % freq == 0 or step == self.cfg.trainer.total_steps)
+
+    def publish(self, metrics: dict) -> None:
+        """The generation servers get the current policy, if they have not got it yet (none when
+        generation is colocated): its time and the rollout side's counters into `metrics`."""
+        if self.weights is None or self.version == self.published:
+            return
+        t1 = time.perf_counter()
+        reply = self.weights.publish(self.version)
+        self.published = self.version
+        metrics["time/weight_update_s"] = metrics.get("time/weight_update_s", 0.0) + time.perf_counter() - t1
+        for k, total in getattr(reply, "counters", {}).items():  # this step's share of the totals
+            share, self.counters[k] = total - self.counters.get(k, 0), total
+            if k.startswith("dropped/"):  # a rollout worker's drops: logged as totals
+                self.drop_totals[k.removeprefix("dropped/")] += share
+            else:
+                metrics[k] = metrics.get(k, 0) + share
+
+    def end_step(self, step: int, metrics: dict, groups: list[Group], version: int, t0: float, writer: MetricsWriter,
+                 ledger: Ledger, ids: list[int] | None = None, last: bool | None = None, save: bool = True) -> None:
+        """After the step's MFCs: the ledger's rows of the `groups` trained (taken at policy
+        `version`), the samples released (`ids`; None: those every MFC ran on), the metrics row,
+        the checkpoints the config asks for at this step (`save`: the HF one too; `last`: as at
+        the run's last step, None: whether it is); Preempted after a preemption's."""
+        cfg = self.cfg
+        last = step == cfg.trainer.total_steps if last is None else last
+        drift = drift_warnings(metrics, cfg)
+        if drift:  # one line per step, naming each figure past its threshold
+            log.warning("step %d: %s", step, "; ".join(drift))
+        ledger.write(step, version, ledger_rows(groups, self.buffer, version))
+        self.release(now=last or self.preempt_requested, ids=ids)
+        self.log_drops(metrics)
+        metrics["version"] = self.version
+        metrics["time/step_s"] = time.perf_counter() - t0
+        self.add_throughput(metrics)
+        writer.write(metrics)
+        self.step = step
+        freq = cfg.trainer.save_freq_steps
+        if save and (last or (freq and step % freq == 0)):
+            self.save(step)
+        rfreq = cfg.trainer.recover_freq_steps
+        if self.preempt_requested or (rfreq and step % rfreq == 0) or (last and self.recover_on()):
+            self.save_recover(step)
+        if self.preempt_requested and not last:
+            raise Preempted(f"preempted after step {step}")
 
     def add_throughput(self, metrics: dict) -> None:
         """Tokens per second of generation and of the policy's training this step."""
@@ -584,12 +598,3 @@ class Master:
         except Exception as e:  # workers may already be gone; the launcher kills leftovers
             log.warning("shutdown: %s", e)
         self.pool.close()
-
-
-def write_curves(output_dir: str) -> None:
-    """A picture of the finished run (realcore.plot); never worth failing a finished run over.
-    run_worker draws it after shutdown(): the workers end while it draws (~1 s)."""
-    try:
-        plot_run(output_dir)
-    except Exception as e:
-        log.warning("curves.png not written: %s: %s", type(e).__name__, e)
