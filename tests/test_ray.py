@@ -50,6 +50,19 @@ def test_ppo_math_on_3_ray_nodes(cluster, tmp_path):
     assert os.path.exists(os.path.join(out, "checkpoints", "step_2", "model.safetensors"))
 
 
+@pytest.mark.timeout(400)
+def test_a_script_loop_is_the_runs_master(cluster, tmp_path):
+    """examples/grpo_loop.py under scheduler=ray: the master's task runs the script."""
+    out = str(tmp_path / "run")
+    cmd = [sys.executable, "examples/grpo_loop.py", "model=tiny", "scheduler=ray", f"ray.address={cluster.address}",
+           "trainer.total_steps=2", "trainer.batch_size=4", "generation.n_samples=2", f"output_dir={out}",
+           f"model.cache_dir={tmp_path}/cache"]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=360)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "step 2: reward" in r.stdout  # the script's own print, from the master's task
+    assert [json.loads(x)["version"] for x in open(os.path.join(out, "metrics.jsonl"))] == [1, 2]
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:

@@ -201,6 +201,20 @@ def test_async_ppo_math_across_4_nodes(slurm, tmp_path, cache):
 
 
 @pytest.mark.timeout(400)
+def test_a_script_loop_is_the_jobs_master(slurm, tmp_path, cache):
+    """examples/async_grpo_loop.py under scheduler=slurm: the job's master step runs the script."""
+    out = str(tmp_path / "run")
+    cmd = [sys.executable, "examples/async_grpo_loop.py", *RUN, f"output_dir={out}", f"model.cache_dir={cache}",
+           "trainer.total_steps=3"]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=360)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "submitted Slurm job" in r.stdout and "step 3: reward" in r.stdout  # the script's own print
+    assert len(open(f"{out}/metrics.jsonl").read().splitlines()) == 3
+    assert squeue() == ""
+    assert open(f"{out}/slurm/status").read().strip() == "done"
+
+
+@pytest.mark.timeout(400)
 def test_killed_worker_cancels_the_job_and_is_named(slurm, tmp_path, cache):
     out = str(tmp_path / "run")
     proc = subprocess.Popen(launch_cmd(out, "trainer.total_steps=1000", cache=cache), cwd=REPO,
