@@ -102,3 +102,26 @@ def test_the_dry_run_of_an_8_gpu_node_prints_the_plan_gpus_md_shows(tmp_path):
     assert all(line in r.stdout.splitlines() for line in plan), r.stdout
     assert "realcore: dry run: nothing was started" in r.stdout
     assert not out.exists()  # a dry run writes nothing
+
+
+def script_runs() -> list[tuple[str, str]]:
+    """(page, command) for every `python examples/FILE.py key=value ...` shown (a realcore.Controller loop)."""
+    found = []
+    for page in PAGES:
+        for m in re.finditer(r"python (examples/\w+\.py)((?: [\w.\[\]=,\-]+)*)", open(os.path.join(REPO, page)).read()):
+            found.append((page, m.group(0)))
+    return sorted(set(found))
+
+
+def test_each_script_shown_exists_and_its_overrides_compose():
+    from realcore.launch.config_loader import load_config
+
+    runs = script_runs()
+    assert {c.split()[1] for _, c in runs} >= {"examples/grpo_loop.py", "examples/async_grpo_loop.py"}, runs
+    for page, command in runs:
+        path = os.path.join(REPO, command.split()[1])
+        assert os.path.isfile(path), (page, command)
+        default = re.search(r'Controller\(experiment="([\w-]+)"\)', open(path).read())
+        assert default, f"{path}: Controller(experiment=...) not found"
+        cfg = load_config([f"experiment={default.group(1)}", *command.split()[2:]])
+        assert cfg.experiment_name == default.group(1), (page, command)
