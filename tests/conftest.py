@@ -17,7 +17,7 @@ torch.set_num_threads(1)
 # Fast unit tests first, then the multi-process end-to-end runs (CI's order: a broken unit shows
 # in minutes, not after half an hour of end-to-end runs).
 END_TO_END = ("test_e2e_", "test_bad_input", "test_fuzz", "test_recovery", "test_slurm", "test_ray", "test_megatron_engine", "test_megatron_recover",
-              "test_bench_", "test_user_extension", "test_wandb_logging")
+              "test_bench_", "test_user_extension", "test_wandb_logging", "test_controller")
 
 
 def pytest_configure(config):
