@@ -164,8 +164,8 @@ for step in ctl.steps():
     if step == 2:
         print("stopping at a breakpoint", flush=True)
         breakpoint()
-    ctl.call("ref_inf", batch)
-    ctl.call("actor_train", batch)
+    ctl.mfc.ref_inf(batch)
+    ctl.mfc.actor_train(batch)
 '''
 
 

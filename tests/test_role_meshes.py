@@ -120,4 +120,5 @@ def test_concurrency_bench_quick_prints_its_table():
     assert {"ref_inf alone", "ref2_inf alone", "ref3_inf alone", "sum of the three", "longest of the three",
             "step, colocated", "step, three meshes"} <= set(rows), r.stdout
     assert any(k.startswith("inference span, three meshes") for k in rows), r.stdout
-    assert all(float(v) > 0 for v in rows.values()), rows
+    # Seconds to 3 decimals: the quick run's tiny-model MFC can take under 0.5 ms and print 0.000 (CI, 2026-11-30).
+    assert all(float(v) >= 0 for v in rows.values()), rows

@@ -13,8 +13,10 @@ make the same calls on the workers as the graph's loop: the same numbers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
+import types
 from collections.abc import Iterator
 
 from realcore.api.registry import mfc_spec
@@ -66,6 +68,8 @@ class ScriptLoop:
         self.master = master
         self.cfg = master.cfg
         self.nodes = {n.name: n for n in master.nodes}
+        # The graph's MFCs as callables: ctl.mfc.actor_train(batch) is ctl.call("actor_train", batch).
+        self.mfc = types.SimpleNamespace(**{name: functools.partial(self.call, name) for name in self.nodes})
         self._cur: _Step | None = None
         self._records = None  # (MetricsWriter, Ledger) once steps() began
 
