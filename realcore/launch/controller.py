@@ -65,9 +65,9 @@ def launch(experiment: str | None, argv: list[str]) -> int:
         return 2
     if experiment is not None and not any(a.startswith("experiment=") for a in argv):
         argv = [f"experiment={experiment}", *argv]
-    flags = [a for a in argv if a.startswith("-")]
-    return main([*argv, f"script={os.path.abspath(sys.argv[0])}"] if "--help" not in flags and "-h" not in flags
-                else argv)
+    if "--help" in argv or "-h" in argv:  # the keys' help: no run, no script
+        return main(argv)
+    return main([*argv, f"script={os.path.abspath(sys.argv[0])}"])
 
 
 def run_script(cfg: ExperimentConfig, secret: bytes, world: int) -> int:

@@ -329,10 +329,10 @@ class Master:
             busy.difference_update(n.name for n in nodes)
 
     def collect(self, nodes: list[MFCNode], ids: list[int], futs: dict[str, Reply], sent: float, step_t0: float,
-                metrics: dict) -> None:
+                metrics: dict, stats: dict | None = None) -> None:
         """Take in the replies (all arrived) of `nodes`, sent as one request on `ids` at `sent`
         (perf_counter; the step's MFCs began at `step_t0`): what each stored where, its stats into
-        `metrics`, its time (time/NAME_s) and when it ran (timeline/NAME_*)."""
+        `stats` (None: `metrics`), its time (time/NAME_s) and when it ran (timeline/NAME_*) into `metrics`."""
         name = nodes[0].name
         wall = time.perf_counter() - sent
         began = sent - step_t0
@@ -350,7 +350,7 @@ class Master:
         for node, rs, s in zip(nodes, per_node, slowest):
             self.buffer.add_many([(own, r.ids, r.tokens, r.seqs) for own, r in zip(owners, rs)])
             self.buffer.finish(node, ids)
-            merge_stats(rs, metrics)
+            merge_stats(rs, metrics if stats is None else stats)
             share = wall * s / total if total > 0 else wall / len(nodes)
             metrics[f"time/{node.name}_s"] = metrics.get(f"time/{node.name}_s", 0.0) + share
             # When it ran, in seconds since the step's MFCs began (which ran at the same time).

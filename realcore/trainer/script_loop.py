@@ -135,9 +135,8 @@ class ScriptLoop:
         m.publish(metrics)  # the servers must follow the policy (the staleness bound counts on it)
         if not cur.evaluated and m.eval_due(cur.step):
             metrics.update(m.evaluate())
-        last = cur.last or cur.step == self.cfg.trainer.total_steps
         m.end_step(cur.step, metrics, [g for b in kept for g in b.groups], cur.version, cur.t0, *self._records,
-                   ids=[i for b in kept for i in b.ids], last=last, save=not cur.saved)
+                   ids=[i for b in kept for i in b.ids], last=cur.last or None, save=not cur.saved)
 
     # --- the verbs ----------------------------------------------------------------------------
 
@@ -186,15 +185,7 @@ class ScriptLoop:
         sent = time.perf_counter()
         _, futs = m.dispatch(node, ids, set(), chain=False)
         wait_all(futs, self.cfg.system.request_timeout_s, f"MFC {node.name}")
-        got: dict = {}
-        m.collect([node], ids, futs, sent, cur.t0, got)
-        for k, v in got.items():  # its stats to the batch; its time to the step (added up over calls)
-            if k.startswith("time/"):
-                cur.metrics[k] = cur.metrics.get(k, 0.0) + v
-            elif k.startswith("timeline/"):  # first start, last end
-                cur.metrics[k] = cur.metrics.get(k, v) if k.endswith("_start_s") else v
-            else:
-                stats[k] = v
+        m.collect([node], ids, futs, sent, cur.t0, cur.metrics, stats)  # its time to the step, its stats to the batch
 
     def update_weights(self) -> None:
         """Publish the current policy to the generation servers (nothing when generation is
